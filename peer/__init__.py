@@ -1,0 +1,1 @@
+"""The running Phalanx process: CLI, configuration, trainer loop, tasks, checkpoints."""

@@ -1,0 +1,1 @@
+"""How peers coordinate: membership, matchmaking, rounds, butterfly all-reduce, wire messages."""

@@ -1,0 +1,1 @@
+"""Identities, signatures, commitments, verification, bans and input limits (no networking)."""
