@@ -1,0 +1,20 @@
+"""Training tasks: model + data + loss + evaluation, resolved by name or `package.module:factory`.
+
+`resolve_task(spec, **options)` is the entry point; `TASKS` holds the built-ins
+(`digits-mlp`, the default; `mnist-cnn`; `cifar10-resnet18`).
+"""
+
+from peer.tasks.base import Task, batch_generator, compute_gradient, flat_params, set_flat_params
+from peer.tasks.registry import DEFAULT_TASK, TASKS, register_task, resolve_task
+
+__all__ = [
+    "DEFAULT_TASK",
+    "TASKS",
+    "Task",
+    "batch_generator",
+    "compute_gradient",
+    "flat_params",
+    "register_task",
+    "resolve_task",
+    "set_flat_params",
+]
