@@ -7,11 +7,14 @@ tracebacks appear only with --debug.
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 from typing import Optional
 
 import typer
 
 from aggregation.errors import ConfigError, PhalanxError
+from peer.cli_options import settings_command
+from peer.config import NetworkSettings, PeerConfig
 from peer.logs import configure_logging
 
 app = typer.Typer(
@@ -41,6 +44,78 @@ def _root(
         configure_logging(log_format, debug=debug)
     except ValueError as e:
         raise typer.BadParameter(str(e), param_hint="--log-format") from None
+
+
+@app.command("bootstrap")
+@settings_command(NetworkSettings, exclude=("direct", "direct_port", "run_id"))
+def bootstrap(settings: NetworkSettings) -> None:
+    """Start a DHT-only peer that others join through; prints the exact --initial-peers line to use.
+
+    [bold]Examples[/bold]
+
+      phalanx bootstrap --identity-path bootstrap.id --port 31337
+
+      phalanx bootstrap --identity-path bootstrap.id --port 31337 --public-ip 203.0.113.7
+    """
+    from peer.bootstrap import run_bootstrap
+
+    run_bootstrap(settings)
+
+
+@app.command("join")
+@settings_command(PeerConfig)
+def join(settings: PeerConfig) -> None:
+    """Join a swarm as a trainer: DHT, round engine and training loop. Stops on --steps,
+    --target-accuracy or Ctrl-C (writing a final checkpoint when --checkpoint-dir is set).
+
+    [bold]Examples[/bold]
+
+      phalanx join --initial-peers /ip4/203.0.113.7/tcp/31337/p2p/12D3KooW... --task digits-mlp
+
+      phalanx join --initial-peers ... --aggregator centered_clip --tau 1 --device cuda
+
+      phalanx join --initial-peers ... --checkpoint-dir ckpt --resume
+
+      PHALANX_INITIAL_PEERS=/ip4/... phalanx join --config peer.toml
+    """
+    from peer.trainer import run_trainer
+
+    report = run_trainer(settings)
+    if settings.target_accuracy is not None and not report.reached_target:
+        raise typer.Exit(3)
+
+
+@app.command(
+    "swarm",
+    context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
+)
+def swarm(
+    ctx: typer.Context,
+    peers: int = typer.Option(4, "--peers", min=1, help="Trainer processes to start."),
+    task: str = typer.Option("digits-mlp", "--task", help="Task every trainer trains."),
+    steps: int = typer.Option(2000, "--steps", min=1, help="Step budget per trainer."),
+    target_accuracy: float = typer.Option(0.95, "--target-accuracy", min=0.0, max=1.0, help="Stop when a trainer's test accuracy reaches this; exit 0 only if it did."),
+    workdir: Optional[Path] = typer.Option(None, "--workdir", help="Keep logs, identities and checkpoints here (default: a temporary folder, removed at exit)."),
+) -> None:
+    """Start a whole swarm on this machine (a bootstrap peer and N trainers on loopback), show live
+    progress, stop at the target accuracy or the step budget and print a report.
+
+    Any other option is passed to every `phalanx join` (e.g. --aggregator centered_clip --tau 1).
+
+    [bold]Examples[/bold]
+
+      phalanx swarm --peers 4
+
+      phalanx swarm --peers 3 --aggregator centered_clip --tau 1 --compression fp16
+
+      phalanx swarm --peers 2 --task mnist-cnn --data-dir ~/data/mnist --target-accuracy 0.98
+    """
+    from peer.swarm import run_swarm
+
+    join_args = ["--task", task, "--steps", str(steps), "--target-accuracy", str(target_accuracy), *ctx.args]
+    result = run_swarm(peers, join_args, target_accuracy=target_accuracy, workdir=workdir)
+    if not result.reached_target:
+        raise typer.Exit(1)
 
 
 @bench_app.command("aggregate")

@@ -1,0 +1,93 @@
+"""Turn a settings model's fields into typer options, so flags, env vars and the config file
+share one definition (name, type, default, help) and cannot drift apart."""
+
+from __future__ import annotations
+
+import inspect
+import types
+import typing
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import typer
+from pydantic.fields import FieldInfo
+
+from peer.config import NetworkSettings, load_settings
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _option_type(annotation: Any) -> tuple[Any, bool]:
+    """(typer-friendly type, is_bool) for a pydantic field annotation."""
+    origin = typing.get_origin(annotation)
+    args = [a for a in typing.get_args(annotation) if a is not type(None)]
+    if origin in (typing.Union, types.UnionType) and len(args) == 1:
+        return _option_type(args[0])
+    if origin is typing.Annotated:
+        return _option_type(args[0])
+    if origin is list:
+        return list[str], False
+    if origin is typing.Literal:
+        return str, False
+    if annotation is bool:
+        return bool, True
+    if annotation in (int, float, str, Path):
+        return annotation, False
+    return str, False
+
+
+def _help(name: str, info: FieldInfo) -> str:
+    text = info.description or ""
+    origin = typing.get_origin(info.annotation)
+    if origin is typing.Literal:
+        text += f" One of: {', '.join(map(str, typing.get_args(info.annotation)))}."
+    default = info.get_default(call_default_factory=True)
+    if default not in (None, [], ""):
+        text += f" [default: {default}]"
+    return f"{text} [env: PHALANX_{name.upper()}]"
+
+
+def settings_command(
+    model: type[NetworkSettings], *, exclude: tuple[str, ...] = ()
+) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Decorate `fn(settings)`: the command gets one option per model field plus --config, and `fn`
+    receives the validated settings (flag > PHALANX_* env > --config TOML file > default)."""
+
+    def decorate(fn: Callable[..., Any]) -> Callable[..., Any]:
+        params = [
+            inspect.Parameter(
+                "config_file",
+                inspect.Parameter.KEYWORD_ONLY,
+                default=typer.Option(None, "--config", help="TOML file with any of these settings (flags win)."),
+                annotation=Optional[Path],
+            )
+        ]
+        names = []
+        for name, info in model.model_fields.items():
+            if name in exclude:
+                continue
+            typ, is_bool = _option_type(info.annotation)
+            decls = [f"{_flag(name)}/--no-{name.replace('_', '-')}"] if is_bool else [_flag(name)]
+            params.append(
+                inspect.Parameter(
+                    name,
+                    inspect.Parameter.KEYWORD_ONLY,
+                    default=typer.Option(None, *decls, help=_help(name, info), show_default=False),
+                    annotation=Optional[typ],
+                )
+            )
+            names.append(name)
+
+        def command(**kwargs: Any) -> Any:
+            config_file = kwargs.pop("config_file", None)
+            overrides = {k: v for k, v in kwargs.items() if v is not None and v != []}
+            return fn(load_settings(model, overrides, config_file))
+
+        command.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
+        command.__name__ = fn.__name__
+        command.__doc__ = fn.__doc__
+        return command
+
+    return decorate

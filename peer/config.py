@@ -1,0 +1,198 @@
+"""One settings model for a peer: CLI flags, `PHALANX_*` environment variables and a TOML file.
+
+Precedence: flag > environment > config file > default. Every field is also a flag
+(`initial_peers` → `--initial-peers`) and an environment variable
+(`PHALANX_INITIAL_PEERS`); lists accept commas or spaces. Components never see this
+object: they get their own config built by the `*_config()` methods.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import hashlib
+import json
+import re
+from pathlib import Path
+from typing import Annotated, Any, Literal, Optional
+
+from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic_settings import BaseSettings, NoDecode, PydanticBaseSettingsSource, SettingsConfigDict, TomlConfigSettingsSource
+
+from aggregation.errors import ConfigError
+from protocol.config import Codec, MatchmakingConfig, RoundConfig, parse_aggregator_params
+
+PROTOCOL_VERSION = 1
+_config_file: contextvars.ContextVar[Optional[Path]] = contextvars.ContextVar("phalanx_config_file", default=None)
+
+StrList = Annotated[list[str], NoDecode]
+
+
+class NetworkSettings(BaseSettings):
+    """Flags shared by every command that starts a DHT peer (bootstrap, join, health, ...)."""
+
+    model_config = SettingsConfigDict(env_prefix="PHALANX_", extra="forbid", validate_default=True)
+
+    initial_peers: StrList = Field(default_factory=list, description="Multiaddrs of running peers to join through (printed by `phalanx bootstrap`).")
+    host_maddrs: StrList = Field(default_factory=list, description="Multiaddrs to listen on; default /ip4/0.0.0.0/tcp/<port>.")
+    port: int = Field(0, ge=0, le=65535, description="TCP port for libp2p when --host-maddrs is not given (0: any free port).")
+    announce_maddrs: StrList = Field(default_factory=list, description="Multiaddrs other peers should dial (e.g. behind port forwarding).")
+    public_ip: Optional[str] = Field(None, description="Announce /ip4/<public-ip>/tcp/<port>; needs a fixed --port.")
+    identity_path: Optional[Path] = Field(None, description="Private key file fixing this peer's ID; created if missing. Never share one between peers.")
+    use_relay: bool = Field(True, description="Allow reaching and being reached through libp2p circuit relays.")
+    use_auto_relay: bool = Field(False, description="Look for relays to become reachable when behind NAT.")
+    client_mode: bool = Field(False, description="Do not accept incoming DHT connections (behind NAT without relays).")
+    direct_port: int = Field(0, ge=0, le=65535, description="TCP port for the direct tensor path (0: any free port).")
+    direct: bool = Field(True, description="Move bulk tensor bytes over direct TCP when reachable (libp2p streams otherwise).")
+    run_id: str = Field("phalanx", min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$", description="Swarm name; peers with another run id never meet.")
+
+    @field_validator("initial_peers", "host_maddrs", "announce_maddrs", mode="before")
+    @classmethod
+    def _split(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            return [x for x in re.split(r"[\s,]+", value) if x]
+        if isinstance(value, (list, tuple)):
+            return [y for x in value for y in re.split(r"[\s,]+", str(x)) if y]
+        return value
+
+    @model_validator(mode="after")
+    def _check(self) -> "NetworkSettings":
+        if self.public_ip is not None and self.port == 0 and not self.host_maddrs:
+            raise ValueError("--public-ip needs a fixed --port (not 0) so others can dial it")
+        for flag, addrs in (("--initial-peers", self.initial_peers), ("--host-maddrs", self.host_maddrs), ("--announce-maddrs", self.announce_maddrs)):
+            for addr in addrs:
+                _check_maddr(flag, addr)
+        return self
+
+    def listen_maddrs(self) -> list[str]:
+        return self.host_maddrs or [f"/ip4/0.0.0.0/tcp/{self.port}"]
+
+    def announce(self) -> list[str]:
+        extra = [f"/ip4/{self.public_ip}/tcp/{self.port}"] if self.public_ip else []
+        return list(self.announce_maddrs) + extra
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        sources: list[PydanticBaseSettingsSource] = [init_settings, env_settings]
+        path = _config_file.get()
+        if path is not None:
+            sources.append(TomlConfigSettingsSource(settings_cls, toml_file=path))
+        return tuple(sources)
+
+
+class PeerConfig(NetworkSettings):
+    """Everything `phalanx join` needs."""
+
+    task: str = Field("digits-mlp", description="Built-in task name or package.module:factory.")
+    data_dir: Optional[Path] = Field(None, description="Where the task's data files are (mnist-cnn, cifar10-resnet18).")
+    device: str = Field("auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$", description="auto, cpu, cuda or cuda:N.")
+    mode: Literal["sync"] = Field("sync", description="Training mode: sync (gradients all-reduced every step).")
+    batch_size: Optional[int] = Field(None, ge=1, description="Samples per peer per step (default: the task's).")
+    lr: Optional[float] = Field(None, gt=0, description="Learning rate (default: the task's).")
+    momentum: Optional[float] = Field(None, ge=0, lt=1, description="SGD momentum (default: the task's).")
+    weight_decay: Optional[float] = Field(None, ge=0, description="SGD weight decay (default: the task's).")
+    seed: int = Field(0, ge=0, description="Seed of the initial model and of every peer's minibatches.")
+    steps: Optional[int] = Field(None, ge=1, description="Stop after this many steps (default: run until stopped).")
+    target_accuracy: Optional[float] = Field(None, gt=0, le=1, description="Stop once test accuracy reaches this.")
+    eval_every: int = Field(25, ge=1, description="Evaluate on the test split every N steps.")
+    aggregator: str = Field("mean", description="Rule each reducer applies: mean, centered_clip, median, trimmed_mean, ...")
+    tau: Optional[float] = Field(None, gt=0, description="Clipping radius for centered_clip (shorthand for --aggregator-params tau=…).")
+    aggregator_params: str = Field("", description="Extra aggregator parameters as name=number pairs, e.g. 'tau=1,max_iter=100'.")
+    compression: Literal["none", "fp16", "8bit"] = Field("none", description="Codec for tensors on the wire.")
+    min_group_size: int = Field(1, ge=1, description="Fewest peers a round may close with at its deadline.")
+    target_group_size: Optional[int] = Field(None, ge=2, description="Most peers per group (default: everyone ready).")
+    matchmaking_timeout_s: float = Field(5.0, gt=0, description="How long a leader waits for expected peers.")
+    allreduce_timeout_s: float = Field(30.0, gt=0, description="Reducers drop members whose part has not arrived by then.")
+    checkpoint_dir: Optional[Path] = Field(None, description="Save model + optimizer + step here (atomically).")
+    checkpoint_every: int = Field(100, ge=1, description="Checkpoint every N steps (and on clean shutdown).")
+    resume: bool = Field(False, description="Continue from the newest checkpoint in --checkpoint-dir.")
+    torch_threads: Optional[int] = Field(None, ge=1, description="Threads torch may use in this process.")
+    events: bool = Field(False, description="Print one JSON progress event per line on stdout (used by `phalanx swarm`).")
+
+    @model_validator(mode="after")
+    def _check_peer(self) -> "PeerConfig":
+        if self.resume and self.checkpoint_dir is None:
+            raise ValueError("--resume needs --checkpoint-dir")
+        if self.target_group_size is not None and self.target_group_size < self.min_group_size:
+            raise ValueError("--target-group-size must be ≥ --min-group-size")
+        self.round_config()  # validates aggregator name and parameters early
+        return self
+
+    def aggregator_kwargs(self) -> tuple[tuple[str, float], ...]:
+        params = dict(parse_aggregator_params(self.aggregator_params))
+        if self.tau is not None:
+            params["tau"] = self.tau
+        return tuple(sorted(params.items()))
+
+    def round_config(self) -> RoundConfig:
+        try:
+            matchmaking = MatchmakingConfig(
+                min_group_size=self.min_group_size,
+                target_group_size=self.target_group_size,
+                matchmaking_timeout_s=self.matchmaking_timeout_s,
+                join_timeout_s=max(60.0, 4 * self.matchmaking_timeout_s),
+            )
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        config = RoundConfig(
+            matchmaking=matchmaking,
+            aggregator=self.aggregator,
+            aggregator_params=self.aggregator_kwargs(),
+            compression=Codec.parse(self.compression),
+            allreduce_timeout_s=self.allreduce_timeout_s,
+        )
+        config.make_reducer()  # unknown names and bad parameters fail here, with the valid choices listed
+        return config
+
+    def run_hash(self) -> bytes:
+        """Hash of everything peers must agree on to train together; part of every DHT key and join."""
+        fields = {
+            "protocol": PROTOCOL_VERSION,
+            "run_id": self.run_id,
+            "task": self.task,
+            "mode": self.mode,
+            "batch_size": self.batch_size,
+            "lr": self.lr,
+            "momentum": self.momentum,
+            "weight_decay": self.weight_decay,
+            "seed": self.seed,
+            "aggregator": self.aggregator,
+            "aggregator_params": self.aggregator_kwargs(),
+            "compression": self.compression,
+        }
+        return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).digest()
+
+
+def load_settings(model: type[NetworkSettings], overrides: dict[str, Any], config_file: Optional[Path] = None):
+    """Build `model` from flags (`overrides`), environment and `config_file`; errors name the flag."""
+    if config_file is not None and not config_file.is_file():
+        raise ConfigError(f"--config: no such file {str(config_file)!r}")
+    token = _config_file.set(config_file)
+    try:
+        return model(**overrides)
+    except ValidationError as e:
+        first = e.errors()[0]
+        field = str(first["loc"][0]) if first["loc"] else ""
+        flag = f"--{field.replace('_', '-')}" if field else "configuration"
+        value = first.get("input")
+        shown = "" if isinstance(value, dict) or field == "" else f" (got {value!r})"
+        raise ConfigError(f"{flag}: {first['msg']}{shown}") from None
+    except ConfigError:
+        raise
+    finally:
+        _config_file.reset(token)
+
+
+def _check_maddr(flag: str, addr: str) -> None:
+    from multiaddr import Multiaddr
+
+    try:
+        Multiaddr(addr)
+    except Exception:
+        raise ValueError(f"{flag}: {addr!r} is not a multiaddr (like /ip4/1.2.3.4/tcp/31337/p2p/Qm...)") from None

@@ -1,0 +1,122 @@
+"""A peer's network stack: hivemind DHT (its own process and p2pd), a P2P replica on our
+loop, the transport, membership and the round engine. `open_node` / `Node.aclose`."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+from typing import Optional
+
+import hivemind
+from multiaddr import Multiaddr
+
+from aggregation.errors import ConfigError
+from peer.config import NetworkSettings, PeerConfig
+from protocol.engine import RoundEngine
+from protocol.membership import Membership
+from protocol.transport import Transport
+
+logger = logging.getLogger(__name__)
+
+
+def start_dht(settings: NetworkSettings, *, client_mode: Optional[bool] = None) -> hivemind.DHT:
+    """Start hivemind's DHT process with the settings' addresses, identity and relay flags."""
+    if settings.identity_path is not None and not settings.identity_path.parent.is_dir():
+        raise ConfigError(f"--identity-path: directory {str(settings.identity_path.parent)!r} does not exist")
+    kwargs = dict(
+        initial_peers=settings.initial_peers,
+        host_maddrs=settings.listen_maddrs(),
+        announce_maddrs=settings.announce() or None,
+        identity_path=str(settings.identity_path) if settings.identity_path else None,
+        use_relay=settings.use_relay,
+        use_auto_relay=settings.use_auto_relay,
+        client_mode=settings.client_mode if client_mode is None else client_mode,
+        start=True,
+        await_ready=True,
+    )
+    try:
+        return hivemind.DHT(**kwargs)
+    except Exception as e:
+        text = str(e)
+        if "already taken" in text:
+            raise ConfigError(f"--identity-path: {text}; each peer needs its own identity file") from None
+        if settings.initial_peers and ("bootstrap" in text.lower() or "failed to connect" in text.lower()):
+            raise ConfigError(
+                f"--initial-peers: could not reach any of {settings.initial_peers} ({text.splitlines()[0][:200]})"
+            ) from None
+        raise
+
+
+def visible_maddrs(dht: hivemind.DHT) -> list[str]:
+    return [str(m) for m in dht.get_visible_maddrs()]
+
+
+def direct_hosts(dht: hivemind.DHT, settings: NetworkSettings) -> tuple[str, list[str]]:
+    """(listen host, announced hosts) for the direct TCP path, following the libp2p listen address."""
+    listen = "0.0.0.0"
+    first = Multiaddr(settings.listen_maddrs()[0])
+    try:
+        listen = first.value_for_protocol("ip4")
+    except Exception:
+        pass
+    if settings.public_ip:
+        return listen, [settings.public_ip]
+    if listen not in ("0.0.0.0", ""):
+        return listen, [listen]
+    hosts = []
+    for maddr in dht.get_visible_maddrs():
+        try:
+            ip = maddr.value_for_protocol("ip4")
+        except Exception:
+            continue
+        if ip not in hosts and "p2p-circuit" not in str(maddr):
+            hosts.append(ip)
+    return listen, hosts or ["127.0.0.1"]
+
+
+def run_key(config: PeerConfig) -> str:
+    return f"phalanx.{config.run_id}.{config.run_hash().hex()[:16]}"
+
+
+@dataclass
+class Node:
+    dht: hivemind.DHT
+    transport: Transport
+    membership: Membership
+    engine: RoundEngine
+
+    @property
+    def peer_id(self) -> str:
+        return self.transport.peer_id
+
+    async def aclose(self) -> None:
+        for step in (self.engine.aclose(), self.membership.aclose(), self.transport.aclose()):
+            try:
+                await asyncio.wait_for(step, timeout=10)
+            except Exception as e:
+                logger.debug(f"shutdown step failed: {e!r}")
+        await asyncio.get_running_loop().run_in_executor(None, self.dht.shutdown)
+
+
+async def open_node(config: PeerConfig) -> Node:
+    loop = asyncio.get_running_loop()
+    dht = await loop.run_in_executor(None, start_dht, config)
+    try:
+        p2p = await dht.replicate_p2p()
+        key = run_key(config)
+        listen, hosts = direct_hosts(dht, config)
+        transport = await Transport.open(
+            p2p,
+            namespace=key,
+            direct_host=listen if config.direct else None,
+            direct_port=config.direct_port,
+            announce_hosts=hosts,
+        )
+        membership = Membership(dht, key + ".peers", transport.peer_id)
+        engine = RoundEngine(transport, membership, config.round_config(), config.run_hash())
+        await membership.start()
+    except BaseException:
+        dht.shutdown()
+        raise
+    return Node(dht, transport, membership, engine)

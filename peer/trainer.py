@@ -1,0 +1,294 @@
+"""The training loop of `phalanx join` in sync mode: one all-reduced gradient per step.
+
+    compute gradient on (seed, peer, step)'s batch   (worker thread)
+    round: matchmaking + butterfly all-reduce        (event loop)
+    apply the aggregate with the optimizer            (worker thread, never cancelled)
+    evaluate / checkpoint / report every N steps
+
+A peer that the leader finds out of sync downloads a donor's state instead of applying.
+SIGINT/SIGTERM stop the loop between steps and write a final checkpoint.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import logging
+import signal
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from typing import Any, Optional
+
+import torch
+
+from aggregation.errors import ConfigError, PeerProtocolError, PhalanxError, RoundAbortedError, RoundTimeoutError
+from peer.checkpoint import load_latest, save_checkpoint
+from peer.config import PeerConfig
+from peer.node import Node, open_node
+from peer.tasks import Task, compute_gradient, resolve_task
+from protocol.engine import Resync, initial_version
+
+logger = logging.getLogger(__name__)
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError(f"--device {name}: this machine has no CUDA GPU visible to torch; use --device cpu")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise ConfigError(f"--device {name}: only {torch.cuda.device_count()} CUDA device(s) visible")
+    return device
+
+
+class Model:
+    """The model, its optimizer and the conversions the protocol needs (flat grads, named state)."""
+
+    def __init__(self, task: Task, config: PeerConfig) -> None:
+        self.task = task
+        self.module = task.build_model(config.seed)
+        self.params = [p for p in self.module.parameters() if p.requires_grad]
+        self.optimizer = task.make_optimizer(self.params, config.lr, config.momentum, config.weight_decay)
+        self._materialize_optimizer_state()
+        self.numel = sum(p.numel() for p in self.params)
+
+    def _materialize_optimizer_state(self) -> None:
+        """Create every optimizer buffer now (a zero-gradient step at lr=0), so the state layout a
+        newcomer expects is the same as the one a trained peer sends."""
+        lrs = [g["lr"] for g in self.optimizer.param_groups]
+        for g in self.optimizer.param_groups:
+            g["lr"] = 0.0
+        for p in self.params:
+            p.grad = torch.zeros_like(p)
+        self.optimizer.step()
+        for g, lr in zip(self.optimizer.param_groups, lrs):
+            g["lr"] = lr
+        self.module.zero_grad(set_to_none=True)
+
+    def apply(self, aggregate: torch.Tensor) -> None:
+        """Use the group's aggregate (numel,) as this step's gradient."""
+        aggregate = aggregate.to(self.params[0].device, non_blocking=True)
+        offset = 0
+        for p in self.params:
+            p.grad = aggregate[offset : offset + p.numel()].view_as(p).clone()
+            offset += p.numel()
+        self.optimizer.step()
+        self.module.zero_grad(set_to_none=True)
+
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        """Named CPU copies of everything a newcomer needs: parameters, buffers, optimizer state."""
+        tensors = {f"model.{k}": v.detach().to("cpu", copy=True) for k, v in self.module.state_dict().items()}
+        for i, p in enumerate(self.params):
+            for key, value in sorted(self.optimizer.state[p].items()):
+                if isinstance(value, torch.Tensor):
+                    tensors[f"optim.{i}.{key}"] = value.detach().to("cpu", copy=True)
+        return tensors
+
+    def load_state_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
+        model_state = {k[len("model.") :]: v for k, v in tensors.items() if k.startswith("model.")}
+        self.module.load_state_dict(model_state, strict=True)
+        for i, p in enumerate(self.params):
+            for key, value in self.optimizer.state[p].items():
+                if isinstance(value, torch.Tensor):
+                    value.copy_(tensors[f"optim.{i}.{key}"])
+
+    def param_hash(self) -> str:
+        h = hashlib.sha256()
+        for p in self.params:
+            h.update(p.detach().to("cpu").contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+        return h.hexdigest()[:16]
+
+
+@dataclass
+class Report:
+    peer_id: str = ""
+    step: int = 0
+    loss: Optional[float] = None
+    accuracy: Optional[float] = None
+    rounds_ok: int = 0
+    rounds_partial: int = 0
+    rounds_failed: int = 0
+    resyncs: int = 0
+    group_size: int = 0
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    wall_s: float = 0.0
+    reached_target: bool = False
+    param_hash: str = ""
+
+
+class Trainer:
+    def __init__(self, config: PeerConfig) -> None:
+        self.config = config
+        if config.torch_threads:
+            torch.set_num_threads(config.torch_threads)
+        self.device = resolve_device(config.device)
+        options = {"data_dir": config.data_dir} if config.data_dir is not None else {}
+        self.task = resolve_task(config.task, **options).to(self.device)
+        self.model = Model(self.task, config)
+        self.batch_size = config.batch_size or self.task.batch_size
+        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="train")
+        self.report = Report()
+        self.stop_requested = asyncio.Event()
+        self._last_event = 0.0
+
+    async def _in_thread(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+
+    def _emit(self, event: str, **fields: Any) -> None:
+        if self.config.events:
+            sys.stdout.write(json.dumps({"event": event, **fields}) + "\n")
+            sys.stdout.flush()
+
+    def _resume(self) -> int:
+        if not self.config.resume:
+            return 0
+        ckpt = load_latest(self.config.checkpoint_dir)
+        if ckpt is None:
+            logger.info(f"no checkpoint in {self.config.checkpoint_dir}; starting from scratch")
+            return 0
+        self.model.module.load_state_dict(ckpt.model_state, strict=True)
+        self.model.optimizer.load_state_dict(ckpt.optimizer_state)
+        logger.info(f"resumed from {ckpt.path.name} at step {ckpt.step}")
+        return ckpt.step
+
+    def _checkpoint(self, step: int) -> None:
+        if self.config.checkpoint_dir is None:
+            return
+        save_checkpoint(
+            self.config.checkpoint_dir,
+            step=step,
+            model_state=self.model.module.state_dict(),
+            optimizer_state=self.model.optimizer.state_dict(),
+            extra={"task": self.config.task, "run_id": self.config.run_id},
+        )
+
+    async def run(self) -> Report:
+        started = time.monotonic()
+        step = await self._in_thread(self._resume)
+        node = await open_node(self.config)
+        self.report.peer_id = node.peer_id
+        engine = node.engine
+        engine.set_state(initial_version(self.config.run_hash(), self.model.state_tensors(), step), step)
+        logger.info(
+            f"peer {node.peer_id} training {self.config.task} on {self.device} "
+            f"({self.model.numel} parameters, step {step})"
+        )
+        self._emit("started", peer_id=node.peer_id, step=step, params=self.model.numel, param_hash=self.model.param_hash())
+        try:
+            await self._loop(node)
+        finally:
+            self.report.step = engine.step
+            self.report.wall_s = time.monotonic() - started
+            self.report.param_hash = await self._in_thread(self.model.param_hash)
+            s = engine.stats
+            self.report.rounds_ok, self.report.rounds_partial, self.report.rounds_failed = s.rounds_ok, s.rounds_partial, s.rounds_failed
+            self.report.resyncs = s.resyncs
+            self.report.bytes_sent = node.transport.stats.bytes_sent
+            self.report.bytes_received = node.transport.stats.bytes_received
+            if self.config.checkpoint_dir is not None and engine.step > 0:
+                await self._in_thread(self._checkpoint, engine.step)
+            await node.aclose()
+            self.executor.shutdown(wait=True)
+            self._emit("done", **asdict(self.report))
+        return self.report
+
+    def _done(self, step: int) -> bool:
+        if self.stop_requested.is_set():
+            return True
+        if self.config.steps is not None and step >= self.config.steps:
+            return True
+        return self.report.reached_target
+
+    async def _loop(self, node: Node) -> None:
+        engine, config = node.engine, self.config
+        while not self._done(engine.step):
+            step = engine.step
+            loss, grad = await self._in_thread(
+                compute_gradient, self.task, self.model.module, config.seed, node.peer_id, step, self.batch_size
+            )
+            round_task = asyncio.ensure_future(engine.run_round(grad.to("cpu")))
+            stop_task = asyncio.ensure_future(self.stop_requested.wait())
+            await asyncio.wait({round_task, stop_task}, return_when=asyncio.FIRST_COMPLETED)
+            stop_task.cancel()
+            if not round_task.done():
+                round_task.cancel()
+                await asyncio.gather(round_task, return_exceptions=True)
+                break
+            try:
+                outcome = round_task.result()
+            except (RoundAbortedError, RoundTimeoutError, PeerProtocolError) as e:
+                engine.stats.rounds_failed += 1
+                logger.warning(f"round at step {step} failed: {e}")
+                continue
+            if isinstance(outcome, Resync):
+                await self._resync(engine, outcome)
+                continue
+            # applying is never cancelled halfway: the model is either before or after this step
+            await asyncio.shield(self._in_thread(self.model.apply, outcome.result.vector))
+            await engine.completed(outcome, self.model.state_tensors)
+            self.report.loss = loss
+            self.report.group_size = len(outcome.group.members)
+            self._after_step(engine.step, loss, outcome)
+            if engine.step % config.eval_every == 0 or (config.steps is not None and engine.step >= config.steps):
+                await self._evaluate(engine.step)
+            if config.checkpoint_dir is not None and engine.step % config.checkpoint_every == 0:
+                await self._in_thread(self._checkpoint, engine.step)
+
+    async def _resync(self, engine, resync: Resync) -> None:
+        try:
+            snapshot = await engine.fetch_state(resync, self.model.state_tensors())
+        except (PhalanxError, ValueError) as e:
+            logger.warning(f"state download from {resync.donor[-8:]} failed: {e}")
+            return
+        await self._in_thread(self.model.load_state_tensors, snapshot.tensors)
+        engine.set_state(snapshot.version, snapshot.step)
+        logger.info(f"loaded state of step {snapshot.step} from {resync.donor[-8:]}")
+        self._emit("resynced", step=snapshot.step, donor=resync.donor)
+
+    def _after_step(self, step: int, loss: float, outcome) -> None:
+        result = outcome.result
+        now = time.monotonic()
+        if now - self._last_event >= 0.5:
+            self._last_event = now
+            self._emit(
+                "step",
+                step=step,
+                loss=loss,
+                group=len(outcome.group.members),
+                round_s=round(result.duration_s, 4),
+                bytes_sent=self.report.bytes_sent,
+                missing_parts=len(result.missing_parts),
+            )
+        if step % 50 == 0:
+            logger.info(
+                f"step {step} loss {loss:.4f} group {len(outcome.group.members)} "
+                f"round {result.duration_s * 1e3:.1f} ms sent {result.bytes_sent / 1e6:.2f} MB"
+            )
+
+    async def _evaluate(self, step: int) -> None:
+        metrics = await self._in_thread(self.task.evaluate, self.model.module)
+        self.report.accuracy = metrics["accuracy"]
+        logger.info(f"step {step} test accuracy {metrics['accuracy']:.4f} loss {metrics['loss']:.4f}")
+        self._emit("eval", step=step, **metrics)
+        if self.config.target_accuracy is not None and metrics["accuracy"] >= self.config.target_accuracy:
+            self.report.reached_target = True
+
+
+def run_trainer(config: PeerConfig) -> Report:
+    """Run a trainer until its stop condition or SIGINT/SIGTERM; returns its final report."""
+    import uvloop
+
+    async def main() -> Report:
+        trainer = Trainer(config)
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, trainer.stop_requested.set)
+        return await trainer.run()
+
+    return uvloop.run(main())

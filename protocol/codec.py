@@ -1,0 +1,60 @@
+"""Tensor bytes on the wire: raw float32, or hivemind's fp16 / 8-bit codecs.
+
+Decoding checks everything a peer controls (codec, dtype, shape, buffer size) against
+what the round agreed on, so a bad payload is a PeerProtocolError, never a crash.
+"""
+
+from __future__ import annotations
+
+import torch
+from hivemind.compression import deserialize_torch_tensor, serialize_torch_tensor
+from hivemind.proto.runtime_pb2 import CompressionType, Tensor as TensorProto
+
+from aggregation.errors import PeerProtocolError
+from protocol.config import Codec
+
+
+_HIVEMIND = {Codec.FP16: CompressionType.FLOAT16, Codec.UINT8: CompressionType.UNIFORM_8BIT}
+
+
+def encode(vector: torch.Tensor, codec: Codec) -> bytes | memoryview:
+    """Bytes for a 1-d tensor; for NONE a view that borrows the tensor's memory (keep it alive)."""
+    vector = vector.detach().to("cpu", torch.float32).contiguous().view(-1)
+    if codec is Codec.NONE:
+        return memoryview(vector.numpy()).cast("B")
+    return serialize_torch_tensor(vector, _HIVEMIND[codec]).SerializeToString()
+
+
+def encoded_size_bound(numel: int, codec: Codec) -> int:
+    """Upper bound on encode()'s output size, used as the receive limit."""
+    per_elem = {Codec.NONE: 4, Codec.FP16: 2, Codec.UINT8: 1}[codec]
+    return numel * per_elem + (0 if codec is Codec.NONE else 4096)
+
+
+def decode(data: bytes | bytearray | memoryview, codec: Codec, numel: int, *, peer: str | None = None) -> torch.Tensor:
+    """Inverse of encode(); raises PeerProtocolError unless `data` is exactly a `numel` float vector."""
+    if codec is Codec.NONE:
+        if len(data) != 4 * numel:
+            raise PeerProtocolError(f"expected {4 * numel} bytes of float32, got {len(data)}", peer=peer)
+        if numel == 0:
+            return torch.zeros(0)
+        return torch.frombuffer(data, dtype=torch.float32)
+    try:
+        proto = TensorProto.FromString(bytes(data))
+    except Exception as e:
+        raise PeerProtocolError(f"undecodable tensor: {type(e).__name__}", peer=peer) from None
+    if proto.compression != _HIVEMIND[codec] or list(proto.size) != [numel] or proto.dtype != "float32":
+        raise PeerProtocolError(
+            f"tensor header says compression={proto.compression} size={list(proto.size)[:4]} dtype={proto.dtype[:16]!r},"
+            f" expected {codec.value} [{numel}] float32",
+            peer=peer,
+        )
+    if len(proto.buffer) > encoded_size_bound(numel, codec):
+        raise PeerProtocolError(f"tensor buffer of {len(proto.buffer)} bytes is too large", peer=peer)
+    try:
+        tensor = deserialize_torch_tensor(proto)
+    except Exception as e:
+        raise PeerProtocolError(f"malformed {codec.value} tensor: {type(e).__name__}", peer=peer) from None
+    if tensor.numel() != numel:
+        raise PeerProtocolError(f"tensor has {tensor.numel()} elements, expected {numel}", peer=peer)
+    return tensor.reshape(-1).to(torch.float32)

@@ -1,0 +1,86 @@
+"""Configuration of the round protocol; no networking imports, so the CLI can build it cheaply."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Optional
+
+from aggregation.errors import ConfigError
+
+
+class Codec(str, enum.Enum):
+    """Stable names, exchanged between peers and hashed into the run configuration."""
+
+    NONE = "none"  # raw little-endian float32, zero-copy
+    FP16 = "fp16"  # hivemind FLOAT16 (clamped to the fp16 range)
+    UINT8 = "8bit"  # hivemind UNIFORM_8BIT (per-tensor codebook)
+
+    @classmethod
+    def parse(cls, name: str) -> "Codec":
+        try:
+            return cls(name)
+        except ValueError:
+            valid = ", ".join(c.value for c in cls)
+            raise ConfigError(f"--compression must be one of {valid}, not {name!r}") from None
+
+
+@dataclass(frozen=True, kw_only=True)
+class MatchmakingConfig:
+    """How groups form. Protocol-relevant: part of the run's configuration hash."""
+
+    min_group_size: int = 1
+    """Fewest joiners (members plus resyncing peers) a group may close with at its deadline."""
+    target_group_size: Optional[int] = None
+    """Most members per group; None: one group of everyone ready (sync mode)."""
+    matchmaking_timeout_s: float = 5.0
+    """How long the leader waits for expected peers after the first join of a round."""
+    join_timeout_s: float = 60.0
+    """How long a peer keeps trying to get into a group before the round fails."""
+
+    def __post_init__(self) -> None:
+        if self.min_group_size < 1:
+            raise ValueError(f"min_group_size must be ≥ 1, got {self.min_group_size}")
+        if self.target_group_size is not None and self.target_group_size < max(2, self.min_group_size):
+            raise ValueError(
+                f"target_group_size ({self.target_group_size}) must be ≥ 2 and ≥ min_group_size ({self.min_group_size})"
+            )
+        if self.matchmaking_timeout_s <= 0 or self.join_timeout_s <= self.matchmaking_timeout_s:
+            raise ValueError("need 0 < matchmaking_timeout_s < join_timeout_s")
+
+
+@dataclass(frozen=True, kw_only=True)
+class RoundConfig:
+    """One averaging round. Protocol-relevant fields are hashed into the run key."""
+
+    matchmaking: MatchmakingConfig = field(default_factory=MatchmakingConfig)
+    aggregator: str = "mean"
+    """Registry name of the rule each reducer applies to its part (see aggregation.registry)."""
+    aggregator_params: tuple[tuple[str, float], ...] = ()
+    """Keyword parameters of the aggregator, e.g. (("tau", 1.0),)."""
+    compression: Codec = Codec.NONE
+    allreduce_timeout_s: float = 30.0
+    """Reducers stop waiting for parts this long after the group forms; stalled members are dropped."""
+    state_timeout_s: float = 120.0
+
+    def make_reducer(self):
+        """(rows (n, d), weights (n,)) -> aggregate (d,) with the configured rule; unknown names and
+        bad parameters raise ConfigError listing the valid ones."""
+        from aggregation.registry import make_aggregator
+
+        aggregate = make_aggregator(self.aggregator, **dict(self.aggregator_params))
+        return lambda rows, weights: aggregate(rows, weights).value
+
+
+def parse_aggregator_params(text: str) -> tuple[tuple[str, float], ...]:
+    """'tau=1,eps=1e-6' -> (('eps', 1e-6), ('tau', 1.0)); sorted so equal settings hash equally."""
+    params = []
+    for item in filter(None, (x.strip() for x in text.split(","))):
+        key, sep, value = item.partition("=")
+        try:
+            params.append((key.strip(), float(value)))
+        except ValueError:
+            raise ConfigError(f"--aggregator-params takes name=number pairs like tau=1, not {item!r}") from None
+        if not sep or not key.strip():
+            raise ConfigError(f"--aggregator-params takes name=number pairs like tau=1, not {item!r}")
+    return tuple(sorted(params))

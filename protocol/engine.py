@@ -1,0 +1,145 @@
+"""The round engine: matchmaking, then the butterfly all-reduce, with state versions.
+
+Every member of a group holds the same state version, a hash chained over the rounds
+it completed: version' = H(version ‖ round id ‖ which parts came back). Peers that
+completed the same rounds with the same parts hold the same version, so the leader
+can tell who is in sync without comparing parameters, and anyone whose round went
+differently (a lost part, a missed round, a split group) resyncs from a donor.
+Phases 2 (commitments) and 6 (verification) slot in around `_allreduce`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import time
+from dataclasses import dataclass
+from typing import Union
+
+import torch
+
+from protocol.allreduce import AllReduceResult, AllReduceService, RoundSpec
+from protocol.config import RoundConfig
+from protocol.matchmaking import GroupSpec, Matchmaker
+from protocol.membership import Membership
+from protocol.state_sync import StateService, StateSnapshot
+from protocol.transport import Transport
+
+logger = logging.getLogger(__name__)
+
+
+def initial_version(run_hash: bytes, tensors: dict[str, torch.Tensor], step: int) -> bytes:
+    """Version of a state nobody averaged yet (a fresh start or a checkpoint): a hash of its content,
+    so peers that start from identical states can group right away."""
+    h = hashlib.sha256(run_hash + step.to_bytes(8, "little"))
+    for name, t in tensors.items():
+        h.update(name.encode())
+        h.update(t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.digest()
+
+
+def next_version(version: bytes, round_id: bytes, missing_parts: tuple[int, ...]) -> bytes:
+    return hashlib.sha256(version + round_id + repr(sorted(missing_parts)).encode()).digest()
+
+
+@dataclass(frozen=True)
+class Averaged:
+    """The group's aggregate; apply it, then call `engine.completed(...)`."""
+
+    group: GroupSpec
+    result: AllReduceResult
+
+
+@dataclass(frozen=True)
+class Resync:
+    """This peer is not in sync: download `donor`'s state after `group.round_id`, then load it."""
+
+    group: GroupSpec
+    donor: str
+
+
+@dataclass
+class EngineStats:
+    rounds_ok: int = 0
+    rounds_partial: int = 0
+    rounds_failed: int = 0
+    resyncs: int = 0
+    last_group_size: int = 0
+    last_round_s: float = 0.0
+
+
+class RoundEngine:
+    """One per peer: owns the membership, matchmaker, all-reduce and state services."""
+
+    def __init__(
+        self,
+        transport: Transport,
+        membership: Membership,
+        config: RoundConfig,
+        run_hash: bytes,
+    ) -> None:
+        self.transport, self.membership, self.config, self.run_hash = transport, membership, config, run_hash
+        self.matchmaker = Matchmaker(transport, membership, config.matchmaking, run_hash)
+        self.allreduce = AllReduceService(transport, registration_wait_s=config.matchmaking.join_timeout_s)
+        self.state = StateService(transport)
+        self.reducer = config.make_reducer()
+        self.version = b""
+        self.step = 0
+        self.stats = EngineStats()
+
+    @property
+    def peer_id(self) -> str:
+        return self.transport.peer_id
+
+    def set_state(self, version: bytes, step: int) -> None:
+        self.version, self.step = version, step
+        self.membership.step = step
+
+    async def aclose(self) -> None:
+        await self.matchmaker.aclose()
+
+    async def run_round(self, vector: torch.Tensor, *, weight: float = 1.0) -> Union[Averaged, Resync]:
+        """Form a group and all-reduce `vector` (numel,) with it, or learn that we must resync."""
+        started = time.monotonic()
+        reply = await self.matchmaker.join(version=self.version, step=self.step)
+        if reply.kind == "resync":
+            self.stats.resyncs += 1
+            logger.info(f"state {self.step} is behind the swarm's {reply.group.step}: resyncing from {reply.donor[-8:]}")
+            return Resync(reply.group, reply.donor)
+        group = reply.group
+        spec = RoundSpec(
+            round_id=group.round_id,
+            members=tuple(group.members),
+            numel=vector.numel(),
+            codec=self.config.compression,
+            deadline=time.monotonic() + self.config.allreduce_timeout_s,
+        )
+        result = await self.allreduce.run(
+            spec, vector, self.reducer, weight=weight, call_timeout_s=self.config.allreduce_timeout_s + 10
+        )
+        if result.missing_parts or result.dropped_senders:
+            self.stats.rounds_partial += 1
+        else:
+            self.stats.rounds_ok += 1
+        self.stats.last_group_size = len(group.members)
+        self.stats.last_round_s = time.monotonic() - started
+        return Averaged(group, result)
+
+    async def completed(self, averaged: Averaged, snapshot_fn) -> None:
+        """Advance the version after the caller applied `averaged`; publish state if we are a donor.
+        `snapshot_fn()` returns the tensors to hand over (called only when needed)."""
+        self.set_state(next_version(self.version, averaged.group.round_id, averaged.result.missing_parts), self.step + 1)
+        self.membership.state = "online"
+        if any(d.donor == self.peer_id for d in averaged.group.donations):
+            snapshot = StateSnapshot(step=self.step, version=self.version, tensors=snapshot_fn())
+            await self.state.publish(snapshot, averaged.group.round_id)
+
+    async def fetch_state(self, resync: Resync, template: dict[str, torch.Tensor]) -> StateSnapshot:
+        snapshot = await self.state.fetch(
+            resync.donor, resync.group.round_id, template, timeout_s=self.config.state_timeout_s
+        )
+        if snapshot.step != resync.group.step + 1:
+            from aggregation.errors import PeerProtocolError
+
+            raise PeerProtocolError(f"donor sent step {snapshot.step}, expected {resync.group.step + 1}", peer=resync.donor)
+        return snapshot

@@ -1,0 +1,252 @@
+"""Phase 1 of a round: peers that are ready form a group around a leader.
+
+The leader is the lowest peer ID in the membership view. Every ready peer sends it a
+join carrying the version of the state it holds; the leader closes the group when every
+peer it expects has joined, when `target_group_size` is reached, or at the deadline
+with at least `min_group_size` joiners. It then answers all of them at once:
+  * members: joiners whose version is the swarm's current one (highest step; ties go to
+    the larger count, then the larger hash) get the ordered member list and round id;
+  * everyone else (newcomers, stragglers that missed a round, the losing side of a
+    split) is told to resync: download the state a named donor holds after this round,
+    then join the next one, which waits for them.
+A peer that is not the leader in its own view redirects the joiner to the one it sees.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import secrets
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Literal, Optional
+
+from aggregation.errors import PeerProtocolError, RoundTimeoutError
+from protocol.config import MatchmakingConfig
+from protocol.membership import Membership
+from protocol.transport import CallFailed, Transport
+from protocol.wire import PeerIdStr, RoundId, WireModel, pack, unpack
+
+logger = logging.getLogger(__name__)
+
+JOIN_METHOD = "join"
+MAX_REDIRECTS = 3
+
+
+class JoinRequest(WireModel):
+    run: bytes  # configuration hash: peers of another run (or another config) are refused
+    version: bytes  # hash of the state the joiner holds (see protocol.engine)
+    step: int  # training step of that state
+
+
+class Donation(WireModel):
+    recipient: PeerIdStr  # peer that must download the state ...
+    donor: PeerIdStr  # ... from this member, as it stands after the round
+
+
+class GroupSpec(WireModel):
+    round_id: RoundId
+    members: list[PeerIdStr]  # ordered: member i reduces part i
+    step: int  # every member's step before the round
+    version: bytes  # every member's state version before the round
+    donations: list[Donation]
+
+
+class JoinReply(WireModel):
+    kind: Literal["group", "resync", "redirect", "retry"]
+    group: Optional[GroupSpec] = None  # for "group" and "resync" (the round the donor takes part in)
+    donor: Optional[PeerIdStr] = None  # for "resync"
+    leader: Optional[PeerIdStr] = None  # for "redirect"
+
+
+@dataclass
+class MatchmakingStats:
+    groups_formed: int = 0
+    joins_served: int = 0
+    redirects: int = 0
+    retries: int = 0
+    leader_failures: int = 0
+
+
+@dataclass
+class _Pending:
+    request: JoinRequest
+    reply: asyncio.Future
+
+
+@dataclass
+class Matchmaker:
+    """Both sides of phase 1: `join()` for this peer, and the leader's group former."""
+
+    transport: Transport
+    membership: Membership
+    config: MatchmakingConfig
+    run_hash: bytes
+    stats: MatchmakingStats = field(default_factory=MatchmakingStats)
+    _pending: dict[str, _Pending] = field(default_factory=dict)
+    _expected_next: set[str] = field(default_factory=set)
+    _arrived: Optional[asyncio.Event] = None
+    _former: Optional[asyncio.Task] = None
+    _rng: random.Random = field(default_factory=lambda: random.Random(secrets.randbits(64)))
+
+    def __post_init__(self) -> None:
+        self._arrived = asyncio.Event()
+        self.transport.register(JOIN_METHOD, self._serve_join, max_payload=0)
+
+    @property
+    def peer_id(self) -> str:
+        return self.transport.peer_id
+
+    async def aclose(self) -> None:
+        if self._former is not None:
+            self._former.cancel()
+            await asyncio.gather(self._former, return_exceptions=True)
+        for pending in self._pending.values():
+            if not pending.reply.done():
+                pending.reply.set_result(JoinReply(kind="retry"))
+
+    # ---- joiner ---------------------------------------------------------------------------
+
+    async def join(self, *, version: bytes, step: int) -> JoinReply:
+        """Get into a group (or a resync order); raises RoundTimeoutError after join_timeout_s."""
+        request = JoinRequest(run=self.run_hash, version=version, step=step)
+        deadline = time.monotonic() + self.config.join_timeout_s
+        target: Optional[str] = None
+        redirects = 0
+        while time.monotonic() < deadline:
+            leader = target or self.membership.leader()
+            target = None
+            if leader == self.peer_id:
+                reply = await self._submit(self.peer_id, request)
+            else:
+                try:
+                    header, _ = await self.transport.call(
+                        leader,
+                        JOIN_METHOD,
+                        pack(request),
+                        max_reply_payload=0,
+                        timeout_s=self.config.matchmaking_timeout_s * 2 + 5,
+                    )
+                    reply = unpack(header, JoinReply, peer=leader)
+                except (CallFailed, PeerProtocolError) as e:
+                    self.stats.leader_failures += 1
+                    logger.info(f"leader {leader[-8:]} failed ({e}); choosing another")
+                    self.membership.suspect(leader, for_s=self.membership.ttl_s * 2)
+                    continue
+            if reply.kind == "redirect" and reply.leader is not None:
+                self.stats.redirects += 1
+                redirects += 1
+                if redirects <= MAX_REDIRECTS and not self.membership.is_suspect(reply.leader):
+                    target = reply.leader
+                else:
+                    await asyncio.sleep(0.2)
+                continue
+            if reply.kind == "retry":
+                self.stats.retries += 1
+                await asyncio.sleep(0.1)
+                continue
+            if reply.group is None or (reply.kind == "group" and self.peer_id not in reply.group.members):
+                raise PeerProtocolError("join reply without a group that includes us", peer=leader)
+            return reply
+        raise RoundTimeoutError(f"no group formed within {self.config.join_timeout_s:.0f} s")
+
+    # ---- leader -----------------------------------------------------------------------------
+
+    async def _serve_join(self, peer: str, header: bytes, payload: bytearray) -> tuple[bytes, bytes]:
+        request = unpack(header, JoinRequest, peer=peer)
+        if request.run != self.run_hash:
+            raise PeerProtocolError("join for a different run configuration", peer=peer)
+        if peer in self.membership.banned:
+            raise PeerProtocolError("banned peer", peer=peer)
+        self.stats.joins_served += 1
+        reply = await self._submit(peer, request)
+        return pack(reply), b""
+
+    async def _submit(self, peer: str, request: JoinRequest) -> JoinReply:
+        leader = self.membership.leader()
+        if leader != self.peer_id and peer != leader:
+            return JoinReply(kind="redirect", leader=leader)
+        previous = self._pending.pop(peer, None)
+        if previous is not None and not previous.reply.done():
+            previous.reply.set_result(JoinReply(kind="retry"))  # a re-join replaces a stale one
+        future = asyncio.get_running_loop().create_future()
+        self._pending[peer] = _Pending(request, future)
+        self.membership.clear_suspicion(peer)
+        self._arrived.set()
+        if self._former is None or self._former.done():
+            self._former = asyncio.create_task(self._form_group(), name="form-group")
+        return await future
+
+    def _expected(self) -> set[str]:
+        view = set(self.membership.peers())
+        expected = (view | self._expected_next) - self.membership.banned
+        return {p for p in expected if not self.membership.is_suspect(p)} | {self.peer_id}
+
+    async def _form_group(self) -> None:
+        deadline = time.monotonic() + self.config.matchmaking_timeout_s
+        target = self.config.target_group_size
+        while True:
+            self._arrived.clear()
+            joined = set(self._pending)
+            if self.membership.leader() != self.peer_id:
+                self._release_all(JoinReply(kind="redirect", leader=self.membership.leader()))
+                return
+            if joined >= self._expected() or (target is not None and len(joined) >= target):
+                break
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                if len(joined) >= self.config.min_group_size:
+                    break
+                self._release_all(JoinReply(kind="retry"))
+                return
+            try:
+                await asyncio.wait_for(self._arrived.wait(), timeout=remaining)
+            except asyncio.TimeoutError:
+                pass
+        missing = self._expected() - set(self._pending)
+        for peer in missing:  # do not wait for them again until they join
+            self.membership.suspect(peer, for_s=self.membership.ttl_s)
+        if missing:
+            logger.info(f"group closed without {len(missing)} expected peer(s): {sorted(p[-8:] for p in missing)}")
+        pending, self._pending = self._pending, {}
+        self._announce_groups(pending)
+
+    def _release_all(self, reply: JoinReply) -> None:
+        pending, self._pending = self._pending, {}
+        for entry in pending.values():
+            if not entry.reply.done():
+                entry.reply.set_result(reply)
+
+    def _announce_groups(self, pending: dict[str, _Pending]) -> None:
+        counts = Counter((p.request.step, p.request.version) for p in pending.values())
+        step, version = max(counts, key=lambda sv: (sv[0], counts[sv], sv[1]))
+        in_sync = sorted(peer for peer, p in pending.items() if p.request.version == version and p.request.step == step)
+        behind = sorted(peer for peer in pending if peer not in set(in_sync))
+        self._rng.shuffle(in_sync)
+        size = self.config.target_group_size or len(in_sync)
+        chunks = [in_sync[i : i + size] for i in range(0, len(in_sync), size)]
+        if len(chunks) > 1 and len(chunks[-1]) < self.config.min_group_size:
+            chunks[-2].extend(chunks.pop())
+        donations = {peer: in_sync[i % len(in_sync)] for i, peer in enumerate(behind)}
+        self._expected_next = set(pending)
+        for members in chunks:
+            group = GroupSpec(
+                round_id=secrets.token_bytes(16),
+                members=members,
+                step=step,
+                version=version,
+                donations=[Donation(recipient=r, donor=d) for r, d in donations.items() if d in members],
+            )
+            self.stats.groups_formed += 1
+            for peer in members:
+                _resolve(pending[peer].reply, JoinReply(kind="group", group=group))
+            for recipient, donor in donations.items():
+                if donor in members:
+                    _resolve(pending[recipient].reply, JoinReply(kind="resync", group=group, donor=donor))
+
+
+def _resolve(future: asyncio.Future, reply: JoinReply) -> None:
+    if not future.done():
+        future.set_result(reply)

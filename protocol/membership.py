@@ -1,0 +1,155 @@
+"""Who is in the swarm: each trainer announces itself in the DHT; everyone keeps a view.
+
+Records live under one DHT key per run (subkey = peer ID) and expire unless refreshed,
+so a crashed peer disappears from every view within `ttl_s`. The view feeds leader
+choice and the set of peers a group waits for. Banned peers are never in the view.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Literal, Optional
+
+from hivemind import DHT
+from hivemind.utils import get_dht_time
+from pydantic import ValidationError
+
+from protocol.wire import WireModel
+
+logger = logging.getLogger(__name__)
+
+PeerState = Literal["joining", "online", "leaving"]
+
+
+class PeerRecord(WireModel):
+    """A trainer's announcement (the DHT value under its subkey)."""
+
+    state: PeerState
+    step: int  # training step of its parameters
+    role: Literal["trainer"] = "trainer"
+
+
+@dataclass
+class MembershipStats:
+    refreshes: int = 0
+    failed_refreshes: int = 0
+    invalid_records: int = 0
+
+
+@dataclass
+class Membership:
+    """Announce this peer and track the others. Open with `start()`, close with `aclose()`."""
+
+    dht: DHT
+    key: str  # the run's DHT key, derived from its configuration hash
+    peer_id: str
+    refresh_s: float = 2.0
+    ttl_s: float = 8.0
+    state: PeerState = "joining"
+    step: int = 0
+    banned: set[str] = field(default_factory=set)
+    stats: MembershipStats = field(default_factory=MembershipStats)
+    _view: dict[str, tuple[PeerRecord, float]] = field(default_factory=dict)
+    _suspects: dict[str, float] = field(default_factory=dict)
+    _task: Optional[asyncio.Task] = None
+    _refreshed: Optional[asyncio.Event] = None
+
+    async def start(self) -> None:
+        self._refreshed = asyncio.Event()
+        await self.refresh()
+        self._task = asyncio.create_task(self._run(), name="membership")
+
+    async def aclose(self, announce_leaving: bool = True) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+            self._task = None
+        if announce_leaving:
+            self.state = "leaving"
+            try:
+                await asyncio.wait_for(self._announce(expire_in_s=self.refresh_s), timeout=5)
+            except Exception as e:
+                logger.debug(f"could not announce leaving: {e!r}")
+
+    async def _run(self) -> None:
+        while True:
+            await asyncio.sleep(self.refresh_s)
+            try:
+                await self.refresh()
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:
+                self.stats.failed_refreshes += 1
+                logger.debug(f"membership refresh failed: {e!r}")
+
+    async def refresh(self) -> None:
+        """Announce ourselves and re-read everyone's records."""
+        await self._announce(expire_in_s=self.ttl_s)
+        found = await self.dht.get(self.key, latest=True, return_future=True)
+        view: dict[str, tuple[PeerRecord, float]] = {}
+        if found is not None and isinstance(found.value, dict):
+            for subkey, entry in found.value.items():
+                try:
+                    peer = _valid_peer_id(subkey)
+                    record = PeerRecord.model_validate(entry.value)
+                except (ValueError, ValidationError, AttributeError, TypeError):
+                    self.stats.invalid_records += 1
+                    continue
+                if peer not in self.banned:
+                    view[peer] = (record, float(entry.expiration_time))
+        self._view = view
+        self.stats.refreshes += 1
+        if self._refreshed is not None:
+            self._refreshed.set()
+
+    async def _announce(self, expire_in_s: float) -> None:
+        record = PeerRecord(state=self.state, step=self.step)
+        await self.dht.store(
+            self.key,
+            record.model_dump(),
+            get_dht_time() + expire_in_s,
+            subkey=self.peer_id,
+            return_future=True,
+        )
+
+    def peers(self, *, states: tuple[PeerState, ...] = ("joining", "online")) -> dict[str, PeerRecord]:
+        """Unexpired, unbanned records in the given states (ourselves included once announced)."""
+        now = get_dht_time()
+        return {
+            p: rec for p, (rec, exp) in self._view.items() if exp > now and rec.state in states and p not in self.banned
+        }
+
+    def suspect(self, peer: str, for_s: float) -> None:
+        """Treat `peer` as unreachable for a while (it failed a call or missed a round)."""
+        self._suspects[peer] = time.monotonic() + for_s
+
+    def clear_suspicion(self, peer: str) -> None:
+        self._suspects.pop(peer, None)
+
+    def is_suspect(self, peer: str) -> bool:
+        until = self._suspects.get(peer)
+        if until is None:
+            return False
+        if until < time.monotonic():
+            del self._suspects[peer]
+            return False
+        return True
+
+    def leader(self) -> str:
+        """The lowest peer ID among announced, unsuspected peers, or ourselves: every peer computes the same
+        answer from the same view, and disagreement only costs a redirect or a resync."""
+        candidates = [p for p in self.peers() if not self.is_suspect(p)]
+        candidates.append(self.peer_id)
+        return min(candidates)
+
+
+def _valid_peer_id(value: object) -> str:
+    if not isinstance(value, str) or not 0 < len(value) <= 128:
+        raise ValueError("bad peer id")
+    from hivemind.p2p import PeerID
+
+    PeerID.from_base58(value)  # raises ValueError on anything that is not base58
+    return value

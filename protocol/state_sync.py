@@ -1,0 +1,150 @@
+"""Handing the current model and optimizer state to a peer that needs it.
+
+A member publishes a snapshot (named CPU tensors + step + version) after a round in
+which it was named donor, or whenever it likes for newcomers of asynchronous modes; a
+recipient fetches it by round id and checks every tensor's name, dtype and shape
+against its own model before using a byte of it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+from typing import Annotated, Literal, Optional
+
+import torch
+from pydantic import Field
+
+from aggregation.errors import PeerProtocolError, RoundAbortedError
+from protocol.transport import Transport
+from protocol.wire import WireModel, pack, unpack
+
+logger = logging.getLogger(__name__)
+
+STATE_METHOD = "state"
+SNAPSHOT_TTL_S = 120.0
+_DTYPES = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float64": torch.float64,
+    "int64": torch.int64,
+    "int32": torch.int32,
+    "uint8": torch.uint8,
+    "bool": torch.bool,
+}
+_NAMES = {v: k for k, v in _DTYPES.items()}
+
+
+class TensorMeta(WireModel):
+    name: Annotated[str, Field(min_length=1, max_length=256)]
+    dtype: Literal["float32", "float16", "bfloat16", "float64", "int64", "int32", "uint8", "bool"]
+    shape: Annotated[list[Annotated[int, Field(ge=0)]], Field(max_length=8)]
+
+
+class StateRequest(WireModel):
+    round_id: Optional[bytes]  # the round after which the state is wanted; None: the latest
+
+
+class StateHeader(WireModel):
+    step: int
+    version: bytes
+    tensors: Annotated[list[TensorMeta], Field(max_length=10_000)]
+
+
+@dataclass(frozen=True)
+class StateSnapshot:
+    step: int
+    version: bytes
+    tensors: dict[str, torch.Tensor]  # CPU, contiguous, owned copies
+
+
+def describe(tensors: dict[str, torch.Tensor]) -> list[TensorMeta]:
+    return [TensorMeta(name=k, dtype=_NAMES[t.dtype], shape=list(t.shape)) for k, t in tensors.items()]
+
+
+class StateService:
+    """Serves published snapshots and fetches them from others."""
+
+    def __init__(self, transport: Transport, *, max_state_bytes: int = 1 << 36) -> None:
+        self.transport = transport
+        self.max_state_bytes = max_state_bytes
+        self._by_round: dict[bytes, tuple[float, StateHeader, bytes]] = {}
+        self._latest: Optional[tuple[StateHeader, bytes]] = None
+        self._published = asyncio.Condition()
+        transport.register(STATE_METHOD, self._serve, max_payload=0)
+
+    async def publish(self, snapshot: StateSnapshot, round_id: Optional[bytes] = None) -> None:
+        header = StateHeader(step=snapshot.step, version=snapshot.version, tensors=describe(snapshot.tensors))
+        payload = b"".join(_raw_bytes(t) for t in snapshot.tensors.values())
+        now = time.monotonic()
+        async with self._published:
+            for rid in [r for r, (t, _, _) in self._by_round.items() if t < now]:
+                del self._by_round[rid]
+            if round_id is not None:
+                self._by_round[round_id] = (now + SNAPSHOT_TTL_S, header, payload)
+            self._latest = (header, payload)
+            self._published.notify_all()
+
+    async def _serve(self, peer: str, header: bytes, payload: bytearray) -> tuple[bytes, bytes]:
+        request = unpack(header, StateRequest, peer=peer)
+
+        def ready() -> Optional[tuple[StateHeader, bytes]]:
+            if request.round_id is None:
+                return self._latest
+            entry = self._by_round.get(request.round_id)
+            return None if entry is None else entry[1:]
+
+        async with self._published:
+            try:
+                found = await asyncio.wait_for(self._published.wait_for(ready), timeout=SNAPSHOT_TTL_S)
+            except asyncio.TimeoutError:
+                raise RoundAbortedError("no such snapshot") from None
+        return pack(found[0]), found[1]
+
+    async def fetch(
+        self, peer: str, round_id: Optional[bytes], template: dict[str, torch.Tensor], *, timeout_s: float
+    ) -> StateSnapshot:
+        """Download `peer`'s snapshot; it must match `template`'s names, dtypes and shapes exactly."""
+        expected = describe(template)
+        size = sum(_nbytes(m) for m in expected)
+        if size > self.max_state_bytes:
+            raise ValueError(f"state of {size} bytes exceeds max_state_bytes")
+        raw_header, payload = await self.transport.call(
+            peer,
+            STATE_METHOD,
+            pack(StateRequest(round_id=round_id)),
+            max_reply_payload=size,
+            timeout_s=timeout_s,
+            expect_large_reply=size > (64 << 10),
+        )
+        header = unpack(raw_header, StateHeader, peer=peer)
+        if header.tensors != expected:
+            raise PeerProtocolError("state does not match our model (names, dtypes or shapes differ)", peer=peer)
+        if len(payload) != size:
+            raise PeerProtocolError(f"state payload has {len(payload)} bytes, expected {size}", peer=peer)
+        tensors, pos = {}, 0
+        for meta in expected:
+            n = _nbytes(meta)
+            dtype = _DTYPES[meta.dtype]
+            chunk = payload[pos : pos + n]
+            t = torch.frombuffer(chunk, dtype=dtype).clone() if n else torch.empty(0, dtype=dtype)
+            tensors[meta.name] = t.reshape(meta.shape)
+            pos += n
+        if any(t.is_floating_point() and not torch.isfinite(t).all() for t in tensors.values()):
+            raise PeerProtocolError("state contains NaN or Inf", peer=peer)
+        return StateSnapshot(step=header.step, version=header.version, tensors=tensors)
+
+
+def _nbytes(meta: TensorMeta) -> int:
+    n = 1
+    for s in meta.shape:
+        n *= s
+    return n * torch.empty(0, dtype=_DTYPES[meta.dtype]).element_size()
+
+
+def _raw_bytes(t: torch.Tensor) -> bytes:
+    t = t.detach().to("cpu").contiguous().reshape(-1)
+    return t.view(torch.uint8).numpy().tobytes() if t.numel() else b""

@@ -1,0 +1,71 @@
+"""Real peers on loopback inside one test process: a bootstrap DHT and N round engines."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+from dataclasses import dataclass
+from typing import AsyncIterator
+
+import hivemind
+
+from protocol.config import RoundConfig
+from protocol.engine import RoundEngine
+from protocol.membership import Membership
+from protocol.transport import Transport
+
+LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
+RUN_HASH = hashlib.sha256(b"test-run").digest()
+KEY = "phalanx.test"
+
+
+@dataclass
+class TestPeer:
+    dht: hivemind.DHT
+    transport: Transport
+    membership: Membership
+    engine: RoundEngine
+
+    @property
+    def peer_id(self) -> str:
+        return self.transport.peer_id
+
+
+async def open_peer(initial_peers: list[str], config: RoundConfig, *, direct: bool = True) -> TestPeer:
+    loop = asyncio.get_running_loop()
+    dht = await loop.run_in_executor(
+        None, lambda: hivemind.DHT(initial_peers=initial_peers, host_maddrs=LOOPBACK, start=True)
+    )
+    p2p = await dht.replicate_p2p()
+    transport = await Transport.open(p2p, namespace=KEY, direct_host="127.0.0.1" if direct else None)
+    membership = Membership(dht, KEY + ".peers", transport.peer_id, refresh_s=1.0, ttl_s=6.0)
+    engine = RoundEngine(transport, membership, config, RUN_HASH)
+    await membership.start()
+    return TestPeer(dht, transport, membership, engine)
+
+
+async def close_peer(peer: TestPeer) -> None:
+    await peer.engine.aclose()
+    await peer.membership.aclose(announce_leaving=False)
+    await peer.transport.aclose()
+    await asyncio.get_running_loop().run_in_executor(None, peer.dht.shutdown)
+
+
+@contextlib.asynccontextmanager
+async def open_swarm(n: int, config: RoundConfig, **kwargs) -> AsyncIterator[list[TestPeer]]:
+    loop = asyncio.get_running_loop()
+    bootstrap = await loop.run_in_executor(None, lambda: hivemind.DHT(host_maddrs=LOOPBACK, start=True))
+    initial = [str(m) for m in bootstrap.get_visible_maddrs()]
+    peers: list[TestPeer] = []
+    try:
+        for _ in range(n):
+            peers.append(await open_peer(initial, config, **kwargs))
+        for peer in peers:  # everyone sees everyone before the first round
+            while len(peer.membership.peers()) < n:
+                await peer.membership.refresh()
+        yield peers
+    finally:
+        for peer in peers:
+            await close_peer(peer)
+        await loop.run_in_executor(None, bootstrap.shutdown)
