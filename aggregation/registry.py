@@ -1,0 +1,171 @@
+"""Registries of pluggable rules by stable name, and ``make_aggregator`` for configs and the CLI.
+
+Peers exchange these names (they go into the matchmaking key), so names never change.
+A factory takes keyword parameters, checks them at once and returns an aggregator
+``(x, weights=None) -> AggregateResult``. Unknown names and parameters raise ConfigError
+with the valid choices; duplicate registration raises.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Callable, Generic, TypeVar
+
+import torch
+from torch import Tensor
+
+from aggregation.base import AggregateResult, check_int, check_nonnegative, check_positive
+from aggregation.bucketing import bucketing
+from aggregation.centered_clip import TAU_HINT, centered_clip
+from aggregation.coordinatewise import coordinate_median, mean, trimmed_mean
+from aggregation.errors import ConfigError
+from aggregation.geometric_median import geometric_median
+from aggregation.krum import krum, multi_krum
+
+T = TypeVar("T")
+
+
+class Registry(Mapping[str, T], Generic[T]):
+    """name → item for one pluggable kind; unknown names and duplicates raise ConfigError."""
+
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
+        self._items: dict[str, T] = {}
+
+    def register(self, name: str, item: T) -> T:
+        if name in self._items:
+            raise ConfigError(f"{self.kind} {name!r} is already registered")
+        self._items[name] = item
+        return item
+
+    def __getitem__(self, name: str) -> T:
+        try:
+            return self._items[name]
+        except KeyError:
+            raise ConfigError(f"unknown {self.kind} {name!r}; valid names: {', '.join(self._items)}") from None
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._items)
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+
+Aggregator = Callable[..., AggregateResult]  # (x: Tensor (n, d), weights: Tensor (n,) | None) -> AggregateResult
+AggregatorFactory = Callable[..., Aggregator]
+
+AGGREGATORS: Registry[AggregatorFactory] = Registry("aggregator")
+
+
+@dataclass(frozen=True)
+class BoundAggregator:
+    """An aggregator with its registry name and parameters (for logs, health records and config hashes)."""
+
+    name: str
+    params: Mapping[str, Any]
+    fn: Aggregator = field(repr=False, compare=False)
+
+    def __call__(self, x: Tensor, weights: Tensor | None = None) -> AggregateResult:
+        return self.fn(x, weights)
+
+
+def register_aggregator(name: str) -> Callable[[AggregatorFactory], AggregatorFactory]:
+    """Decorator: add a factory to AGGREGATORS under ``name``."""
+    return functools.partial(AGGREGATORS.register, name)
+
+
+def make_aggregator(name: str, **params: Any) -> BoundAggregator:
+    """Build the aggregator registered as ``name`` with ``params``.
+
+    Example: ``make_aggregator("centered_clip", tau=1.0)``, ``make_aggregator("trimmed_mean", b=2)``.
+    """
+    factory = AGGREGATORS[name]
+    check_params(f"aggregator {name!r}", factory, params)
+    try:
+        fn = factory(**params)
+    except ConfigError as e:
+        raise ConfigError(f"aggregator {name!r}: {e}") from e
+    return BoundAggregator(name, dict(params), fn)
+
+
+def check_params(
+    what: str, fn: Callable[..., Any], params: Mapping[str, Any], *, skip: int = 0, runtime: tuple[str, ...] = ()
+) -> None:
+    """Raise ConfigError naming any unknown or missing keyword parameter of ``fn``.
+
+    skip: leading positional parameters that are not configuration (e.g. an attack's inputs);
+    runtime: keyword parameters given at call time, not in the config (e.g. ``generator``).
+    """
+    sig = [p for p in list(inspect.signature(fn).parameters.values())[skip:] if p.name not in runtime]
+    names = [p.name for p in sig if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    forwards = any(p.kind is p.VAR_KEYWORD for p in sig)  # bucketing: extras go to the inner rule
+    valid = ", ".join(names) or "none"
+    for key in params:
+        if key not in names and not forwards:
+            raise ConfigError(f"{what}: unknown parameter {key!r}; valid parameters: {valid}")
+    for p in sig:
+        if p.default is p.empty and p.name in names and p.name not in params:
+            raise ConfigError(f"{what}: missing required parameter {p.name!r}")
+
+
+# ---- factories: check parameters eagerly, return (x, weights) -> AggregateResult ----------
+
+
+@register_aggregator("mean")
+def _mean() -> Aggregator:
+    return mean
+
+
+@register_aggregator("centered_clip")
+def _centered_clip(*, tau: float, eps: float = 1e-6, max_iter: int = 500) -> Aggregator:
+    tau = check_positive("tau", tau, allow_inf=True, hint=TAU_HINT)
+    eps = check_nonnegative("eps", eps)
+    max_iter = check_int("max_iter", max_iter, minimum=1)
+    return functools.partial(centered_clip, tau=tau, eps=eps, max_iter=max_iter)
+
+
+@register_aggregator("median")
+def _median() -> Aggregator:
+    return coordinate_median
+
+
+@register_aggregator("trimmed_mean")
+def _trimmed_mean(*, b: int) -> Aggregator:
+    return functools.partial(trimmed_mean, b=check_int("b", b, minimum=0))
+
+
+@register_aggregator("krum")
+def _krum(*, b: int) -> Aggregator:
+    return functools.partial(krum, b=check_int("b", b, minimum=0))
+
+
+@register_aggregator("multi_krum")
+def _multi_krum(*, b: int, m: int) -> Aggregator:
+    return functools.partial(multi_krum, b=check_int("b", b, minimum=0), m=check_int("m", m, minimum=1))
+
+
+@register_aggregator("geometric_median")
+def _geometric_median(*, nu: float = 0.1, iters: int = 8, eps: float = 1e-6) -> Aggregator:
+    nu, eps = check_positive("nu", nu), check_nonnegative("eps", eps)
+    return functools.partial(geometric_median, nu=nu, iters=check_int("iters", iters, minimum=1), eps=eps)
+
+
+@register_aggregator("bucketing")
+def _bucketing(*, s: int, inner: str, seed: int = 0, **inner_params: Any) -> Aggregator:
+    """Bucketing around another registered rule; extra parameters go to that rule.
+
+    seed: seeds the permutation generator, which advances with every call (use the round's
+    public randomness as the seed so that every peer draws the same buckets).
+    """
+    s = check_int("s", s, minimum=1)
+    seed = check_int("seed", seed, minimum=0)
+    if not isinstance(inner, str):
+        raise ConfigError(f"inner must be an aggregator name, got {inner!r}")
+    if inner == "bucketing":
+        raise ConfigError("inner must be another aggregator than 'bucketing'")
+    inner_agg = make_aggregator(inner, **inner_params)
+    generator = torch.Generator().manual_seed(seed)
+    return functools.partial(bucketing, s=s, inner=inner_agg, generator=generator)

@@ -1,0 +1,200 @@
+"""`phalanx bench aggregate`: time each registered aggregator against one read of its input.
+
+Reference: x.sum(0) on the same (n, d) float32 tensor in the same run, i.e. one read of
+the input (the memory-bandwidth floor); every time is reported as a ratio to it.
+Input: honest rows only, x_i = μ + σ_i·ξ_i with μ, ξ_i ~ N(0, I) and per-row noise norms
+σ_i·√d spread evenly over [0.5, 2] (peers with different batch noise). With tau = 1 the
+noisier rows are clipped and CenteredClip converges in about ten iterations.
+
+    phalanx bench aggregate --n 8 --d 1000000 --repeats 3
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from typing import Any, Callable
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from aggregation.registry import AGGREGATORS, make_aggregator
+from aggregation.errors import ConfigError
+
+TAU = 1.0  # CenteredClip radius, in units where honest noise norms lie in [0.5, 2]
+CELL_MEMORY_FACTOR = 2.5  # input + the largest temporaries (a mean-sized copy, sort chunks) must fit
+GOAL_READS_ORDER_STATS = 10.0  # median and trimmed mean: at most 10× one read
+
+
+def default_params(name: str, n: int) -> dict[str, Any]:
+    """Parameters each rule runs with at n rows (b is a quarter of n, kept legal for Krum)."""
+    b = max(0, min(n // 4, (n - 3) // 2))
+    return {
+        "centered_clip": {"tau": TAU},
+        "trimmed_mean": {"b": b},
+        "krum": {"b": b},
+        "multi_krum": {"b": b, "m": max(1, n - 2 * b)},
+        "bucketing": {"s": 2, "inner": "centered_clip", "tau": TAU},
+    }.get(name, {})
+
+
+def make_input(n: int, d: int, device: torch.device, seed: int) -> torch.Tensor:
+    """(n, d) float32 honest rows μ + σ_i·ξ_i (see the module docstring)."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    x = torch.empty(n, d, dtype=torch.float32)
+    mu = torch.randn(d, generator=g)
+    for i, noise_norm in enumerate(torch.linspace(0.5, 2.0, n).tolist()):  # row by row: no (n, d) temporary
+        x[i] = torch.randn(d, generator=g).mul_(noise_norm / d**0.5).add_(mu)
+    return x.to(device)
+
+
+def time_median(fn: Callable[[], Any], device: torch.device, repeats: int) -> tuple[float, Any]:
+    """Median wall time of ``repeats`` runs after one warm-up; synchronizes around CUDA runs."""
+    out = fn()
+    times = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        out = fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times), out
+
+
+def _devices(device: str) -> list[torch.device]:
+    if device == "auto":
+        return [torch.device("cpu")] + ([torch.device("cuda")] if torch.cuda.is_available() else [])
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        raise ConfigError(f"--device must be cpu, cuda, cuda:N or auto, not {device!r}") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"--device {device}: CUDA is not available here; use cpu or auto")
+    if dev.type not in ("cpu", "cuda"):
+        raise ConfigError(f"--device must be cpu, cuda, cuda:N or auto, not {device!r}")
+    return [dev]
+
+
+def _free_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def _is_oom(e: BaseException) -> bool:
+    return isinstance(e, (MemoryError, torch.OutOfMemoryError)) or "out of memory" in str(e).lower()
+
+
+def run_aggregate_bench(
+    ns: list[int],
+    ds: list[int],
+    names: list[str] | None,
+    device: str,
+    repeats: int,
+    seed: int,
+    *,
+    console: Console | None = None,
+) -> list[dict[str, Any]]:
+    """Time every aggregator (or ``names``) at each n and d; print a table and return its rows.
+
+    Row keys: device, n, d, aggregator, status ("ok" or why the cell did not run), time_s,
+    ref_s, ratio (time / one read), iterations, per_read (CenteredClip: ratio / (iterations + 2)).
+    """
+    names = list(AGGREGATORS) if names is None else names
+    for name in names:
+        AGGREGATORS[name]  # unknown names fail before any work, listing the valid ones
+    console = console or Console()
+    if not console.is_terminal:
+        console.width = max(console.width, 120)  # piped or captured: do not wrap the table
+    rows: list[dict[str, Any]] = []
+    for dev in _devices(device):
+        for n in ns:
+            for d in ds:
+                rows += _bench_cell(dev, n, d, names, repeats, seed, console)
+    console.print(_table(rows, repeats))
+    console.print(goal_check(rows))
+    return rows
+
+
+def _bench_cell(
+    dev: torch.device, n: int, d: int, names: list[str], repeats: int, seed: int, console: Console
+) -> list[dict[str, Any]]:
+    base = {"device": str(dev), "n": n, "d": d}
+    need, free = int(CELL_MEMORY_FACTOR * n * d * 4), _free_bytes(dev)
+    if need > free:
+        why = f"does not fit: needs ~{need / 2**30:.1f} GiB, {free / 2**30:.1f} GiB free"
+        return [{**base, "aggregator": name, "status": why} for name in names]
+    with console.status(f"[{dev}] n={n} d={d:.0e}: generating input"):
+        x = make_input(n, d, dev, seed)
+    out = []
+    try:
+        ref_s, _ = time_median(lambda: x.sum(0), dev, repeats)
+        for name in names:
+            row: dict[str, Any] = {**base, "aggregator": name, "ref_s": ref_s}
+            with console.status(f"[{dev}] n={n} d={d:.0e}: {name}"):
+                try:
+                    agg = make_aggregator(name, **default_params(name, n))
+                    t, result = time_median(lambda: agg(x), dev, repeats)
+                except (RuntimeError, MemoryError) as e:
+                    if not _is_oom(e):
+                        raise
+                    row["status"] = "out of memory"
+                    out.append(row)
+                    continue
+            ratio = t / ref_s
+            row.update(status="ok", time_s=t, ratio=ratio, iterations=result.iterations)
+            if name == "centered_clip":
+                row["per_read"] = ratio / (result.iterations + 2)
+            out.append(row)
+    finally:
+        del x
+    return out
+
+
+def _table(rows: list[dict[str, Any]], repeats: int) -> Table:
+    table = Table(title=f"aggregators vs one read of x (x.sum(0)), float32, median of {repeats}")
+    for col in ("device", "n", "d", "aggregator", "time ms", "x.sum(0) ms", "ratio", "iters", "ratio/(iters+2)"):
+        table.add_column(col, justify="left" if col in ("device", "aggregator") else "right", no_wrap=True)
+    for r in rows:
+        cells = [r["device"], str(r["n"]), _short(r["d"]), r["aggregator"]]
+        if r["status"] != "ok":
+            table.add_row(*cells, r["status"], "", "", "", "")
+            continue
+        per_read = f"{r['per_read']:.2f}" if "per_read" in r else ""
+        table.add_row(
+            *cells, f"{r['time_s'] * 1e3:.1f}", f"{r['ref_s'] * 1e3:.1f}", f"{r['ratio']:.1f}×",
+            str(r["iterations"]), per_read,
+        )
+    return table
+
+
+def _short(d: int) -> str:
+    """1000000 -> 1e6 (exact powers of ten), else the number."""
+    text = f"{d:.0e}".replace("e+0", "e").replace("e+", "e")
+    return text if float(text) == d else str(d)
+
+
+def goal_check(rows: list[dict[str, Any]]) -> str:
+    """One line: CenteredClip <= (iterations + 2) reads; median and trimmed mean <= 10 reads."""
+    parts = []
+    goals = {
+        "centered_clip": (lambda r: r["iterations"] + 2, "(iterations + 2)"),
+        "median": (lambda r: GOAL_READS_ORDER_STATS, f"{GOAL_READS_ORDER_STATS:g}"),
+        "trimmed_mean": (lambda r: GOAL_READS_ORDER_STATS, f"{GOAL_READS_ORDER_STATS:g}"),
+    }
+    for name, (limit, text) in goals.items():
+        cells = [r for r in rows if r["aggregator"] == name and r["status"] == "ok"]
+        if not cells:
+            continue
+        met = sum(r["ratio"] <= limit(r) for r in cells)
+        color = "green" if met == len(cells) else "red"
+        worst = max(cells, key=lambda r: r["ratio"] / limit(r))
+        parts.append(
+            f"{name} <= {text} reads: [{color}]met in {met}/{len(cells)} cells[/{color}] "
+            f"(worst {worst['ratio']:.1f}× vs {limit(worst):g} at n={worst['n']} d={_short(worst['d'])} {worst['device']})"
+        )
+    return "goal: " + "; ".join(parts) if parts else "goal: no CenteredClip, median or trimmed mean cell ran"
