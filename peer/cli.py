@@ -112,7 +112,10 @@ def swarm(
     """
     from peer.swarm import run_swarm
 
-    join_args = ["--task", task, "--steps", str(steps), "--target-accuracy", str(target_accuracy), *ctx.args]
+    join_args = [
+        "--task", task, "--steps", str(steps), "--target-accuracy", str(target_accuracy),
+        "--wait-for-peers", str(peers), *ctx.args,
+    ]  # fmt: skip
     result = run_swarm(peers, join_args, target_accuracy=target_accuracy, workdir=workdir)
     if not result.reached_target:
         raise typer.Exit(1)

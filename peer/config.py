@@ -112,6 +112,7 @@ class PeerConfig(NetworkSettings):
     checkpoint_dir: Optional[Path] = Field(None, description="Save model + optimizer + step here (atomically).")
     checkpoint_every: int = Field(100, ge=1, description="Checkpoint every N steps (and on clean shutdown).")
     resume: bool = Field(False, description="Continue from the newest checkpoint in --checkpoint-dir.")
+    wait_for_peers: int = Field(1, ge=1, description="Before the first step, wait (up to a minute) until this many trainers are announced; avoids a ragged start.")
     torch_threads: Optional[int] = Field(None, ge=1, description="Threads torch may use in this process.")
     events: bool = Field(False, description="Print one JSON progress event per line on stdout (used by `phalanx swarm`).")
 

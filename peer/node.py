@@ -5,19 +5,37 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import signal
+import time
 from dataclasses import dataclass
 from typing import Optional
 
 import hivemind
 from multiaddr import Multiaddr
 
-from aggregation.errors import ConfigError
+from aggregation.errors import ConfigError, PhalanxError
 from peer.config import NetworkSettings, PeerConfig
 from protocol.engine import RoundEngine
 from protocol.membership import Membership
 from protocol.transport import Transport
 
 logger = logging.getLogger(__name__)
+
+
+class _DHT(hivemind.DHT):
+    """hivemind's DHT process, made to die with its process group.
+
+    The process is forked from a parent whose Python signal handlers (the trainer's graceful
+    stop) would otherwise be inherited: it would then ignore SIGTERM and outlive a killed
+    swarm. Ctrl-C reaches the whole process group; the parent decides how to stop, so the
+    child ignores SIGINT and is shut down by the parent.
+    """
+
+    def run(self) -> None:
+        signal.set_wakeup_fd(-1)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        super().run()
 
 
 def start_dht(settings: NetworkSettings, *, client_mode: Optional[bool] = None) -> hivemind.DHT:
@@ -33,19 +51,35 @@ def start_dht(settings: NetworkSettings, *, client_mode: Optional[bool] = None) 
         use_auto_relay=settings.use_auto_relay,
         client_mode=settings.client_mode if client_mode is None else client_mode,
         start=True,
-        await_ready=True,
+        await_ready=False,
     )
     try:
-        return hivemind.DHT(**kwargs)
+        dht = _DHT(**kwargs, shutdown_timeout=3)
     except Exception as e:
-        text = str(e)
-        if "already taken" in text:
-            raise ConfigError(f"--identity-path: {text}; each peer needs its own identity file") from None
-        if settings.initial_peers and ("bootstrap" in text.lower() or "failed to connect" in text.lower()):
-            raise ConfigError(
-                f"--initial-peers: could not reach any of {settings.initial_peers} ({text.splitlines()[0][:200]})"
-            ) from None
-        raise
+        raise _explain(e, settings) from None
+    deadline = time.monotonic() + 120
+    while True:  # hivemind waits forever if its process dies before it is ready: poll instead
+        try:
+            dht.wait_until_ready(timeout=0.5)
+            return dht
+        except TimeoutError:
+            if not dht.is_alive():
+                raise PhalanxError("the DHT process died during start-up; run with --debug to see why") from None
+            if time.monotonic() > deadline:
+                dht.shutdown()
+                raise PhalanxError("the DHT did not start within 120 s") from None
+        except Exception as e:
+            dht.shutdown()
+            raise _explain(e, settings) from None
+
+
+def _explain(e: Exception, settings: NetworkSettings) -> Exception:
+    text = str(e)
+    if "already taken" in text:
+        return ConfigError(f"--identity-path: {text}; each peer needs its own identity file")
+    if settings.initial_peers and ("bootstrap" in text.lower() or "failed to connect" in text.lower()):
+        return ConfigError(f"--initial-peers: could not reach any of {settings.initial_peers} ({text.splitlines()[0][:200]})")
+    return e
 
 
 def visible_maddrs(dht: hivemind.DHT) -> list[str]:
@@ -91,9 +125,11 @@ class Node:
         return self.transport.peer_id
 
     async def aclose(self) -> None:
-        for step in (self.engine.aclose(), self.membership.aclose(), self.transport.aclose()):
+        alive = self.dht.is_alive()  # a Ctrl-C or killpg may have taken the DHT and p2pd down already
+        steps = (self.engine.aclose(), self.membership.aclose(announce_leaving=alive), self.transport.aclose())
+        for step in steps:
             try:
-                await asyncio.wait_for(step, timeout=10)
+                await asyncio.wait_for(step, timeout=2)
             except Exception as e:
                 logger.debug(f"shutdown step failed: {e!r}")
         await asyncio.get_running_loop().run_in_executor(None, self.dht.shutdown)

@@ -136,6 +136,7 @@ class Trainer:
         self.report = Report()
         self.stop_requested = asyncio.Event()
         self._last_event = 0.0
+        self._node: Optional[Node] = None
 
     async def _in_thread(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
@@ -171,7 +172,7 @@ class Trainer:
     async def run(self) -> Report:
         started = time.monotonic()
         step = await self._in_thread(self._resume)
-        node = await open_node(self.config)
+        node = self._node = await open_node(self.config)
         self.report.peer_id = node.peer_id
         engine = node.engine
         engine.set_state(initial_version(self.config.run_hash(), self.model.state_tensors(), step), step)
@@ -181,6 +182,7 @@ class Trainer:
         )
         self._emit("started", peer_id=node.peer_id, step=step, params=self.model.numel, param_hash=self.model.param_hash())
         try:
+            await self._wait_for_peers(node)
             await self._loop(node)
         finally:
             self.report.step = engine.step
@@ -197,6 +199,17 @@ class Trainer:
             self.executor.shutdown(wait=True)
             self._emit("done", **asdict(self.report))
         return self.report
+
+    async def _wait_for_peers(self, node: Node) -> None:
+        deadline = time.monotonic() + 60.0
+        while len(node.membership.peers()) < self.config.wait_for_peers and time.monotonic() < deadline:
+            if self.stop_requested.is_set():
+                return
+            await asyncio.sleep(0.2)
+            await node.membership.refresh()
+        seen = len(node.membership.peers())
+        if seen < self.config.wait_for_peers:
+            logger.warning(f"starting with {seen} of the {self.config.wait_for_peers} peers asked for by --wait-for-peers")
 
     def _done(self, step: int) -> bool:
         if self.stop_requested.is_set():
@@ -262,7 +275,7 @@ class Trainer:
                 loss=loss,
                 group=len(outcome.group.members),
                 round_s=round(result.duration_s, 4),
-                bytes_sent=self.report.bytes_sent,
+                bytes_sent=self._bytes_sent(),
                 missing_parts=len(result.missing_parts),
             )
         if step % 50 == 0:
@@ -270,6 +283,9 @@ class Trainer:
                 f"step {step} loss {loss:.4f} group {len(outcome.group.members)} "
                 f"round {result.duration_s * 1e3:.1f} ms sent {result.bytes_sent / 1e6:.2f} MB"
             )
+
+    def _bytes_sent(self) -> int:
+        return self._node.transport.stats.bytes_sent if self._node is not None else 0
 
     async def _evaluate(self, step: int) -> None:
         metrics = await self._in_thread(self.task.evaluate, self.model.module)

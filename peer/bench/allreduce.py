@@ -1,0 +1,262 @@
+"""`phalanx bench allreduce`: our butterfly round vs hivemind's DecentralizedAverager vs gloo.
+
+Each implementation runs in N worker processes on loopback with the same tensors
+(numel float32 per peer), one warm-up round and then `rounds` timed rounds. A round's
+time is the slowest worker's data phase (from the moment the group is formed until the
+averaged tensor is back); for Phalanx we also report the whole round with matchmaking.
+Every worker checks its result against the true mean, so a fast wrong answer fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from typing import Any, Optional
+
+import torch
+
+IMPLS = ("phalanx", "hivemind", "gloo")
+
+
+def _worker_tensor(rank: int, numel: int) -> torch.Tensor:
+    return torch.randn(numel, generator=torch.Generator().manual_seed(1000 + rank))
+
+
+def _expected_mean(world: int, numel: int) -> torch.Tensor:
+    return torch.stack([_worker_tensor(r, numel) for r in range(world)]).mean(0)
+
+
+# ---- workers (one process each) ----------------------------------------------------------------
+
+
+def _run_gloo(args) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args.port}", rank=args.rank, world_size=args.world)
+    base = _worker_tensor(args.rank, args.numel)
+    times = []
+    for r in range(args.rounds + 1):
+        t = base.clone()
+        dist.barrier()
+        start = time.perf_counter()
+        dist.all_reduce(t)
+        t /= args.world
+        if r:
+            times.append(time.perf_counter() - start)
+    error = (t - _expected_mean(args.world, args.numel)).abs().max().item()
+    dist.destroy_process_group()
+    return {"data_s": times, "round_s": times, "error": error, "bytes_sent": None}
+
+
+def _run_hivemind(args) -> dict[str, Any]:
+    import hivemind
+    from hivemind.averaging.control import AveragingStage
+
+    dht = hivemind.DHT(initial_peers=args.initial_peers, host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True)
+    base = _worker_tensor(args.rank, args.numel)
+    tensor = base.clone()
+    averager = hivemind.averaging.DecentralizedAverager(
+        [tensor], dht=dht, prefix="bench", target_group_size=args.world, min_group_size=args.world,
+        min_matchmaking_time=1.0, request_timeout=10.0, start=True,
+    )  # fmt: skip
+    data, rounds = [], []
+    try:
+        for r in range(args.rounds + 1):
+            with averager.get_tensors() as tensors:
+                tensors[0].copy_(base)
+            started = time.perf_counter()
+            control = averager.step(require_trigger=True, wait=False, timeout=120)
+            while control.stage != AveragingStage.AWAITING_TRIGGER and not control.done():
+                time.sleep(0.001)
+            formed = time.perf_counter()
+            control.allow_allreduce()
+            if control.result(timeout=300) is None:
+                raise RuntimeError("hivemind averaging round failed")
+            end = time.perf_counter()
+            if r:
+                data.append(end - formed)
+                rounds.append(end - started)
+        with averager.get_tensors() as tensors:
+            error = (tensors[0] - _expected_mean(args.world, args.numel)).abs().max().item()
+    finally:
+        averager.shutdown()
+        dht.shutdown()
+    return {"data_s": data, "round_s": rounds, "error": error, "bytes_sent": None}
+
+
+def _run_phalanx(args) -> dict[str, Any]:
+    import uvloop
+
+    from peer.config import PeerConfig
+    from peer.node import open_node
+    from protocol.engine import Averaged
+
+    config = PeerConfig(
+        initial_peers=args.initial_peers,
+        host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+        run_id="bench",
+        aggregator=args.aggregator,
+        aggregator_params=args.aggregator_params,
+        min_group_size=args.world,
+        matchmaking_timeout_s=60.0,
+        allreduce_timeout_s=120.0,
+        direct=not args.no_direct,
+    )
+
+    async def main() -> dict[str, Any]:
+        node = await open_node(config)
+        engine = node.engine
+        engine.set_state(b"bench", 0)
+        base = _worker_tensor(args.rank, args.numel)
+        data, rounds = [], []
+        try:
+            while len(node.membership.peers()) < args.world:
+                await node.membership.refresh()
+            sent0 = 0
+            for r in range(args.rounds + 1):
+                if r == 1:
+                    sent0 = node.transport.stats.bytes_sent
+                started = time.perf_counter()
+                outcome = await engine.run_round(base)
+                if not isinstance(outcome, Averaged) or len(outcome.group.members) != args.world:
+                    raise RuntimeError(f"round {r} did not form a full group: {outcome}")
+                await engine.completed(outcome, dict)
+                if r:
+                    data.append(outcome.result.duration_s)
+                    rounds.append(time.perf_counter() - started)
+            error = (outcome.result.vector - _expected_mean(args.world, args.numel)).abs().max().item()
+            per_round = (node.transport.stats.bytes_sent - sent0) / args.rounds
+            return {"data_s": data, "round_s": rounds, "error": error, "bytes_sent": per_round}
+        finally:
+            await node.aclose()
+
+    return uvloop.run(main())
+
+
+def worker_main(argv: Optional[list[str]] = None) -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("impl", choices=IMPLS)
+    parser.add_argument("--rank", type=int, required=True)
+    parser.add_argument("--world", type=int, required=True)
+    parser.add_argument("--numel", type=int, required=True)
+    parser.add_argument("--rounds", type=int, required=True)
+    parser.add_argument("--port", type=int, default=0)
+    parser.add_argument("--initial-peers", nargs="*", default=[])
+    parser.add_argument("--aggregator", default="mean")
+    parser.add_argument("--aggregator-params", default="")
+    parser.add_argument("--no-direct", action="store_true")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    result = {"phalanx": _run_phalanx, "hivemind": _run_hivemind, "gloo": _run_gloo}[args.impl](args)
+    sys.stdout.write("RESULT " + json.dumps(result) + "\n")
+    sys.stdout.flush()
+
+
+# ---- the coordinator -----------------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_case(impl: str, world: int, numel: int, rounds: int, *, extra: Optional[list[str]] = None, timeout_s: float = 900) -> dict[str, Any]:
+    """Run one implementation with `world` worker processes; returns medians over rounds."""
+    bootstrap = None
+    initial: list[str] = []
+    if impl in ("phalanx", "hivemind"):
+        import hivemind
+
+        bootstrap = hivemind.DHT(host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True)
+        initial = [str(m) for m in bootstrap.get_visible_maddrs()]
+    port = _free_port()
+    procs = []
+    try:
+        for rank in range(world):
+            cmd = [
+                sys.executable, "-m", "peer.bench.allreduce", impl, "--rank", str(rank), "--world", str(world),
+                "--numel", str(numel), "--rounds", str(rounds), "--port", str(port), *(extra or []),
+            ]  # fmt: skip
+            if initial:
+                cmd += ["--initial-peers", *initial]
+            procs.append(
+                subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+            )
+        results = []
+        for p in procs:
+            out, err = p.communicate(timeout=timeout_s)
+            lines = [line for line in out.splitlines() if line.startswith("RESULT ")]
+            if p.returncode != 0 or not lines:
+                raise RuntimeError(f"{impl} worker failed (exit {p.returncode}):\n{err[-3000:]}")
+            results.append(json.loads(lines[-1][len("RESULT ") :]))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                try:
+                    os.killpg(p.pid, 9)
+                except ProcessLookupError:
+                    pass
+                p.wait()
+        if bootstrap is not None:
+            bootstrap.shutdown()
+    data = [max(r["data_s"][i] for r in results) for i in range(rounds)]  # the slowest worker finishes the round
+    total = [max(r["round_s"][i] for r in results) for i in range(rounds)]
+    sent = [r["bytes_sent"] for r in results if r["bytes_sent"] is not None]
+    return {
+        "impl": impl,
+        "peers": world,
+        "numel": numel,
+        "data_s": statistics.median(data),
+        "round_s": statistics.median(total),
+        "max_error": max(r["error"] for r in results),
+        "bytes_sent_per_peer": statistics.mean(sent) if sent else None,
+    }
+
+
+def run_allreduce_bench(peers: list[int], numel: int, rounds: int, impls: list[str], console=None) -> list[dict[str, Any]]:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = console or Console()
+    rows = []
+    for world in peers:
+        for impl in impls:
+            console.print(f"running {impl} with {world} peers × {numel:,} float32 ({rounds} timed rounds)…")
+            rows.append(run_case(impl, world, numel, rounds))
+    table = Table(title=f"all-reduce of {numel:,} float32 per peer on loopback (median of {rounds} rounds)")
+    for col in ("peers", "impl", "data phase s", "round s", "vs hivemind", "vs gloo", "MB sent/peer", "max error"):
+        table.add_column(col, justify="right")
+    for world in peers:
+        ref = {r["impl"]: r for r in rows if r["peers"] == world}
+        for r in (x for x in rows if x["peers"] == world):
+            hm, gl = ref.get("hivemind"), ref.get("gloo")
+            table.add_row(
+                str(world),
+                r["impl"],
+                f"{r['data_s']:.3f}",
+                f"{r['round_s']:.3f}",
+                f"{hm['data_s'] / r['data_s']:.2f}× faster" if hm else "",
+                f"{r['data_s'] / gl['data_s']:.1f}× slower" if gl else "",
+                "" if r["bytes_sent_per_peer"] is None else f"{r['bytes_sent_per_peer'] / 1e6:.1f}",
+                f"{r['max_error']:.1e}",
+            )
+    console.print(table)
+    if "phalanx" in impls and "hivemind" in impls:
+        for world in peers:
+            ref = {r["impl"]: r for r in rows if r["peers"] == world}
+            speedup = ref["hivemind"]["data_s"] / ref["phalanx"]["data_s"]
+            verdict = "met" if speedup >= 2 else "NOT met"
+            console.print(f"goal ≥2× hivemind at {world} peers: {speedup:.2f}× — {verdict}")
+    return rows
+
+
+if __name__ == "__main__":
+    worker_main()

@@ -1,0 +1,93 @@
+"""Trainers as real `phalanx join` processes on loopback: newcomers, resume, the swarm command."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import hivemind
+import pytest
+import torch
+
+from peer.checkpoint import load_latest
+from trainer_procs import LOOPBACK, join_args, spawn
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
+
+
+@pytest.fixture
+def bootstrap():
+    dht = hivemind.DHT(host_maddrs=[LOOPBACK], start=True)
+    yield [str(m) for m in dht.get_visible_maddrs()]
+    dht.shutdown()
+
+
+def _checkpoints(directory: Path) -> dict[int, Path]:
+    return {int(p.stem.split("-")[1]): p for p in directory.glob("ckpt-*.pt")}
+
+
+def test_newcomer_downloads_state_and_matches_the_others(bootstrap, tmp_path):
+    common = ("--steps", "1000000", "--eval-every", "1000000", "--checkpoint-every", "10")
+    procs = []
+    try:
+        for name in ("a", "b"):
+            args = join_args(bootstrap, tmp_path, name, *common, "--wait-for-peers", "2", "--checkpoint-dir", str(tmp_path / name))
+            procs.append(spawn(args, tmp_path / f"{name}.log"))
+        for p in procs:
+            p.next_event("step", where=lambda e: e["step"] >= 20)
+        newcomer = spawn(
+            join_args(bootstrap, tmp_path, "c", *common, "--checkpoint-dir", str(tmp_path / "c")), tmp_path / "c.log"
+        )
+        procs.append(newcomer)
+        resynced = newcomer.next_event("resynced")
+        joined_at = resynced["step"]
+        assert joined_at > 20
+        for p in procs:  # all three train together for a while
+            p.next_event("step", where=lambda e: e["step"] >= joined_at + 30)
+        for p in procs:  # stop all at once: they are in lockstep and stop within a step of each other
+            p.send()
+        for p in procs:
+            p.stop()
+        common_steps = set.intersection(*(set(_checkpoints(tmp_path / n)) for n in "abc"))
+        after = sorted(s for s in common_steps if s > joined_at)
+        assert after, f"no common checkpoint after step {joined_at}: {common_steps}"
+        states = [torch.load(_checkpoints(tmp_path / n)[after[-1]], weights_only=True) for n in "abc"]
+        for name in states[0]["model"]:
+            assert torch.equal(states[0]["model"][name], states[2]["model"][name]), name
+            assert torch.equal(states[1]["model"][name], states[2]["model"][name]), name
+        momentum = [s["optimizer"]["state"][0]["momentum_buffer"] for s in states]
+        assert torch.equal(momentum[0], momentum[2])
+    finally:
+        for p in procs:
+            p.kill()
+
+
+def test_resume_restores_identical_parameters(bootstrap, tmp_path):
+    ckpt = tmp_path / "ckpt"
+    first = spawn(join_args(bootstrap, tmp_path, "p", "--steps", "30", "--checkpoint-dir", str(ckpt), "--checkpoint-every", "10"), tmp_path / "1.log")
+    done = first.next_event("done")
+    assert first.popen.wait(60) == 0
+    assert done["step"] == 30 and load_latest(ckpt).step == 30
+
+    again = spawn(join_args(bootstrap, tmp_path, "p", "--steps", "40", "--checkpoint-dir", str(ckpt), "--resume"), tmp_path / "2.log")
+    started = again.next_event("started")
+    assert started["step"] == 30 and started["param_hash"] == done["param_hash"]
+    finished = again.next_event("done")
+    assert finished["step"] == 40 and again.popen.wait(60) == 0
+
+
+def test_swarm_command_reaches_target_and_cleans_up(tmp_path):
+    workdir = tmp_path / "swarm"
+    result = subprocess.run(
+        [sys.executable, "-m", "peer.cli", "swarm", "--peers", "2", "--steps", "600", "--workdir", str(workdir)],
+        capture_output=True,
+        text=True,
+        timeout=500,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "reached 0.95" in result.stderr
+    assert "final report" in result.stderr
+    # every process the swarm started is gone
+    ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
+    assert str(workdir) not in ps

@@ -1,0 +1,88 @@
+"""Start real `phalanx` processes on loopback and read their JSON events (helpers for tests)."""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+
+LOOPBACK = "/ip4/127.0.0.1/tcp/0"
+
+
+@dataclass
+class Proc:
+    popen: subprocess.Popen
+    log: Path
+    events: "queue.Queue[dict]" = field(default_factory=queue.Queue)
+    seen: list = field(default_factory=list)
+
+    def next_event(self, kind: str, timeout: float = 240.0, where=lambda e: True) -> dict:
+        """Block until an event of `kind` that satisfies `where` arrives (timeout: the process is stuck)."""
+        while True:
+            try:
+                event = self.events.get(timeout=timeout)
+            except queue.Empty:
+                raise AssertionError(f"no {kind!r} event within {timeout} s; log:\n{self.tail()}") from None
+            self.seen.append(event)
+            if event.get("event") == kind and where(event):
+                return event
+            if event.get("event") == "exit":
+                raise AssertionError(f"process exited before a {kind!r} event; log:\n{self.tail()}")
+
+    def tail(self) -> str:
+        return self.log.read_text()[-4000:] if self.log.exists() else ""
+
+    def send(self, sig=signal.SIGTERM) -> None:
+        if self.popen.poll() is None:
+            os.killpg(self.popen.pid, sig)
+
+    def stop(self, sig=signal.SIGTERM, timeout: float = 60) -> int:
+        self.send(sig)
+        try:
+            return self.popen.wait(timeout)
+        finally:
+            self.kill()
+
+    def kill(self) -> None:
+        try:
+            os.killpg(self.popen.pid, signal.SIGKILL)  # the DHT process and p2pd too
+        except ProcessLookupError:
+            pass
+        self.popen.wait()
+
+
+def spawn(args: list[str], log: Path) -> Proc:
+    out = open(log, "wb")
+    popen = subprocess.Popen(
+        [sys.executable, "-m", "peer.cli", *args],
+        stdout=subprocess.PIPE,
+        stderr=out,
+        env={**os.environ, "PYTHONUNBUFFERED": "1", "PHALANX_TORCH_THREADS": "1"},
+        start_new_session=True,
+    )
+    proc = Proc(popen, log)
+
+    def pump() -> None:
+        for line in popen.stdout:
+            try:
+                proc.events.put(json.loads(line))
+            except ValueError:
+                pass
+        proc.events.put({"event": "exit"})
+        out.close()
+
+    threading.Thread(target=pump, daemon=True).start()
+    return proc
+
+
+def join_args(initial_peers: list[str], tmp: Path, name: str, *extra: str) -> list[str]:
+    return [
+        "join", "--initial-peers", *initial_peers, "--host-maddrs", LOOPBACK,
+        "--identity-path", str(tmp / f"{name}.id"), "--events", *extra,
+    ]  # fmt: skip

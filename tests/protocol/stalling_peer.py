@@ -1,0 +1,28 @@
+"""A peer process for fault tests: joins one group, announces it, then stalls until killed.
+
+Run as `python stalling_peer.py <initial peer>...`; prints `READY <peer id>` once announced
+and `IN_GROUP <round id hex> <members,...>` once the leader put it in a group.
+"""
+
+import asyncio
+import sys
+
+import torch
+
+from protocol.config import MatchmakingConfig, RoundConfig
+from swarm_fixture import open_peer
+
+
+async def main(initial_peers: list[str]) -> None:
+    config = RoundConfig(matchmaking=MatchmakingConfig(matchmaking_timeout_s=30.0, join_timeout_s=120.0))
+    peer = await open_peer(initial_peers, config)
+    peer.engine.set_state(b"v0", 0)
+    print("READY", peer.peer_id, flush=True)
+    reply = await peer.engine.matchmaker.join(version=b"v0", step=0)
+    print("IN_GROUP", reply.group.round_id.hex(), ",".join(reply.group.members), flush=True)
+    await asyncio.sleep(3600)  # never sends its parts: the others must drop it
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)
+    asyncio.run(main(sys.argv[1:]))

@@ -1,0 +1,143 @@
+"""Round engine with real peers on loopback: exact averages, robust rules, a member killed mid-round."""
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from protocol.config import Codec, MatchmakingConfig, RoundConfig
+from protocol.engine import Averaged
+from protocol.partition import partition_bounds
+from swarm_fixture import open_peer, open_swarm
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+HERE = Path(__file__).parent
+
+
+def _inputs(n: int, numel: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return [torch.randn(numel, generator=g) * (i + 1) for i in range(n)]
+
+
+async def _round(peers, xs):
+    outcomes = await asyncio.gather(*[p.engine.run_round(x) for p, x in zip(peers, xs)])
+    for peer, outcome in zip(peers, outcomes):
+        assert isinstance(outcome, Averaged), outcome
+        await peer.engine.completed(outcome, dict)
+    return outcomes
+
+
+@pytest.mark.parametrize("n, numel", [(3, 1000), (4, 300_000)])  # unary path; sealed direct TCP path
+def test_mean_round_equals_true_mean(n, numel):
+    async def main():
+        async with open_swarm(n, RoundConfig()) as peers:
+            xs = _inputs(n, numel)
+            outcomes = await _round(peers, xs)
+            mean = torch.stack(xs).mean(0)
+            for outcome in outcomes:
+                assert len(outcome.group.members) == n
+                assert outcome.result.missing_parts == () and outcome.result.dropped_senders == ()
+                assert (outcome.result.vector - mean).abs().max().item() < 1e-6
+            assert len({p.engine.version for p in peers}) == 1  # everyone advanced to the same version
+
+    asyncio.run(main())
+
+
+def test_centered_clip_round_equals_library_on_each_part():
+    from aggregation.centered_clip import centered_clip
+
+    config = RoundConfig(aggregator="centered_clip", aggregator_params=(("tau", 1.0),))
+    n, numel = 4, 2000
+
+    async def main():
+        async with open_swarm(n, config) as peers:
+            xs = _inputs(n, numel)
+            xs[3] = xs[3] * -1000  # one attacker: clipping has to act
+            outcomes = await _round(peers, xs)
+            members = outcomes[0].group.members
+            by_member = {p.peer_id: x for p, x in zip(peers, xs)}
+            stacked = torch.stack([by_member[m] for m in members])  # member order = part order
+            expected = torch.cat(
+                [centered_clip(stacked[:, a:b], tau=1.0).value for a, b in partition_bounds(numel, n)]
+            )
+            for outcome in outcomes:
+                assert torch.allclose(outcome.result.vector, expected, atol=1e-6)
+
+    asyncio.run(main())
+
+
+def test_lossy_codec_gives_every_member_the_same_vector():
+    async def main():
+        async with open_swarm(3, RoundConfig(compression=Codec.FP16)) as peers:
+            xs = _inputs(3, 5000)
+            outcomes = await _round(peers, xs)
+            first = outcomes[0].result.vector
+            for outcome in outcomes[1:]:
+                assert torch.equal(outcome.result.vector, first)
+            assert (first - torch.stack(xs).mean(0)).abs().max().item() < 1e-2
+
+    asyncio.run(main())
+
+
+def test_member_killed_mid_round_is_dropped_and_the_next_round_proceeds():
+    config = RoundConfig(
+        matchmaking=MatchmakingConfig(matchmaking_timeout_s=3.0, join_timeout_s=120.0), allreduce_timeout_s=4.0
+    )
+
+    async def main():
+        async with open_swarm(2, config) as peers:
+            initial = [str(m) for m in peers[0].dht.get_visible_maddrs()]
+            proc = subprocess.Popen(
+                [sys.executable, str(HERE / "stalling_peer.py"), *initial],
+                stdout=subprocess.PIPE,
+                text=True,
+                cwd=HERE,
+                env={**os.environ, "PYTHONPATH": f"{HERE}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"},
+                start_new_session=True,
+            )
+            try:
+                ready = await asyncio.to_thread(proc.stdout.readline)
+                assert ready.startswith("READY "), ready
+                stalled = ready.split()[1]
+                for peer in peers:
+                    while stalled not in peer.membership.peers():
+                        await peer.membership.refresh()
+                xs = _inputs(2, 400_000)
+                for peer in peers:
+                    peer.engine.set_state(b"v0", 0)
+                round1 = [asyncio.create_task(p.engine.run_round(x)) for p, x in zip(peers, xs)]
+                line = await asyncio.to_thread(proc.stdout.readline)  # the group formed with all three
+                assert line.startswith("IN_GROUP "), line
+                os.killpg(proc.pid, signal.SIGKILL)  # SIGKILL mid-round: it never sends its parts
+                outcomes = await asyncio.gather(*round1)
+                members = outcomes[0].group.members
+                dead = members.index(stalled)
+                bounds = partition_bounds(400_000, 3)
+                survivors_mean = torch.stack(xs).mean(0)
+                for outcome in outcomes:
+                    assert outcome.result.missing_parts == (dead,)
+                    assert outcome.result.dropped_senders == (stalled,)
+                    for j, (a, b) in enumerate(bounds):
+                        if j == dead:
+                            assert torch.count_nonzero(outcome.result.vector[a:b]) == 0
+                        else:
+                            assert (outcome.result.vector[a:b] - survivors_mean[a:b]).abs().max() < 1e-6
+                for peer, outcome in zip(peers, outcomes):
+                    await peer.engine.completed(outcome, dict)
+                # the next round forms without the dead peer and completes
+                outcomes = await _round(peers, xs)
+                for outcome in outcomes:
+                    assert sorted(outcome.group.members) == sorted(p.peer_id for p in peers)
+                    assert outcome.result.missing_parts == ()
+                    assert (outcome.result.vector - survivors_mean).abs().max() < 1e-6
+            finally:
+                if proc.poll() is None:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+
+    asyncio.run(main())
