@@ -184,7 +184,8 @@ def check_nonnegative(name: str, value: object) -> float:
 
 
 def check_int(name: str, value: object, *, minimum: int) -> int:
-    """An int >= minimum (bools are rejected: b=True is a typo, not 1)."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+    """An int >= minimum; integral floats (2.0, as config parsers give) pass, bools do not (a typo, not 1)."""
+    integral = isinstance(value, int) or (isinstance(value, float) and value.is_integer())
+    if isinstance(value, bool) or not integral or value < minimum:  # type: ignore[operator]
         raise AggregationInputError(f"{name} must be an integer >= {minimum}, got {value!r}")
-    return value
+    return int(value)  # type: ignore[arg-type]

@@ -41,10 +41,10 @@ def bucket_means(x: Tensor, weights: Tensor | None, s: int, perm: Tensor) -> tup
 
 def bucketing(
     x: Tensor,
-    weights: Tensor | None = None,
-    *,
     s: int,
     inner: Aggregator,
+    weights: Tensor | None = None,
+    *,
     generator: torch.Generator,
 ) -> AggregateResult:
     """Randomly permute the finite rows (seeded ``generator``), average buckets of s, apply ``inner``.

@@ -22,12 +22,12 @@ def _scores(sq: np.ndarray, k: int) -> np.ndarray:
     return np.sort(off, axis=1)[:, :k].sum(axis=1)
 
 
-def krum(x: Tensor, weights: Tensor | None = None, *, b: int) -> AggregateResult:
+def krum(x: Tensor, b: int, weights: Tensor | None = None) -> AggregateResult:
     """The row with the lowest Krum score (a copy). Weights only drop zero-weight rows."""
-    return multi_krum(x, weights, b=b, m=1)
+    return multi_krum(x, b, 1, weights)
 
 
-def multi_krum(x: Tensor, weights: Tensor | None = None, *, b: int, m: int) -> AggregateResult:
+def multi_krum(x: Tensor, b: int, m: int, weights: Tensor | None = None) -> AggregateResult:
     """Weighted average of the m rows with the lowest Krum scores (m = 1 is Krum).
 
     Selection ignores weights (a weight cannot make a far row near); they weight the

@@ -134,17 +134,20 @@ def _median() -> Aggregator:
 
 @register_aggregator("trimmed_mean")
 def _trimmed_mean(*, b: int) -> Aggregator:
-    return functools.partial(trimmed_mean, b=check_int("b", b, minimum=0))
+    b = check_int("b", b, minimum=0)
+    return lambda x, weights=None: trimmed_mean(x, b, weights)
 
 
 @register_aggregator("krum")
 def _krum(*, b: int) -> Aggregator:
-    return functools.partial(krum, b=check_int("b", b, minimum=0))
+    b = check_int("b", b, minimum=0)
+    return lambda x, weights=None: krum(x, b, weights)
 
 
 @register_aggregator("multi_krum")
 def _multi_krum(*, b: int, m: int) -> Aggregator:
-    return functools.partial(multi_krum, b=check_int("b", b, minimum=0), m=check_int("m", m, minimum=1))
+    b, m = check_int("b", b, minimum=0), check_int("m", m, minimum=1)
+    return lambda x, weights=None: multi_krum(x, b, m, weights)
 
 
 @register_aggregator("geometric_median")
@@ -168,4 +171,4 @@ def _bucketing(*, s: int, inner: str, seed: int = 0, **inner_params: Any) -> Agg
         raise ConfigError("inner must be another aggregator than 'bucketing'")
     inner_agg = make_aggregator(inner, **inner_params)
     generator = torch.Generator().manual_seed(seed)
-    return functools.partial(bucketing, s=s, inner=inner_agg, generator=generator)
+    return lambda x, weights=None: bucketing(x, s, inner_agg, weights, generator=generator)

@@ -112,6 +112,12 @@ def test_zero_weight_rows_are_dropped_on_request():
     assert rows.excluded == ()
 
 
+def test_integral_floats_pass_as_ints():
+    # config parsers (e.g. --aggregator-params b=2) hand over floats
+    assert check_int("b", 2.0, minimum=0) == 2 and isinstance(check_int("b", 2.0, minimum=0), int)
+    assert make_aggregator("trimmed_mean", b=2.0)(torch.randn(5, 3)).value.shape == (3,)
+
+
 @pytest.mark.parametrize(
     ("call", "message"),
     [
@@ -121,7 +127,7 @@ def test_zero_weight_rows_are_dropped_on_request():
         (lambda: check_positive("nu", "a"), "nu must be a number, got 'a'"),
         (lambda: check_int("b", -1, minimum=0), "b must be an integer >= 0, got -1"),
         (lambda: check_int("b", True, minimum=0), "b must be an integer >= 0, got True"),
-        (lambda: check_int("b", 1.0, minimum=0), "b must be an integer >= 0, got 1.0"),
+        (lambda: check_int("b", 1.5, minimum=0), "b must be an integer >= 0, got 1.5"),
     ],
 )
 def test_parameter_checks(call, message):

@@ -33,7 +33,7 @@ def test_ragged_last_bucket_and_weights_are_carried():
         seen["weights"] = weights
         return mean(means, weights)
 
-    result = bucketing(x, w, s=2, inner=inner, generator=torch.Generator().manual_seed(1))
+    result = bucketing(x, 2, inner, w, generator=torch.Generator().manual_seed(1))
     perm = torch.randperm(5, generator=torch.Generator().manual_seed(1))
     assert seen["weights"].tolist() == [float(w[perm[0:2]].sum()), float(w[perm[2:4]].sum()), float(w[perm[4]])]
     torch.testing.assert_close(result.value, (w @ x) / w.sum())  # weighted mean of weighted means

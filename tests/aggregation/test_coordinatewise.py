@@ -42,7 +42,7 @@ def test_weighted_median_and_trimmed_mean_match_references(device):
     med = coordinate_median(x.to(device), w.to(device)).value.cpu().numpy()
     ref = [_weighted_median_ref(x[:, j].numpy(), w.numpy()) for j in range(64)]
     np.testing.assert_allclose(med, ref)
-    tm = trimmed_mean(x.to(device), w.to(device), b=2).value.cpu().numpy()
+    tm = trimmed_mean(x.to(device), 2, w.to(device)).value.cpu().numpy()
     for j in range(64):
         order = np.argsort(x[:, j].numpy())[2:7]
         expected = np.sum(x[order, j].numpy() * w[order].numpy()) / np.sum(w[order].numpy())
@@ -58,7 +58,7 @@ def test_weighted_median_lands_on_half_and_averages():
 def test_zero_weight_rows_do_not_count():
     x = torch.tensor([[1.0], [2.0], [3.0], [100.0]])
     assert coordinate_median(x, torch.tensor([1.0, 1.0, 1.0, 0.0])).value.item() == 2.0
-    assert trimmed_mean(x, torch.tensor([1.0, 1.0, 1.0, 0.0]), b=1).value.item() == 2.0
+    assert trimmed_mean(x, 1, torch.tensor([1.0, 1.0, 1.0, 0.0])).value.item() == 2.0
 
 
 def test_weighted_mean(device):
@@ -73,7 +73,7 @@ def test_permutation_invariance(name, device):
     x = torch.randn(11, 200, generator=g, dtype=torch.float64).to(device)
     w = (torch.rand(11, generator=g, dtype=torch.float64) + 0.5).to(device)
     perm = torch.randperm(11, generator=g).to(device)
-    fn = {"mean": mean, "median": coordinate_median, "trimmed": lambda x, w=None: trimmed_mean(x, w, b=3)}[name]
+    fn = {"mean": mean, "median": coordinate_median, "trimmed": lambda x, w=None: trimmed_mean(x, 3, w)}[name]
     for weights, pweights in [(None, None), (w, w[perm])]:
         torch.testing.assert_close(fn(x[perm], pweights).value, fn(x, weights).value, rtol=1e-12, atol=1e-12)
 

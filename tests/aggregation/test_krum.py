@@ -33,7 +33,7 @@ def test_multi_krum_averages_the_m_best(m, device, make_honest):
     w = torch.linspace(1.0, 2.0, 10, dtype=torch.float64)
     scores = loop_scores(x, 2)
     best = sorted(range(10), key=lambda i: scores[i])[:m]
-    result = multi_krum(x.to(device), w.to(device), b=2, m=m)
+    result = multi_krum(x.to(device), 2, m, w.to(device))
     expected = (w[best] @ x[best]) / w[best].sum()
     torch.testing.assert_close(result.value.cpu(), expected)
 
