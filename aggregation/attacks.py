@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable
 from statistics import NormalDist
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import Tensor
 
-from aggregation.base import check_int, check_matrix, check_nonnegative, check_positive
+from aggregation.base import check_int, check_matrix, check_positive
 from aggregation.errors import AggregationInputError
 from aggregation.registry import Registry, check_params
 

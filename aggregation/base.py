@@ -75,9 +75,7 @@ def check_matrix(x: object, name: str = "x") -> Tensor:
     if x.ndim != 2:
         raise AggregationInputError(f"{name} must be a 2-D (n, d) tensor, got shape {tuple(x.shape)}")
     if x.shape[0] == 0 or x.shape[1] == 0:
-        raise AggregationInputError(
-            f"{name} is empty (shape {tuple(x.shape)}); need at least one row and one column"
-        )
+        raise AggregationInputError(f"{name} is empty (shape {tuple(x.shape)}); need at least one row and one column")
     if x.dtype not in FLOAT_DTYPES:
         raise AggregationInputError(f"{name} must be float32 or float64, got {x.dtype}; convert with .float()")
     return x
@@ -172,7 +170,9 @@ def check_positive(name: str, value: object, *, allow_inf: bool = False, hint: s
     v = float(value)
     if not (v > 0) or (math.isinf(v) and not allow_inf):
         extra = f" ({hint})" if hint else ""
-        raise AggregationInputError(f"{name} must be a positive{'' if allow_inf else ' finite'} number{extra}, got {value!r}")
+        raise AggregationInputError(
+            f"{name} must be a positive{'' if allow_inf else ' finite'} number{extra}, got {value!r}"
+        )
     return v
 
 

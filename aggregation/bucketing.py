@@ -8,7 +8,7 @@ the inner rule needs b < ⌈n/s⌉/2.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch import Tensor

@@ -8,7 +8,7 @@ Unweighted (or uniformly weighted) inputs on CPU take the comparator-network fas
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch import Tensor

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+
 def column_chunk(n: int, d: int) -> int:
     """Columns per chunk: at most 131072 and about 4M elements per (n, chunk) temporary.
 

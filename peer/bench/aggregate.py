@@ -16,14 +16,15 @@ from __future__ import annotations
 import os
 import statistics
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from rich.console import Console
 from rich.table import Table
 
-from aggregation.registry import AGGREGATORS, make_aggregator
 from aggregation.errors import ConfigError
+from aggregation.registry import AGGREGATORS, make_aggregator
 
 TAU = 1.0  # CenteredClip radius, in units where honest noise norms lie in [0.5, 2]
 CELL_MEMORY_FACTOR = 2.5  # input + the largest temporaries (a mean-sized copy, sort chunks) must fit
@@ -157,7 +158,7 @@ def _bench_cell(
         try:
             with console.status(f"[{dev}] n={n} d={_short(d)}: {name}"):
                 agg = make_aggregator(name, **default_params(name, n))
-                t, ref_s, result = time_against_reference(lambda: agg(x), lambda: x.sum(0), dev, repeats)
+                t, ref_s, result = time_against_reference(lambda agg=agg: agg(x), lambda: x.sum(0), dev, repeats)
         except (RuntimeError, MemoryError) as e:
             if not _is_oom(e):
                 raise
@@ -182,8 +183,12 @@ def _table(rows: list[dict[str, Any]], repeats: int) -> Table:
             continue
         per_read = f"{r['per_read']:.2f}" if "per_read" in r else ""
         table.add_row(
-            *cells, f"{r['time_s'] * 1e3:.1f}", f"{r['ref_s'] * 1e3:.1f}", f"{r['ratio']:.1f}×",
-            str(r["iterations"]), per_read,
+            *cells,
+            f"{r['time_s'] * 1e3:.1f}",
+            f"{r['ref_s'] * 1e3:.1f}",
+            f"{r['ratio']:.1f}×",
+            str(r["iterations"]),
+            per_read,
         )
     return table
 

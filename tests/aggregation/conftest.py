@@ -23,7 +23,9 @@ def make_honest():
     return honest_rows
 
 
-def honest_rows(h: int, d: int, *, seed: int, spread: float = 1.0, offset: float = 0.0, dtype=torch.float64) -> torch.Tensor:
+def honest_rows(
+    h: int, d: int, *, seed: int, spread: float = 1.0, offset: float = 0.0, dtype=torch.float64
+) -> torch.Tensor:
     """(h, d) rows μ + noise with ‖noise_i‖ ≈ spread and ‖μ‖ ≈ offset·spread (seeded)."""
     g = torch.Generator().manual_seed(seed)
     mu = torch.randn(d, generator=g, dtype=dtype) * (offset * spread / d**0.5)

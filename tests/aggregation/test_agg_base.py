@@ -121,8 +121,10 @@ def test_integral_floats_pass_as_ints():
 @pytest.mark.parametrize(
     ("call", "message"),
     [
-        (lambda: check_positive("tau", -1.0, allow_inf=True, hint="inf gives the mean"),
-         "tau must be a positive number (inf gives the mean), got -1.0"),
+        (
+            lambda: check_positive("tau", -1.0, allow_inf=True, hint="inf gives the mean"),
+            "tau must be a positive number (inf gives the mean), got -1.0",
+        ),
         (lambda: check_positive("nu", math.inf), "nu must be a positive finite number, got inf"),
         (lambda: check_positive("nu", "a"), "nu must be a number, got 'a'"),
         (lambda: check_int("b", -1, minimum=0), "b must be an integer >= 0, got -1"),

@@ -8,7 +8,16 @@ import torch
 from aggregation.errors import ConfigError
 from aggregation.registry import AGGREGATORS, BoundAggregator, Registry, make_aggregator
 
-STABLE_NAMES = ["mean", "centered_clip", "median", "trimmed_mean", "krum", "multi_krum", "geometric_median", "bucketing"]
+STABLE_NAMES = [
+    "mean",
+    "centered_clip",
+    "median",
+    "trimmed_mean",
+    "krum",
+    "multi_krum",
+    "geometric_median",
+    "bucketing",
+]
 VALID = "mean, centered_clip, median, trimmed_mean, krum, multi_krum, geometric_median, bucketing"
 
 
@@ -35,21 +44,36 @@ def test_bucketing_wraps_another_rule_by_name_and_forwards_its_parameters():
     ("name", "params", "message"),
     [
         ("centred_clip", {}, f"unknown aggregator 'centred_clip'; valid names: {VALID}"),
-        ("centered_clip", {"tauu": 1.0},
-         "aggregator 'centered_clip': unknown parameter 'tauu'; valid parameters: tau, eps, max_iter"),
+        (
+            "centered_clip",
+            {"tauu": 1.0},
+            "aggregator 'centered_clip': unknown parameter 'tauu'; valid parameters: tau, eps, max_iter",
+        ),
         ("centered_clip", {}, "aggregator 'centered_clip': missing required parameter 'tau'"),
-        ("centered_clip", {"tau": -1.0},
-         "aggregator 'centered_clip': tau must be a positive number (inf gives the mean), got -1.0"),
+        (
+            "centered_clip",
+            {"tau": -1.0},
+            "aggregator 'centered_clip': tau must be a positive number (inf gives the mean), got -1.0",
+        ),
         ("trimmed_mean", {"b": -1}, "aggregator 'trimmed_mean': b must be an integer >= 0, got -1"),
         ("multi_krum", {"b": 1, "m": 0}, "aggregator 'multi_krum': m must be an integer >= 1, got 0"),
         ("median", {"b": 1}, "aggregator 'median': unknown parameter 'b'; valid parameters: none"),
         ("geometric_median", {"nu": 0}, "aggregator 'geometric_median': nu must be a positive finite number, got 0"),
-        ("bucketing", {"s": 2, "inner": "nope"},
-         f"aggregator 'bucketing': unknown aggregator 'nope'; valid names: {VALID}"),
-        ("bucketing", {"s": 2, "inner": "centered_clip", "tau": 0},
-         "aggregator 'bucketing': aggregator 'centered_clip': tau must be a positive number (inf gives the mean), got 0"),
-        ("bucketing", {"s": 2, "inner": "bucketing"},
-         "aggregator 'bucketing': inner must be another aggregator than 'bucketing'"),
+        (
+            "bucketing",
+            {"s": 2, "inner": "nope"},
+            f"aggregator 'bucketing': unknown aggregator 'nope'; valid names: {VALID}",
+        ),
+        (
+            "bucketing",
+            {"s": 2, "inner": "centered_clip", "tau": 0},
+            "aggregator 'bucketing': aggregator 'centered_clip': tau must be a positive number (inf gives the mean), got 0",
+        ),
+        (
+            "bucketing",
+            {"s": 2, "inner": "bucketing"},
+            "aggregator 'bucketing': inner must be another aggregator than 'bucketing'",
+        ),
         ("bucketing", {"s": 0, "inner": "mean"}, "aggregator 'bucketing': s must be an integer >= 1, got 0"),
     ],
 )

@@ -15,7 +15,9 @@ from aggregation.errors import AggregationInputError
 def naive_centered_clip(x, w, tau, eps, max_iter, v):
     """The iteration as written in ALGORITHMS.md, on materialized differences (float64)."""
     w = w / w.sum()
-    for it in range(1, max_iter + 1):
+    it = 0
+    while it < max_iter:
+        it += 1
         diff = x - v
         c = torch.clamp(tau / diff.norm(dim=1), max=1.0)
         new = v + (w * c) @ diff

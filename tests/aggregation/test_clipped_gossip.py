@@ -59,13 +59,22 @@ def test_adaptive_tau_rule():
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        ((torch.zeros(3), torch.zeros(2, 3), torch.tensor([0.7, 0.7]), 1.0),
-         "neighbour weights sum to 1.4; a mixing row's neighbour weights must sum to at most 1 (the rest is the self weight W_ii)"),
-        ((torch.zeros(4), torch.zeros(2, 3), torch.tensor([0.5, 0.5]), 1.0), "x_i must be a (d,) = (3,) tensor, got (4,)"),
-        ((torch.full((3,), math.nan), torch.zeros(2, 3), torch.tensor([0.5, 0.5]), 1.0),
-         "x_i (this node's own vector) is not finite; fix the local state first"),
-        ((torch.zeros(3), torch.zeros(2, 3), torch.tensor([0.5, 0.5]), -1.0),
-         "tau must be a positive number (inf gives plain gossip averaging), got -1.0"),
+        (
+            (torch.zeros(3), torch.zeros(2, 3), torch.tensor([0.7, 0.7]), 1.0),
+            "neighbour weights sum to 1.4; a mixing row's neighbour weights must sum to at most 1 (the rest is the self weight W_ii)",
+        ),
+        (
+            (torch.zeros(4), torch.zeros(2, 3), torch.tensor([0.5, 0.5]), 1.0),
+            "x_i must be a (d,) = (3,) tensor, got (4,)",
+        ),
+        (
+            (torch.full((3,), math.nan), torch.zeros(2, 3), torch.tensor([0.5, 0.5]), 1.0),
+            "x_i (this node's own vector) is not finite; fix the local state first",
+        ),
+        (
+            (torch.zeros(3), torch.zeros(2, 3), torch.tensor([0.5, 0.5]), -1.0),
+            "tau must be a positive number (inf gives plain gossip averaging), got -1.0",
+        ),
     ],
 )
 def test_bad_inputs(args, message):

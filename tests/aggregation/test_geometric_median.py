@@ -13,7 +13,9 @@ def naive_weiszfeld(x, w, nu, iters, eps):
     n = x.shape[0]
     central = torch.argsort(torch.cdist(x, x) @ w, stable=True)[: (n + 1) // 2]
     v = (w[central] @ x[central]) / w[central].sum()  # start: weighted mean of the central half
-    for it in range(1, iters + 1):
+    it = 0
+    while it < iters:
+        it += 1
         beta = w / torch.clamp((x - v).norm(dim=1), min=nu)
         new = (beta @ x) / beta.sum()
         moved, v = (new - v).norm(), new
