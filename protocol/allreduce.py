@@ -80,18 +80,30 @@ class _Reduction:
     rows: torch.Tensor  # (n, part_numel)
     weights: torch.Tensor  # (n,)
     received: set[int] = field(default_factory=set)
+    receiving: set[int] = field(default_factory=set)  # parts being written into `rows` right now
     closed: bool = False  # set once aggregation starts; later parts are refused
+    complete_at: float = 0.0  # time.monotonic() when the last part arrived (or the deadline)
+    reduced_at: float = 0.0
     complete: asyncio.Event = field(default_factory=asyncio.Event)
     result: Optional[asyncio.Future] = None
     encoded: Optional[tuple[bytes, bytes | memoryview]] = None
 
-    def add(self, index: int, values: torch.Tensor, weight: float) -> None:
+    def claim(self, index: int) -> None:
+        """Reserve row `index` for an incoming part (refuses late and repeated parts)."""
         if self.closed:
             raise RoundAbortedError("part arrived after the reducer's deadline")
-        if index in self.received:
+        if index in self.received or index in self.receiving:
             raise PeerProtocolError("sent its part twice", peer=self.spec.members[index])
-        self.rows[index].copy_(values)
+        self.receiving.add(index)
+
+    def add(self, index: int, values: Optional[torch.Tensor], weight: float) -> None:
+        """Accept row `index`; `values` is None when the bytes were received straight into the row."""
+        if self.closed:
+            raise RoundAbortedError("part arrived after the reducer's deadline")
+        if values is not None:
+            self.rows[index].copy_(values)
         self.weights[index] = min(max(weight, 0.0), 1.0)  # never trust a self-reported weight beyond 1
+        self.receiving.discard(index)
         self.received.add(index)
         if len(self.received) == len(self.spec.members):
             self.complete.set()
@@ -106,7 +118,8 @@ class AllReduceService:
         self._rounds: dict[bytes, _Reduction] = {}
         self._registered: dict[bytes, asyncio.Event] = {}
         self._waiting = 0
-        transport.register(PART_METHOD, self._serve_part, max_payload=1 << 34)
+        self._spare_rows: dict[tuple[int, int], torch.Tensor] = {}  # fresh memory costs page faults every round
+        transport.register(PART_METHOD, self._serve_part, max_payload=1 << 34, sink=self._part_sink)
 
     async def run(
         self,
@@ -116,8 +129,10 @@ class AllReduceService:
         *,
         weight: float = 1.0,
         call_timeout_s: float,
+        out: Optional[torch.Tensor] = None,
     ) -> AllReduceResult:
-        """All-reduce `vector` (numel,) with the group in `spec`; this peer must be a member."""
+        """All-reduce `vector` (numel,) with the group in `spec`; this peer must be a member.
+        The result is written into `out` (numel,) float32 when given (callers reuse one buffer)."""
         started = time.monotonic()
         sent0, recv0 = self.transport.stats.bytes_sent, self.transport.stats.bytes_received
         me = spec.members.index(self.transport.peer_id)
@@ -126,14 +141,17 @@ class AllReduceService:
         if vector.numel() != spec.numel:
             raise ValueError(f"vector has {vector.numel()} elements, the round agreed on {spec.numel}")
         lo, hi = bounds[me]
-        reduction = _Reduction(
-            spec, me, reducer, torch.empty(len(spec.members), hi - lo), torch.zeros(len(spec.members))
-        )
+        shape = (len(spec.members), hi - lo)
+        rows = self._spare_rows.pop(shape, None)
+        reduction = _Reduction(spec, me, reducer, torch.empty(shape) if rows is None else rows, torch.zeros(shape[0]))
         reduction.result = asyncio.get_running_loop().create_future()
+        reduction.claim(me)
         reduction.add(me, vector[lo:hi], weight)
         self._rounds[spec.round_id] = reduction
         self._registered.setdefault(spec.round_id, asyncio.Event()).set()
-        output = torch.zeros(spec.numel)
+        if out is not None and (out.shape != (spec.numel,) or out.dtype != torch.float32 or out.device.type != "cpu"):
+            raise ValueError(f"out must be a CPU float32 tensor of shape ({spec.numel},)")
+        output = torch.empty(spec.numel) if out is None else out
         missing: list[int] = []
         try:
             reduce_task = asyncio.create_task(self._reduce(reduction))
@@ -143,6 +161,7 @@ class AllReduceService:
                 if j != me
             ]
             outcomes = await asyncio.gather(*calls, return_exceptions=True)
+            gathered = time.monotonic()
             others = [j for j in range(len(spec.members)) if j != me]
             for j, outcome in zip(others, outcomes):
                 if isinstance(outcome, BaseException):
@@ -150,11 +169,18 @@ class AllReduceService:
                         raise outcome
                     logger.info(f"part {j} (reducer {spec.members[j][-8:]}) failed: {outcome}")
                     missing.append(j)
+                    output[bounds[j][0] : bounds[j][1]] = 0.0
             own = await reduce_task
             output[lo:hi] = own
+            logger.debug(
+                f"round {spec.round_id.hex()[:8]}: parts back after {gathered - started:.3f} s, own part reduced after "
+                f"{reduction.reduced_at - started:.3f} s (all parts in after {reduction.complete_at - started:.3f} s)"
+            )
         finally:
             # keep serving replies that are in flight, then forget the round
             asyncio.get_running_loop().call_later(5.0, self._forget, spec.round_id)
+            if reduction.closed and not reduction.receiving:  # nobody is still writing into the rows
+                self._spare_rows = {shape: reduction.rows}
         return AllReduceResult(
             vector=output,
             missing_parts=tuple(missing),
@@ -172,6 +198,7 @@ class AllReduceService:
     async def _send_part(self, spec, j, part, weight, out, timeout_s) -> None:
         header = PartHeader(round_id=spec.round_id, part=j, numel=part.numel(), codec=spec.codec.value, weight=weight)
         payload = encode(part, spec.codec)
+        raw = spec.codec is Codec.NONE  # the reply's bytes can land in `out` directly
         reply_header, reply = await self.transport.call(
             spec.members[j],
             PART_METHOD,
@@ -179,9 +206,11 @@ class AllReduceService:
             payload,
             max_reply_payload=encoded_size_bound(part.numel(), spec.codec),
             timeout_s=timeout_s,
+            reply_into=_bytes_of(out) if raw else None,
         )
         unpack(reply_header, AggregateHeader, peer=spec.members[j])
-        out.copy_(decode(reply, spec.codec, part.numel(), peer=spec.members[j]))
+        if not raw:
+            out.copy_(decode(reply, spec.codec, part.numel(), peer=spec.members[j]))
 
     async def _reduce(self, reduction: _Reduction) -> torch.Tensor:
         remaining = reduction.spec.deadline - time.monotonic()
@@ -190,14 +219,19 @@ class AllReduceService:
         except asyncio.TimeoutError:
             pass
         reduction.closed = True
+        reduction.complete_at = time.monotonic()
         got = sorted(reduction.received)
-        rows, weights = reduction.rows[got], reduction.weights[got]
+        if len(got) == len(reduction.spec.members):
+            rows, weights = reduction.rows, reduction.weights  # everyone's part arrived: no copy
+        else:
+            rows, weights = reduction.rows[got], reduction.weights[got]
         try:
             # torch releases the GIL: aggregate off the event loop
             value = await asyncio.get_running_loop().run_in_executor(None, reduction.reducer, rows, weights)
         except AggregationInputError as e:
             reduction.result.set_exception(RoundAbortedError(f"aggregation failed: {e}"))
             raise RoundAbortedError(f"aggregation failed: {e}") from e
+        reduction.reduced_at = time.monotonic()
         reduction.encoded = (pack(AggregateHeader(contributors=len(got))), encode(value, reduction.spec.codec))
         reduction.result.set_result(value)
         # what we send is what the others decode: keep our own part bit-identical to theirs
@@ -205,7 +239,7 @@ class AllReduceService:
             value = decode(reduction.encoded[1], reduction.spec.codec, value.numel())
         return value
 
-    async def _serve_part(self, peer: str, header: bytes, payload: bytearray) -> tuple[bytes, bytes | memoryview]:
+    async def _checked_part(self, peer: str, header: bytes) -> tuple[PartHeader, _Reduction, int]:
         head = unpack(header, PartHeader, peer=peer)
         reduction = await self._wait_for_round(head.round_id, peer)
         spec = reduction.spec
@@ -217,8 +251,22 @@ class AllReduceService:
                 f"part header (part={head.part}, numel={head.numel}, codec={head.codec[:8]}) does not match the round",
                 peer=peer,
             )
-        values = decode(payload, spec.codec, head.numel, peer=peer)
-        reduction.add(spec.members.index(peer), values, head.weight)
+        return head, reduction, spec.members.index(peer)
+
+    async def _part_sink(self, peer: str, header: bytes, payload_len: int) -> Optional[memoryview]:
+        """Check a part before its payload is read; raw float32 parts are received straight into their row."""
+        head, reduction, index = await self._checked_part(peer, header)
+        if reduction.spec.codec is Codec.NONE and payload_len != 4 * head.numel:
+            raise PeerProtocolError(f"expected {4 * head.numel} bytes of float32, got {payload_len}", peer=peer)
+        reduction.claim(index)
+        return _bytes_of(reduction.rows[index]) if reduction.spec.codec is Codec.NONE else None
+
+    async def _serve_part(self, peer: str, header: bytes, payload) -> tuple[bytes, bytes | memoryview]:
+        head, reduction, index = await self._checked_part(peer, header)
+        if reduction.spec.codec is Codec.NONE:
+            reduction.add(index, None, head.weight)  # the sink already put the bytes in place
+        else:
+            reduction.add(index, decode(payload, reduction.spec.codec, head.numel, peer=peer), head.weight)
         await asyncio.shield(reduction.result)
         return reduction.encoded
 
@@ -241,3 +289,8 @@ class AllReduceService:
         if reduction is None:
             raise RoundAbortedError("round already finished")
         return reduction
+
+
+def _bytes_of(tensor: torch.Tensor) -> memoryview:
+    """A writable byte view of a contiguous CPU float32 tensor (no copy)."""
+    return memoryview(tensor.numpy()).cast("B")

@@ -14,7 +14,7 @@ import hashlib
 import logging
 import time
 from dataclasses import dataclass
-from typing import Union
+from typing import Optional, Union
 
 import torch
 
@@ -83,6 +83,7 @@ class RoundEngine:
         self.allreduce = AllReduceService(transport, registration_wait_s=config.matchmaking.join_timeout_s)
         self.state = StateService(transport)
         self.reducer = config.make_reducer()
+        self._output: Optional[torch.Tensor] = None  # reused by every round: see run_round
         self.version = b""
         self.step = 0
         self.stats = EngineStats()
@@ -99,7 +100,10 @@ class RoundEngine:
         await self.matchmaker.aclose()
 
     async def run_round(self, vector: torch.Tensor, *, weight: float = 1.0) -> Union[Averaged, Resync]:
-        """Form a group and all-reduce `vector` (numel,) with it, or learn that we must resync."""
+        """Form a group and all-reduce `vector` (numel,) with it, or learn that we must resync.
+
+        The averaged vector lives in a buffer that the next call overwrites (fresh 40 MB buffers
+        cost page faults every round): apply or copy it before the next round."""
         started = time.monotonic()
         reply = await self.matchmaker.join(version=self.version, step=self.step)
         if reply.kind == "resync":
@@ -114,8 +118,15 @@ class RoundEngine:
             codec=self.config.compression,
             deadline=time.monotonic() + self.config.allreduce_timeout_s,
         )
+        if self._output is None or self._output.numel() != vector.numel():
+            self._output = torch.empty(vector.numel())
         result = await self.allreduce.run(
-            spec, vector, self.reducer, weight=weight, call_timeout_s=self.config.allreduce_timeout_s + 10
+            spec,
+            vector,
+            self.reducer,
+            weight=weight,
+            call_timeout_s=self.config.allreduce_timeout_s + 10,
+            out=self._output,
         )
         if result.missing_parts or result.dropped_senders:
             self.stats.rounds_partial += 1

@@ -10,7 +10,6 @@ Every worker checks its result against the true mean, so a fast wrong answer fai
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import socket
@@ -119,10 +118,10 @@ def _run_phalanx(args) -> dict[str, Any]:
         try:
             while len(node.membership.peers()) < args.world:
                 await node.membership.refresh()
-            sent0 = 0
+            sent0, cpu0 = 0, 0.0
             for r in range(args.rounds + 1):
                 if r == 1:
-                    sent0 = node.transport.stats.bytes_sent
+                    sent0, cpu0 = node.transport.stats.bytes_sent, time.process_time()
                 started = time.perf_counter()
                 outcome = await engine.run_round(base)
                 if not isinstance(outcome, Averaged) or len(outcome.group.members) != args.world:
@@ -133,7 +132,8 @@ def _run_phalanx(args) -> dict[str, Any]:
                     rounds.append(time.perf_counter() - started)
             error = (outcome.result.vector - _expected_mean(args.world, args.numel)).abs().max().item()
             per_round = (node.transport.stats.bytes_sent - sent0) / args.rounds
-            return {"data_s": data, "round_s": rounds, "error": error, "bytes_sent": per_round}
+            cpu = (time.process_time() - cpu0) / args.rounds
+            return {"data_s": data, "round_s": rounds, "error": error, "bytes_sent": per_round, "cpu_s": cpu}
         finally:
             await node.aclose()
 

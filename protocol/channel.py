@@ -1,0 +1,228 @@
+"""Length-prefixed records over a byte pipe, sealed with AES-256-GCM on the direct path.
+
+Two pipes: a raw non-blocking TCP socket driven by the loop's `sock_*` calls (bytes
+land straight in the caller's buffer, then decrypt into their final place: one copy
+from the kernel to the destination tensor), and hivemind's libp2p stream
+(StreamReader/StreamWriter; libp2p already encrypts it, so its records are not sealed).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from dataclasses import dataclass
+from typing import Optional, Protocol
+
+from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
+from aggregation.errors import PeerProtocolError, RoundAbortedError
+
+RECORD_BYTES = 1 << 20  # plaintext per record; bounds memory per read and keeps the loop responsive
+TAG_BYTES = 16
+
+
+class CallFailed(RoundAbortedError):
+    """A call did not produce a reply; `status` says why (None: the connection failed)."""
+
+    def __init__(self, message: str, status=None) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class ChannelAuthError(PeerProtocolError):
+    """A sealed record failed authentication: the socket is not the peer's; drop it without a reply."""
+
+
+@dataclass
+class ChannelStats:
+    """Bytes on the wire (payload + framing + tags), for the health server and benchmarks."""
+
+    bytes_sent: int = 0
+    bytes_received: int = 0
+
+
+class Pipe(Protocol):
+    async def readinto(self, view: memoryview) -> None: ...  # fill `view` exactly or raise CallFailed
+    async def send(self, data: bytes | memoryview) -> None: ...
+    def close(self) -> None: ...
+
+
+class SocketPipe:
+    """A connected TCP socket; reads go directly into the caller's buffer."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        sock.setblocking(False)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.sock = sock
+        self.loop = asyncio.get_running_loop()
+
+    @classmethod
+    async def connect(cls, host: str, port: int) -> "SocketPipe":
+        info = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        family, _, _, _, address = info[0]
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setblocking(False)
+        try:
+            await asyncio.get_running_loop().sock_connect(sock, address)
+        except BaseException:
+            sock.close()
+            raise
+        return cls(sock)
+
+    async def readinto(self, view: memoryview) -> None:
+        while view:
+            n = await self.loop.sock_recv_into(self.sock, view)
+            if n == 0:
+                raise CallFailed("connection closed mid-message")
+            view = view[n:]
+
+    async def send(self, data: bytes | memoryview) -> None:
+        await self.loop.sock_sendall(self.sock, data)
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+class StreamPipe:
+    """hivemind's libp2p stream (through the p2pd daemon)."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.reader, self.writer = reader, writer
+
+    async def readinto(self, view: memoryview) -> None:
+        try:
+            view[:] = await self.reader.readexactly(len(view))
+        except asyncio.IncompleteReadError:
+            raise CallFailed("connection closed mid-message") from None
+
+    async def send(self, data: bytes | memoryview) -> None:
+        self.writer.write(data)
+        await self.writer.drain()
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class _RecordBuffers:
+    """Reused record buffers: fresh 1 MiB buffers cost page faults on every connection."""
+
+    def __init__(self, keep: int = 32) -> None:
+        self.keep = keep
+        self._free: list[bytearray] = []
+
+    def take(self) -> bytearray:
+        return self._free.pop() if self._free else bytearray(4 + RECORD_BYTES + TAG_BYTES)
+
+    def give(self, buf: bytearray) -> None:
+        if len(self._free) < self.keep:
+            self._free.append(buf)
+
+
+_buffers = _RecordBuffers()
+
+
+class Channel:
+    """Records on a pipe. Every read has an idle timeout, so a peer that stops sending cannot hold us."""
+
+    def __init__(
+        self, pipe: Pipe, stats: ChannelStats, key: Optional[bytes], *, initiator: bool, idle_timeout_s: float
+    ) -> None:
+        self.pipe, self.stats, self.idle_timeout_s = pipe, stats, idle_timeout_s
+        self.cipher = AESGCM(key) if key is not None else None
+        # Distinct nonce spaces per direction, so the two sides never reuse a (key, nonce) pair.
+        self._send_dir, self._recv_dir = (b"\x00", b"\x01") if initiator else (b"\x01", b"\x00")
+        self._send_ctr = self._recv_ctr = 0
+        self._out = _buffers.take() if self.cipher is not None else None
+        self._in = _buffers.take() if self.cipher is not None else None
+        self._size = bytearray(4)
+
+    @staticmethod
+    def _nonce(direction: bytes, counter: int) -> bytes:
+        return direction + b"\x00\x00\x00" + counter.to_bytes(8, "little")
+
+    async def _read(self, view: memoryview) -> None:
+        try:
+            async with asyncio.timeout(self.idle_timeout_s):
+                await self.pipe.readinto(view)
+        except TimeoutError:
+            raise CallFailed(f"no bytes for {self.idle_timeout_s:.0f} s") from None
+        except (ConnectionError, OSError) as e:
+            raise CallFailed(f"connection failed: {e!r}") from None
+
+    async def _send(self, data: bytes | memoryview) -> None:
+        try:
+            await self.pipe.send(data)
+        except (ConnectionError, OSError) as e:
+            raise CallFailed(f"connection failed: {e!r}") from None
+        self.stats.bytes_sent += len(data)
+
+    async def send_record(self, data: bytes | memoryview) -> None:
+        size = len(data)
+        if size > RECORD_BYTES:
+            raise ValueError("record too large")
+        if self.cipher is None:
+            await self._send(size.to_bytes(4, "little"))
+            await self._send(data)
+            return
+        out = memoryview(self._out)
+        sealed = size + TAG_BYTES
+        out[:4] = sealed.to_bytes(4, "little")
+        self.cipher.encrypt_into(self._nonce(self._send_dir, self._send_ctr), data, None, out[4 : 4 + sealed])
+        self._send_ctr += 1
+        await self._send(out[: 4 + sealed])
+
+    async def _record_size(self, max_plain: int) -> int:
+        await self._read(memoryview(self._size))
+        size = int.from_bytes(self._size, "little")
+        overhead = TAG_BYTES if self.cipher is not None else 0
+        if not overhead < size <= max_plain + overhead:
+            raise PeerProtocolError(f"record of {size} bytes where at most {max_plain + overhead} fit")
+        self.stats.bytes_received += 4 + size
+        return size
+
+    async def _record_body(self, size: int, dest: memoryview) -> int:
+        if self.cipher is None:
+            await self._read(dest[:size])
+            return size
+        sealed = memoryview(self._in)[:size]
+        await self._read(sealed)
+        try:
+            self.cipher.decrypt_into(self._nonce(self._recv_dir, self._recv_ctr), sealed, None, dest[: size - TAG_BYTES])
+        except InvalidTag:
+            raise ChannelAuthError("record failed authentication (altered, replayed or wrong key)") from None
+        self._recv_ctr += 1
+        return size - TAG_BYTES
+
+    async def recv_record_into(self, dest: memoryview) -> int:
+        """Read one record into the front of `dest` (at most len(dest) bytes of plaintext); returns its length."""
+        return await self._record_body(await self._record_size(len(dest)), dest)
+
+    async def recv_small(self, max_len: int) -> bytes:
+        size = await self._record_size(min(max_len, RECORD_BYTES))
+        buf = bytearray(size - (TAG_BYTES if self.cipher is not None else 0))
+        await self._record_body(size, memoryview(buf))
+        return bytes(buf)
+
+    async def send_message(self, head: bytes, payload: bytes | memoryview) -> None:
+        await self.send_record(head)
+        view = memoryview(payload).cast("B")
+        for start in range(0, len(view), RECORD_BYTES):
+            await self.send_record(view[start : start + RECORD_BYTES])
+
+    async def recv_payload(self, length: int, into: Optional[memoryview] = None) -> bytearray | memoryview:
+        """`length` payload bytes, written into `into` when given (it must be exactly that long)."""
+        out = memoryview(bytearray(length)) if into is None else into
+        if len(out) != length:
+            raise PeerProtocolError(f"payload of {length} bytes where {len(out)} were agreed")
+        pos = 0
+        while pos < length:
+            pos += await self.recv_record_into(out[pos : min(length, pos + RECORD_BYTES)])
+        return out.obj if into is None else out
+
+    def close(self) -> None:
+        self.pipe.close()
+        for buf in (self._out, self._in):
+            if buf is not None:
+                _buffers.give(buf)
+        self._out = self._in = None
