@@ -15,7 +15,7 @@ logger = logging.getLogger(__name__)
 def initial_peers_line(maddrs: list[str]) -> str:
     """The exact flag other peers paste; loopback-only addresses last (they work on this machine only)."""
     ordered = sorted(maddrs, key=lambda m: ("/127.0.0.1/" in m or "/::1/" in m, m))
-    return "--initial-peers " + " ".join(ordered)
+    return "--initial-peers " + ",".join(ordered)
 
 
 def run_bootstrap(settings: NetworkSettings, *, print_fn=print) -> None:

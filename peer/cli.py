@@ -150,6 +150,57 @@ def bench_aggregate(
     )
 
 
+@bench_app.command("allreduce")
+def bench_allreduce(
+    peers: str = typer.Option("2,4", "--peers", help="Comma-separated group sizes."),
+    numel: int = typer.Option(10_000_000, "--numel", min=1, help="float32 values per peer."),
+    rounds: int = typer.Option(5, "--rounds", min=1, help="Timed rounds after one warm-up (median reported)."),
+    impls: str = typer.Option("phalanx,hivemind,gloo", "--impls", help="Which of phalanx, hivemind, gloo to run."),
+) -> None:
+    """All-reduce one vector per peer on loopback: Phalanx's round engine (mean), hivemind's
+    DecentralizedAverager and torch.distributed gloo, each in N worker processes; prints medians and ratios.
+
+    [bold]Examples[/bold]
+
+      phalanx bench allreduce --peers 2,4 --numel 10000000
+
+      phalanx bench allreduce --peers 4 --numel 1000000 --impls phalanx,gloo
+    """
+    from peer.bench.allreduce import IMPLS, run_allreduce_bench
+
+    chosen = _str_list(impls)
+    unknown = sorted(set(chosen) - set(IMPLS))
+    if unknown:
+        raise ConfigError(f"--impls: unknown {', '.join(unknown)}; choose from {', '.join(IMPLS)}")
+    run_allreduce_bench(_int_list(peers, "--peers"), numel, rounds, chosen)
+
+
+@bench_app.command("swarm")
+def bench_swarm(
+    peers: int = typer.Option(4, "--peers", min=1, help="Peers (processes) per run."),
+    target_accuracy: float = typer.Option(0.95, "--target-accuracy", min=0.0, max=1.0),
+    impls: str = typer.Option("phalanx,hivemind,ddp", "--impls", help="Which of phalanx, hivemind, ddp to run."),
+    repeats: int = typer.Option(1, "--repeats", min=1, help="Runs per implementation (median reported)."),
+    time_limit_s: float = typer.Option(300.0, "--time-limit-s", help="Give up on a reference run after this long."),
+) -> None:
+    """Wall time to the target test accuracy on digits: `phalanx swarm` (sync), hivemind's
+    collaborative hivemind.Optimizer and torch DDP over gloo, same model, data and optimizer.
+
+    [bold]Examples[/bold]
+
+      phalanx bench swarm --peers 4
+
+      phalanx bench swarm --peers 2 --impls phalanx,ddp --repeats 3
+    """
+    from peer.bench.swarm import IMPLS, run_swarm_bench
+
+    chosen = _str_list(impls)
+    unknown = sorted(set(chosen) - set(IMPLS))
+    if unknown:
+        raise ConfigError(f"--impls: unknown {', '.join(unknown)}; choose from {', '.join(IMPLS)}")
+    run_swarm_bench(peers, target_accuracy, chosen, repeats=repeats, time_limit_s=time_limit_s)
+
+
 def _int_list(text: str, flag: str) -> list[int]:
     try:
         values = [int(float(x)) for x in text.split(",") if x.strip()]

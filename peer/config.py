@@ -32,7 +32,7 @@ class NetworkSettings(BaseSettings):
 
     model_config = SettingsConfigDict(env_prefix="PHALANX_", extra="forbid", validate_default=True)
 
-    initial_peers: StrList = Field(default_factory=list, description="Multiaddrs of running peers to join through (printed by `phalanx bootstrap`).")
+    initial_peers: StrList = Field(default_factory=list, description="Comma-separated multiaddrs of running peers to join through (printed by `phalanx bootstrap`).")
     host_maddrs: StrList = Field(default_factory=list, description="Multiaddrs to listen on; default /ip4/0.0.0.0/tcp/<port>.")
     port: int = Field(0, ge=0, le=65535, description="TCP port for libp2p when --host-maddrs is not given (0: any free port).")
     announce_maddrs: StrList = Field(default_factory=list, description="Multiaddrs other peers should dial (e.g. behind port forwarding).")
@@ -122,7 +122,10 @@ class PeerConfig(NetworkSettings):
             raise ValueError("--resume needs --checkpoint-dir")
         if self.target_group_size is not None and self.target_group_size < self.min_group_size:
             raise ValueError("--target-group-size must be ≥ --min-group-size")
-        self.round_config()  # validates aggregator name and parameters early
+        try:
+            self.round_config()  # validates aggregator name and parameters early
+        except ConfigError as e:
+            raise ValueError(f"--aggregator {self.aggregator}: {e} (parameters go in --aggregator-params name=value)") from None
         return self
 
     def aggregator_kwargs(self) -> tuple[tuple[str, float], ...]:
@@ -179,11 +182,12 @@ def load_settings(model: type[NetworkSettings], overrides: dict[str, Any], confi
         return model(**overrides)
     except ValidationError as e:
         first = e.errors()[0]
-        field = str(first["loc"][0]) if first["loc"] else ""
-        flag = f"--{field.replace('_', '-')}" if field else "configuration"
+        message = first["msg"].removeprefix("Value error, ")
+        if not first["loc"]:  # a cross-field rule: its message names the flags itself
+            raise ConfigError(message) from None
+        field = str(first["loc"][0])
         value = first.get("input")
-        shown = "" if isinstance(value, dict) or field == "" else f" (got {value!r})"
-        raise ConfigError(f"{flag}: {first['msg']}{shown}") from None
+        raise ConfigError(f"--{field.replace('_', '-')}: {message} (got {value!r})") from None
     except ConfigError:
         raise
     finally:

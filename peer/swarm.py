@@ -114,7 +114,7 @@ class Swarm:
                 raise PhalanxError(f"bootstrap peer exited early; see {self.workdir / 'bootstrap.log'}")
             text = line.decode().strip()
             if text.startswith("--initial-peers "):
-                return text.split()[1:]
+                return [text.split(maxsplit=1)[1]]
 
     async def _start_trainer(self, view: PeerView, initial_peers: list[str]) -> None:
         args = [

@@ -143,7 +143,7 @@ class Trainer:
 
     def _emit(self, event: str, **fields: Any) -> None:
         if self.config.events:
-            sys.stdout.write(json.dumps({"event": event, **fields}) + "\n")
+            sys.stdout.write(json.dumps({"event": event, "t": time.time(), **fields}) + "\n")
             sys.stdout.flush()
 
     def _resume(self) -> int:
@@ -183,6 +183,7 @@ class Trainer:
         self._emit("started", peer_id=node.peer_id, step=step, params=self.model.numel, param_hash=self.model.param_hash())
         try:
             await self._wait_for_peers(node)
+            self._emit("training", step=node.engine.step, peers=len(node.membership.peers()))
             await self._loop(node)
         finally:
             self.report.step = engine.step

@@ -1,0 +1,265 @@
+"""`phalanx bench swarm`: wall time to a target test accuracy on digits for `phalanx swarm`
+(sync mode), hivemind's collaborative `hivemind.Optimizer` and torch DDP over gloo.
+
+Same task, model (MLP 64-64-10, identical initial weights), batch 32 per peer, SGD with
+momentum 0.9 and the task's learning rate, evaluation on the test split every 10 steps.
+The clock starts when every peer is ready to train (process and DHT start-up excluded)
+and stops at the first evaluation at or above the target.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import subprocess
+import sys
+import time
+from typing import Any, Optional
+
+import torch
+
+EVAL_EVERY = 10
+SEED = 0
+IMPLS = ("phalanx", "hivemind", "ddp")
+# hivemind.Optimizer's matchmaking time: 1 s is the fastest setting that still groups 4 local peers
+# reliably here (its default of 15 s, or the quickstart's 3 s, only make it slower)
+HIVEMIND_MATCHMAKING_TIME_S = 1.0
+HIVEMIND_AVERAGING_TIMEOUT_S = 10.0
+
+
+def _task_and_model():
+    from peer.tasks import resolve_task
+
+    task = resolve_task("digits-mlp")
+    model = task.build_model(SEED)
+    return task, model
+
+
+# ---- reference workers (one process each; they print TARGET/DONE lines) -----------------------
+
+
+def _wait_for_go() -> float:
+    print("READY", flush=True)
+    line = sys.stdin.readline()
+    if not line.startswith("GO"):
+        raise SystemExit("coordinator went away")
+    return time.time()
+
+
+def _run_ddp(args) -> None:
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args.port}", rank=args.rank, world_size=args.world)
+    task, model = _task_and_model()
+    ddp = DistributedDataParallel(model)
+    opt = task.make_optimizer(ddp.parameters())
+    _wait_for_go()
+    dist.barrier()
+    flag = torch.zeros(1)
+    for step in range(1, args.max_steps + 1):
+        inputs, targets = task.batch(SEED, f"rank{args.rank}", step, task.batch_size)
+        opt.zero_grad()
+        task.loss(ddp, inputs, targets).backward()
+        opt.step()
+        if step % EVAL_EVERY == 0:
+            if args.rank == 0 and task.evaluate(model)["accuracy"] >= args.target:
+                flag.fill_(1.0)
+                print(f"TARGET {time.time()} {step}", flush=True)
+            dist.broadcast(flag, src=0)
+            if flag.item():
+                break
+    print(f"DONE failures=0 steps={step}", flush=True)
+    dist.destroy_process_group()
+
+
+def _run_hivemind(args) -> None:
+    import hivemind
+
+    task, model = _task_and_model()
+    dht = hivemind.DHT(initial_peers=args.initial_peers, host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True)
+    opt = hivemind.Optimizer(
+        dht=dht,
+        run_id="phalanx_bench_swarm",
+        batch_size_per_step=task.batch_size,
+        target_batch_size=task.batch_size * args.world,
+        optimizer=lambda params: task.make_optimizer(params),
+        params=model.parameters(),
+        matchmaking_time=HIVEMIND_MATCHMAKING_TIME_S,
+        averaging_timeout=HIVEMIND_AVERAGING_TIMEOUT_S,
+        verbose=False,
+    )
+    _wait_for_go()
+    deadline = time.time() + args.time_limit_s
+    step = 0
+    try:
+        while step < args.max_steps and time.time() < deadline:
+            step += 1
+            inputs, targets = task.batch(SEED, f"rank{args.rank}", step, task.batch_size)
+            opt.zero_grad()
+            task.loss(model, inputs, targets).backward()
+            opt.step()
+            if args.rank == 0 and step % EVAL_EVERY == 0 and task.evaluate(model)["accuracy"] >= args.target:
+                print(f"TARGET {time.time()} {opt.local_epoch}", flush=True)
+                break
+    finally:
+        print(f"DONE failures=0 steps={step}", flush=True)  # failures are counted from its log
+        opt.shutdown()
+        dht.shutdown()
+
+
+def worker_main(argv: Optional[list[str]] = None) -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("impl", choices=("hivemind", "ddp"))
+    parser.add_argument("--rank", type=int, required=True)
+    parser.add_argument("--world", type=int, required=True)
+    parser.add_argument("--port", type=int, default=0)
+    parser.add_argument("--target", type=float, required=True)
+    parser.add_argument("--max-steps", type=int, default=5000)
+    parser.add_argument("--time-limit-s", type=float, default=600)
+    parser.add_argument("--initial-peers", nargs="*", default=[])
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    {"hivemind": _run_hivemind, "ddp": _run_ddp}[args.impl](args)
+
+
+# ---- the coordinator -----------------------------------------------------------------------------
+
+
+def _run_reference(impl: str, world: int, target: float, time_limit_s: float) -> dict[str, Any]:
+    from peer.bench.allreduce import _free_port
+
+    bootstrap = None
+    initial: list[str] = []
+    if impl == "hivemind":
+        import hivemind
+
+        bootstrap = hivemind.DHT(host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True)
+        initial = [str(m) for m in bootstrap.get_visible_maddrs()]
+    port = _free_port()
+    procs = []
+    try:
+        for rank in range(world):
+            cmd = [
+                sys.executable, "-m", "peer.bench.swarm", impl, "--rank", str(rank), "--world", str(world),
+                "--port", str(port), "--target", str(target), "--time-limit-s", str(time_limit_s),
+            ]  # fmt: skip
+            if initial:
+                cmd += ["--initial-peers", *initial]
+            procs.append(
+                subprocess.Popen(
+                    cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                    start_new_session=True,
+                )  # fmt: skip
+            )
+        for p in procs:
+            if p.stdout.readline().strip() != "READY":
+                raise RuntimeError(f"{impl} worker failed to start")
+        started = time.time()
+        for p in procs:
+            p.stdin.write("GO\n")
+            p.stdin.flush()
+        reached, failures, steps = None, 0, 0
+        for p in procs:
+            out, err = p.communicate(timeout=time_limit_s + 120)
+            # hivemind logs failed matchmaking / averaging from its own processes to stderr
+            failures += sum(_is_failure(line) for line in err.splitlines())
+            for line in out.splitlines():
+                if line.startswith("TARGET "):
+                    reached = float(line.split()[1]) - started
+                    steps = int(line.split()[2])
+                elif line.startswith("DONE "):
+                    failures += int(line.split("failures=")[1].split()[0])
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        if bootstrap is not None:
+            bootstrap.shutdown()
+    return {"impl": impl, "time_s": reached, "steps": steps, "failures": failures}
+
+
+def _is_failure(line: str) -> bool:
+    """One line per failed hivemind averaging step (its own log message)."""
+    return "Averaging step failed" in line and "] " in line
+
+
+def _run_phalanx(world: int, target: float, extra_args: list[str]) -> dict[str, Any]:
+    import uvloop
+
+    from peer.swarm import Swarm
+
+    args = [
+        "--task", "digits-mlp", "--steps", "5000", "--target-accuracy", str(target), "--eval-every", str(EVAL_EVERY),
+        "--wait-for-peers", str(world), "--seed", str(SEED), *extra_args,
+    ]  # fmt: skip
+    swarm = Swarm(world, args, target_accuracy=target, live=False)
+    result = uvloop.run(swarm.run())
+    events = [e for v in result.peers for e in v.events]
+    starts = [e["t"] for e in events if e["event"] == "training"]
+    hits = [e for e in events if e["event"] == "eval" and e["accuracy"] >= target]
+    reports = [v.report or {} for v in result.peers]
+    failures = sum(r.get("rounds_failed", 0) + r.get("rounds_partial", 0) for r in reports)
+    return {
+        "impl": "phalanx",
+        "time_s": (min(h["t"] for h in hits) - min(starts)) if hits and starts else None,
+        "steps": min(h["step"] for h in hits) if hits else 0,
+        "failures": failures,
+        "resyncs": sum(r.get("resyncs", 0) for r in reports),
+    }
+
+
+def run_swarm_bench(
+    peers: int, target: float, impls: list[str], *, repeats: int = 1, time_limit_s: float = 300, console=None
+) -> list[dict[str, Any]]:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = console or Console()
+    rows = []
+    for impl in impls:
+        runs = []
+        for i in range(repeats):
+            console.print(f"running {impl} with {peers} peers to {target} test accuracy (run {i + 1}/{repeats})…")
+            run = _run_phalanx(peers, target, []) if impl == "phalanx" else _run_reference(impl, peers, target, time_limit_s)
+            runs.append(run)
+        times = [r["time_s"] for r in runs if r["time_s"] is not None]
+        rows.append(
+            {
+                "impl": impl,
+                "time_s": statistics.median(times) if len(times) == len(runs) else None,
+                "steps": statistics.median(r["steps"] for r in runs),
+                "failures": sum(r["failures"] for r in runs),
+                "runs": runs,
+            }
+        )
+    table = Table(title=f"time to {target} test accuracy on digits, {peers} peers (median of {repeats})")
+    for col in ("impl", "seconds", "steps", "failed rounds", "vs phalanx"):
+        table.add_column(col, justify="right")
+    ours = next((r for r in rows if r["impl"] == "phalanx"), None)
+    for r in rows:
+        ratio = ""
+        if ours and ours["time_s"] and r["time_s"]:
+            ratio = f"{r['time_s'] / ours['time_s']:.2f}×"
+        table.add_row(
+            r["impl"],
+            "not reached" if r["time_s"] is None else f"{r['time_s']:.2f}",
+            f"{r['steps']:.0f}",
+            str(r["failures"]),
+            ratio,
+        )
+    console.print(table)
+    hm = next((r for r in rows if r["impl"] == "hivemind"), None)
+    if ours and hm and ours["time_s"] and hm["time_s"]:
+        share = ours["time_s"] / hm["time_s"]
+        ok = share <= 1 / 3 and ours["failures"] == 0
+        console.print(
+            f"goal: phalanx ≤ 1/3 of hivemind's time with no failed round — {share:.3f} of it,"
+            f" {ours['failures']} failed/partial rounds: {'met' if ok else 'NOT met'}"
+        )
+    return rows
+
+
+if __name__ == "__main__":
+    worker_main()

@@ -1,0 +1,80 @@
+"""One settings model: flags beat PHALANX_* env vars beat the TOML file beat defaults; errors name the flag."""
+
+import subprocess
+import sys
+
+import pytest
+
+from aggregation.errors import ConfigError
+from peer.config import PeerConfig, load_settings
+
+BOOT = "/ip4/127.0.0.1/tcp/31337/p2p/QmdkQRh9vunbfpqzuFuwH2F1uKgPSeejQS6eM23ArdWdf7"
+
+
+def test_precedence_flag_env_file_default(tmp_path, monkeypatch):
+    config = tmp_path / "peer.toml"
+    config.write_text('aggregator = "median"\nbatch_size = 16\nlr = 0.3\nrun_id = "from-file"\n')
+    monkeypatch.setenv("PHALANX_BATCH_SIZE", "24")
+    monkeypatch.setenv("PHALANX_LR", "0.2")
+    settings = load_settings(PeerConfig, {"lr": 0.1}, config)
+    assert settings.lr == 0.1  # flag
+    assert settings.batch_size == 24  # env over file
+    assert settings.aggregator == "median" and settings.run_id == "from-file"  # file over default
+    assert settings.compression == "none"  # default
+
+
+def test_lists_accept_commas_and_spaces_from_env(monkeypatch):
+    monkeypatch.setenv("PHALANX_INITIAL_PEERS", f"{BOOT}, {BOOT.replace('31337', '31338')}")
+    settings = load_settings(PeerConfig, {})
+    assert settings.initial_peers == [BOOT, BOOT.replace("31337", "31338")]
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        ({"aggregator": "nope"}, "--aggregator nope: unknown aggregator 'nope'; valid names: mean, centered_clip"),
+        ({"aggregator": "trimmed_mean"}, "missing required parameter 'b' (parameters go in --aggregator-params"),
+        ({"tau": -1}, "--tau: Input should be greater than 0 (got -1)"),
+        ({"compression": "zip"}, "--compression: Input should be 'none', 'fp16' or '8bit' (got 'zip')"),
+        ({"resume": True}, "--resume needs --checkpoint-dir"),
+        ({"initial_peers": "notamaddr"}, "--initial-peers: 'notamaddr' is not a multiaddr"),
+        ({"aggregator_params": "tau=abc"}, "--aggregator-params takes name=number pairs like tau=1, not 'tau=abc'"),
+        ({"public_ip": "203.0.113.7"}, "--public-ip needs a fixed --port"),
+        ({"device": "tpu"}, "--device: String should match pattern"),
+    ],
+)
+def test_errors_name_the_flag(overrides, message):
+    with pytest.raises(ConfigError) as info:
+        load_settings(PeerConfig, overrides)
+    assert message in str(info.value)
+
+
+def test_missing_config_file_is_a_config_error(tmp_path):
+    with pytest.raises(ConfigError, match="--config: no such file"):
+        load_settings(PeerConfig, {}, tmp_path / "absent.toml")
+
+
+def test_run_hash_covers_protocol_fields_only():
+    base = load_settings(PeerConfig, {})
+    assert load_settings(PeerConfig, {"checkpoint_dir": "/tmp/x", "eval_every": 3}).run_hash() == base.run_hash()
+    for change in ({"aggregator": "median"}, {"lr": 0.5}, {"compression": "fp16"}, {"run_id": "other"}, {"tau": 2.0, "aggregator": "centered_clip"}):
+        assert load_settings(PeerConfig, change).run_hash() != base.run_hash(), change
+
+
+def test_cli_prints_one_line_and_exits_2_on_a_user_mistake():
+    result = subprocess.run(
+        [sys.executable, "-m", "peer.cli", "join", "--aggregator", "nope"], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 2
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: --aggregator nope: unknown aggregator")
+
+
+def test_every_command_has_help_with_examples():
+    for command in (["bootstrap"], ["join"], ["swarm"], ["bench", "aggregate"], ["bench", "allreduce"], ["bench", "swarm"]):
+        result = subprocess.run(
+            [sys.executable, "-m", "peer.cli", *command, "--help"], capture_output=True, text=True, timeout=120,
+            env={"COLUMNS": "200", "PATH": "/usr/bin:/bin"},
+        )
+        assert result.returncode == 0, result.stderr
+        assert "Examples" in result.stdout and "phalanx " + " ".join(command) in result.stdout, command
