@@ -172,34 +172,42 @@ class Swarm:
 
     async def run(self) -> SwarmResult:
         followers: list[asyncio.Task] = []
+        target_task: Optional[asyncio.Task] = None
         try:
             initial_peers = await self._start_bootstrap()
             for view in self.views:
                 await self._start_trainer(view, initial_peers)
                 followers.append(asyncio.create_task(self._follow(view)))
-            all_done = asyncio.gather(*followers)
             target_task = asyncio.create_task(self.target_hit.wait())
+            waiting = {target_task, *followers}
+
+            async def wait_a_bit(timeout: float) -> bool:
+                """True once the target is hit or every trainer has exited."""
+                await asyncio.wait(waiting, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+                return target_task.done() or all(f.done() for f in followers)
+
             if self.live and self.console.is_terminal:
                 with Live(self._table(), console=self.console, refresh_per_second=4) as live:
-                    while not (all_done.done() or target_task.done()):
-                        await asyncio.wait({all_done, target_task}, timeout=0.25, return_when=asyncio.FIRST_COMPLETED)
+                    while not await wait_a_bit(0.25):
                         live.update(self._table())
+                    live.update(self._table())
             else:
-                last = 0.0
-                while not (all_done.done() or target_task.done()):
-                    await asyncio.wait({all_done, target_task}, timeout=1.0, return_when=asyncio.FIRST_COMPLETED)
+                last = time.monotonic()
+                while not await wait_a_bit(1.0):
                     if time.monotonic() - last > 5:
                         last = time.monotonic()
                         steps = [v.step for v in self.views]
                         accs = [v.accuracy for v in self.views if v.accuracy is not None]
+                        best = f"{max(accs):.4f}" if accs else "n/a"
                         self.console.print(
-                            f"[{time.monotonic() - self.started:6.1f} s] steps {min(steps)}–{max(steps)}"
-                            f" best accuracy {max(accs) if accs else float('nan'):.4f}"
+                            f"[{time.monotonic() - self.started:6.1f} s] steps {min(steps)}–{max(steps)} best accuracy {best}"
                         )
             target_task.cancel()
             await self._stop_trainers(grace_s=30)
             await asyncio.wait_for(asyncio.gather(*followers, return_exceptions=True), timeout=60)
         finally:
+            if target_task is not None:
+                target_task.cancel()
             await self._cleanup(followers)
         accs = [v.accuracy for v in self.views if v.accuracy is not None]
         return SwarmResult(
@@ -279,6 +287,8 @@ def run_swarm(peers: int, join_args: list[str], *, target_accuracy: Optional[flo
     import uvloop
 
     console = Console(stderr=True)
+    if not console.is_terminal:
+        console.width = 120  # logs and CI: do not squeeze the report into 80 columns
     swarm = Swarm(peers, join_args, target_accuracy=target_accuracy, workdir=workdir, console=console)
 
     async def main() -> SwarmResult:
