@@ -6,11 +6,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import tempfile
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Optional
 
 import hivemind
+from hivemind.p2p import P2P
 from multiaddr import Multiaddr
 
 from aggregation.errors import ConfigError, PhalanxError
@@ -18,6 +21,7 @@ from peer.config import NetworkSettings, PeerConfig
 from protocol.engine import RoundEngine
 from protocol.membership import Membership
 from protocol.transport import Transport
+from security.identity import Identity
 
 logger = logging.getLogger(__name__)
 
@@ -38,15 +42,38 @@ class _DHT(hivemind.DHT):
         super().run()
 
 
-def start_dht(settings: NetworkSettings, *, client_mode: Optional[bool] = None) -> hivemind.DHT:
+def load_identity(settings: NetworkSettings, scratch: Path) -> tuple[Path, Identity]:
+    """The identity file this peer runs with, and its key (to sign messages).
+
+    A missing --identity-path file is created (RSA, as hivemind does); without the flag a
+    throwaway Ed25519 identity is written to `scratch`, so the process always holds the
+    private key behind its peer ID.
+    """
+    path = settings.identity_path
+    if path is None:
+        path = scratch / "identity.key"
+        return path, Identity.generate_ed25519(path)
+    if not path.parent.is_dir():
+        raise ConfigError(f"--identity-path: directory {str(path.parent)!r} does not exist")
+    if not path.exists():
+        P2P.generate_identity(str(path))
+    return path, Identity.load(path)
+
+
+def start_dht(
+    settings: NetworkSettings, identity_path: Optional[Path] = None, *, client_mode: Optional[bool] = None
+) -> hivemind.DHT:
     """Start hivemind's DHT process with the settings' addresses, identity and relay flags."""
-    if settings.identity_path is not None and not settings.identity_path.parent.is_dir():
-        raise ConfigError(f"--identity-path: directory {str(settings.identity_path.parent)!r} does not exist")
+    identity_path = identity_path or settings.identity_path
+    if identity_path is not None and not identity_path.parent.is_dir():
+        raise ConfigError(f"--identity-path: directory {str(identity_path.parent)!r} does not exist")
     kwargs = dict(
         initial_peers=settings.initial_peers,
         host_maddrs=settings.listen_maddrs(),
         announce_maddrs=settings.announce() or None,
-        identity_path=str(settings.identity_path) if settings.identity_path else None,
+        identity_path=str(identity_path) if identity_path else None,
+        # hivemind's duplicate-identity check reads RSA keys only; a throwaway key cannot be shared
+        check_if_identity_free=identity_path is not None and _is_rsa(identity_path),
         use_relay=settings.use_relay,
         use_auto_relay=settings.use_auto_relay,
         client_mode=settings.client_mode if client_mode is None else client_mode,
@@ -80,6 +107,10 @@ def _explain(e: Exception, settings: NetworkSettings) -> Exception:
     if settings.initial_peers and ("bootstrap" in text.lower() or "failed to connect" in text.lower()):
         return ConfigError(f"--initial-peers: could not reach any of {settings.initial_peers} ({text.splitlines()[0][:200]})")
     return e
+
+
+def _is_rsa(path: Path) -> bool:
+    return path.exists() and path.read_bytes()[:2] == b"\x08\x00"
 
 
 def visible_maddrs(dht: hivemind.DHT) -> list[str]:
@@ -116,9 +147,11 @@ def run_key(config: PeerConfig) -> str:
 @dataclass
 class Node:
     dht: hivemind.DHT
+    identity: Identity
     transport: Transport
     membership: Membership
     engine: RoundEngine
+    scratch: tempfile.TemporaryDirectory
 
     @property
     def peer_id(self) -> str:
@@ -133,11 +166,18 @@ class Node:
             except Exception as e:
                 logger.debug(f"shutdown step failed: {e!r}")
         await asyncio.get_running_loop().run_in_executor(None, self.dht.shutdown)
+        self.scratch.cleanup()
 
 
 async def open_node(config: PeerConfig) -> Node:
     loop = asyncio.get_running_loop()
-    dht = await loop.run_in_executor(None, start_dht, config)
+    scratch = tempfile.TemporaryDirectory(prefix="phalanx-peer-")
+    try:
+        identity_path, identity = load_identity(config, Path(scratch.name))
+        dht = await loop.run_in_executor(None, start_dht, config, identity_path)
+    except BaseException:
+        scratch.cleanup()
+        raise
     try:
         p2p = await dht.replicate_p2p()
         key = run_key(config)
@@ -152,7 +192,10 @@ async def open_node(config: PeerConfig) -> Node:
         membership = Membership(dht, key + ".peers", transport.peer_id)
         engine = RoundEngine(transport, membership, config.round_config(), config.run_hash())
         await membership.start()
+        if transport.peer_id != identity.peer_id:
+            raise PhalanxError(f"the daemon runs as {transport.peer_id}, not as the identity file's {identity.peer_id}")
     except BaseException:
         dht.shutdown()
+        scratch.cleanup()
         raise
-    return Node(dht, transport, membership, engine)
+    return Node(dht, identity, transport, membership, engine, scratch)
