@@ -23,7 +23,7 @@ from aggregation.errors import AggregationInputError, PeerProtocolError, RoundAb
 from protocol.codec import Codec, decode, encode, encoded_size_bound
 from protocol.partition import partition_bounds
 from protocol.transport import Transport
-from protocol.wire import RoundId, WireModel, pack, unpack
+from security.wire import RoundId, WireModel, pack, unpack
 
 logger = logging.getLogger(__name__)
 

@@ -27,7 +27,7 @@ from aggregation.errors import PeerProtocolError, RoundTimeoutError
 from protocol.config import MatchmakingConfig
 from protocol.membership import Membership
 from protocol.transport import CallFailed, Transport
-from protocol.wire import PeerIdStr, RoundId, WireModel, pack, unpack
+from security.wire import PeerIdStr, RoundId, WireModel, pack, unpack
 
 logger = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ from hivemind import DHT
 from hivemind.utils import get_dht_time
 from pydantic import ValidationError
 
-from protocol.wire import WireModel
+from security.wire import WireModel
 
 logger = logging.getLogger(__name__)
 

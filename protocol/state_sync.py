@@ -19,7 +19,7 @@ from pydantic import Field
 
 from aggregation.errors import PeerProtocolError, RoundAbortedError
 from protocol.transport import Transport
-from protocol.wire import WireModel, pack, unpack
+from security.wire import WireModel, pack, unpack
 
 logger = logging.getLogger(__name__)
 

@@ -27,7 +27,7 @@ from hivemind.p2p import P2P, P2PContext, PeerID, ServicerBase
 
 from aggregation.errors import PeerProtocolError, RoundAbortedError
 from protocol.channel import CallFailed, Channel, ChannelAuthError, ChannelStats, SocketPipe, StreamPipe
-from protocol.wire import MAX_MESSAGE_BYTES, Address, WireModel, pack, unpack
+from security.wire import MAX_MESSAGE_BYTES, Address, WireModel, pack, unpack
 
 logger = logging.getLogger(__name__)
 

@@ -145,7 +145,7 @@ def test_direct_socket_needs_a_fresh_ticket_and_the_right_key():
             from hivemind.p2p import PeerID
 
             from protocol.transport import _Ticket, _TicketRequest
-            from protocol.wire import pack, unpack
+            from security.wire import pack, unpack
 
             stub = tb.get_stub(tb.p2p, PeerID.from_base58(ta.peer_id), namespace="t")
             ticket = unpack((await stub.rpc_ticket(BytesValue(value=pack(_TicketRequest())))).value, _Ticket)

@@ -7,7 +7,7 @@ import torch
 from aggregation.errors import PeerProtocolError
 from protocol.codec import Codec, decode, encode
 from protocol.partition import partition_bounds
-from protocol.wire import MAX_MESSAGE_BYTES, PeerIdStr, RoundId, WireModel, pack, unpack
+from security.wire import MAX_MESSAGE_BYTES, PeerIdStr, RoundId, WireModel, pack, unpack
 
 
 class Sample(WireModel):

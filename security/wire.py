@@ -1,4 +1,4 @@
-"""Small wire messages: msgpack bytes validated into pydantic models.
+"""Input limits for messages from the network: msgpack bytes validated into strict pydantic models.
 
 msgpack cannot execute code; every decode passes explicit size limits to the unpacker
 and then a strict model, so a malformed message from a peer becomes a
