@@ -27,6 +27,7 @@ import torch
 from aggregation.errors import ConfigError, PeerProtocolError, PhalanxError, RoundAbortedError, RoundTimeoutError
 from peer.checkpoint import load_latest, save_checkpoint
 from peer.config import PeerConfig
+from peer.health import PeerMetrics, open_node_health
 from peer.node import Node, open_node
 from peer.tasks import Task, compute_gradient, resolve_task
 from protocol.engine import Resync, initial_version
@@ -134,6 +135,7 @@ class Trainer:
         self.batch_size = config.batch_size or self.task.batch_size
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="train")
         self.report = Report()
+        self.health = PeerMetrics(role="trainer")  # updated once per round; read by the health server
         self.stop_requested = asyncio.Event()
         self._last_event = 0.0
         self._node: Optional[Node] = None
@@ -181,7 +183,9 @@ class Trainer:
             f"({self.model.numel} parameters, step {step})"
         )
         self._emit("started", peer_id=node.peer_id, step=step, params=self.model.numel, param_hash=self.model.param_hash())
+        health = None
         try:
+            health = await open_node_health(node, self.config, self.health)
             await self._wait_for_peers(node)
             self._emit("training", step=node.engine.step, peers=len(node.membership.peers()))
             await self._loop(node)
@@ -196,6 +200,8 @@ class Trainer:
             self.report.bytes_received = node.transport.stats.bytes_received
             if self.config.checkpoint_dir is not None and engine.step > 0:
                 await self._in_thread(self._checkpoint, engine.step)
+            if health is not None:
+                await health.aclose()
             await node.aclose()
             self.executor.shutdown(wait=True)
             self._emit("done", **asdict(self.report))
@@ -238,6 +244,7 @@ class Trainer:
                 outcome = round_task.result()
             except (RoundAbortedError, RoundTimeoutError, PeerProtocolError) as e:
                 engine.stats.rounds_failed += 1
+                self.health.round_failed()
                 logger.warning(f"round at step {step} failed: {e}")
                 continue
             if isinstance(outcome, Resync):
@@ -255,6 +262,7 @@ class Trainer:
                 await self._in_thread(self._checkpoint, engine.step)
 
     async def _resync(self, engine, resync: Resync) -> None:
+        self.health.resync_started(resync)
         try:
             snapshot = await engine.fetch_state(resync, self.model.state_tensors())
         except (PhalanxError, ValueError) as e:
@@ -262,11 +270,13 @@ class Trainer:
             return
         await self._in_thread(self.model.load_state_tensors, snapshot.tensors)
         engine.set_state(snapshot.version, snapshot.step)
+        self.health.resynced(snapshot.step)
         logger.info(f"loaded state of step {snapshot.step} from {resync.donor[-8:]}")
         self._emit("resynced", step=snapshot.step, donor=resync.donor)
 
     def _after_step(self, step: int, loss: float, outcome) -> None:
         result = outcome.result
+        self.health.round_done(step=step, loss=loss, samples=self.batch_size, averaged=outcome, duration_s=self._node.engine.stats.last_round_s)
         now = time.monotonic()
         if now - self._last_event >= 0.5:
             self._last_event = now
@@ -291,6 +301,7 @@ class Trainer:
     async def _evaluate(self, step: int) -> None:
         metrics = await self._in_thread(self.task.evaluate, self.model.module)
         self.report.accuracy = metrics["accuracy"]
+        self.health.evaluated(metrics["accuracy"])
         logger.info(f"step {step} test accuracy {metrics['accuracy']:.4f} loss {metrics['loss']:.4f}")
         self._emit("eval", step=step, **metrics)
         if self.config.target_accuracy is not None and metrics["accuracy"] >= self.config.target_accuracy:

@@ -1,0 +1,191 @@
+"""What a peer knows about its own progress, and its Prometheus view.
+
+`PeerMetrics` is the one object the training loop updates (once per round, eval or resync);
+the health server, the record publisher and the `/metrics` collector only read it. Counters
+the protocol already keeps (engine, transport, membership stats) are read at scrape time
+instead of being copied, so they cannot drift apart.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from importlib import metadata
+from typing import TYPE_CHECKING, Optional
+
+from hivemind.utils import get_dht_time
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from peer.health.record import LastRound, Outcome, Role
+
+if TYPE_CHECKING:
+    from peer.health.service import HealthService
+    from protocol.engine import Averaged, Resync
+    from protocol.matchmaking import GroupSpec
+
+ROUND_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+THROUGHPUT_HALF_LIFE_S = 10.0  # samples/s is an exponential average over roughly this long
+
+
+def package_version() -> str:
+    try:
+        return metadata.version("phalanx")
+    except metadata.PackageNotFoundError:
+        return "unknown"
+
+
+@dataclass
+class PeerMetrics:
+    """Progress of one peer. Units: seconds, samples; `loss` is the last local minibatch loss,
+    `accuracy` the last test accuracy; `staleness_penalty` the last weight cut applied to a late
+    contribution (0 = none; modes with staleness corrections set it)."""
+
+    role: Role
+    clock: Callable[[], float] = time.monotonic  # for throughput
+    wall_clock: Callable[[], float] = get_dht_time  # timestamps other peers read
+    step: int = 0
+    loss: Optional[float] = None
+    accuracy: Optional[float] = None
+    samples_per_s: float = 0.0
+    staleness_penalty: float = 0.0
+    accusations_seen: int = 0
+    in_sync: bool = False  # completed a round since start or since the last resync
+    last_round: Optional[LastRound] = None
+    registry: CollectorRegistry = field(default_factory=CollectorRegistry)
+    _last_step_at: Optional[float] = None
+
+    def __post_init__(self) -> None:
+        self.round_seconds = Histogram(
+            "phalanx_round_duration_seconds",
+            "Wall time of an averaging round (matchmaking + all-reduce).",
+            buckets=ROUND_BUCKETS_S,
+            registry=self.registry,
+        )
+
+    def round_done(self, *, step: int, loss: float, samples: int, averaged: Averaged, duration_s: float) -> None:
+        """A round completed and its result was applied: this peer is at `step`, having trained on
+        `samples` local samples since the previous round."""
+        result = averaged.result
+        self.step, self.loss, self.in_sync = step, loss, True
+        self._count_samples(samples)
+        self._round(averaged.group, "partial" if result.missing_parts or result.dropped_senders else "ok", duration_s)
+
+    def round_failed(self) -> None:
+        """A round raised (timeout, abort, misbehaving peer); the engine's stats count it."""
+        self._last_step_at = None  # the gap is not throughput
+
+    def resync_started(self, resync: Resync) -> None:
+        """The group told this peer to download state: out of sync until it completes a round again."""
+        self.in_sync = False
+        self._last_step_at = None
+        self._round(resync.group, "resync", None)
+
+    def resynced(self, step: int) -> None:
+        self.step = step
+
+    def evaluated(self, accuracy: float) -> None:
+        self.accuracy = accuracy
+
+    def _round(self, group: GroupSpec, outcome: Outcome, duration_s: Optional[float]) -> None:
+        if duration_s is not None:
+            self.round_seconds.observe(duration_s)
+        self.last_round = LastRound(
+            round_id=group.round_id.hex(),
+            members=list(group.members),
+            outcome=outcome,
+            duration_s=max(0.0, duration_s or 0.0),
+            finished_at=self.wall_clock(),
+        )
+
+    def _count_samples(self, samples: int) -> None:
+        now = self.clock()
+        if self._last_step_at is not None and now > self._last_step_at:
+            rate = samples / (now - self._last_step_at)
+            alpha = min(1.0, (now - self._last_step_at) / THROUGHPUT_HALF_LIFE_S)
+            self.samples_per_s = rate if self.samples_per_s == 0 else (1 - alpha) * self.samples_per_s + alpha * rate
+        self._last_step_at = now
+
+
+class NodeCollector(Collector):
+    """Prometheus families computed at scrape time from a `HealthService`."""
+
+    def __init__(self, service: HealthService) -> None:
+        self.service = service
+
+    def collect(self) -> Iterator[Metric]:
+        s = self.service
+        m = s.metrics
+        info = InfoMetricFamily("phalanx_build", "Version, protocol, role and configuration of this peer.")
+        info.add_metric(
+            [],
+            {
+                "version": package_version(),
+                "protocol": str(s.protocol),
+                "role": m.role,
+                "peer_id": s.peer_id,
+                "config_hash": s.config_hash[:16],
+            },
+        )
+        yield info
+        yield _gauge("phalanx_up_seconds", "Seconds since this peer started.", time.monotonic() - s.started_monotonic)
+        yield _gauge("phalanx_ready", "1 when /readyz answers 200.", float(s.readiness()[0]))
+        yield _gauge("phalanx_peers_seen", "Trainers announced in this peer's membership view.", s.peers_seen())
+        states = GaugeMetricFamily(
+            "phalanx_health_records", "Valid health records this peer reads, by state.", labels=["state"]
+        )
+        for state, count in sorted(s.records_by_state().items()):
+            states.add_metric([state], count)
+        yield states
+        engine = s.node.engine.stats if s.node is not None else None
+        rounds = CounterMetricFamily("phalanx_rounds", "Averaging rounds by outcome.", labels=["outcome"])
+        for outcome in ("ok", "partial", "failed", "resync"):
+            attr = {"ok": "rounds_ok", "partial": "rounds_partial", "failed": "rounds_failed", "resync": "resyncs"}[
+                outcome
+            ]
+            rounds.add_metric([outcome], getattr(engine, attr) if engine else 0)
+        yield rounds
+        transport = s.node.transport.stats if s.node is not None else None
+        yield _counter(
+            "phalanx_bytes_sent", "Bytes sent by the round transport.", transport.bytes_sent if transport else 0
+        )
+        yield _counter(
+            "phalanx_bytes_received",
+            "Bytes received by the round transport.",
+            transport.bytes_received if transport else 0,
+        )
+        calls = CounterMetricFamily("phalanx_transport_calls", "Transport calls by path.", labels=["path"])
+        for path in ("direct", "stream", "unary", "failed"):
+            calls.add_metric([path], getattr(transport, f"{path}_calls") if transport else 0)
+        yield calls
+        yield _gauge(
+            "phalanx_samples_per_second", "Training samples per second (exponential average).", m.samples_per_s
+        )
+        yield _gauge("phalanx_step", "Training step of this peer's parameters.", m.step)
+        if m.loss is not None:
+            yield _gauge("phalanx_loss", "Last minibatch loss.", m.loss)
+        if m.accuracy is not None:
+            yield _gauge("phalanx_accuracy", "Last test accuracy.", m.accuracy)
+        yield _gauge(
+            "phalanx_staleness_penalty",
+            "Last staleness penalty applied to a late contribution (0: none).",
+            m.staleness_penalty,
+        )
+        yield _gauge("phalanx_bans", "Peers this peer has banned.", len(s.bans()))
+        yield _counter("phalanx_accusations_seen", "Accusations this peer has seen.", m.accusations_seen)
+        yield _gauge("phalanx_legality_violations", "Violations found by the local legality check.", len(s.violations))
+
+
+def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+    return GaugeMetricFamily(name, doc, value=value)
+
+
+def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+    return CounterMetricFamily(name, doc, value=value)
+
+
+def render(registry: CollectorRegistry) -> bytes:
+    """The Prometheus text exposition of `registry`."""
+    return generate_latest(registry)

@@ -1,0 +1,347 @@
+"""A peer's health service: publishes its signed record, reads everyone's, checks legality,
+answers readiness and serves HTTP. Open with `open_health(...)`, close with `aclose()`.
+
+Every PUBLISH_EVERY_S: read all health records of the run, check the swarm's legality
+against the members of this peer's last round, then sign and store this peer's record
+(expiring after TTL_S). On close it publishes a last record in state "offline".
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import Counter
+from dataclasses import asdict
+from typing import TYPE_CHECKING, Any, Optional
+
+import hivemind
+from hivemind.utils import get_dht_time
+
+from peer.config import PROTOCOL_VERSION, NetworkSettings
+from peer.health.legality import LocalView, check_legality
+from peer.health.metrics import NodeCollector, PeerMetrics, package_version, render
+from peer.health.record import (
+    MAX_BANS,
+    MAX_VIOLATIONS,
+    PUBLISH_EVERY_S,
+    TTL_S,
+    HealthRecord,
+    HealthRecordValidator,
+    bans_digest,
+    health_key,
+    read_records,
+    sign_record,
+)
+from peer.health.server import HttpServer, open_http, peer_app
+from security.identity import Identity
+
+if TYPE_CHECKING:
+    from peer.config import PeerConfig
+    from peer.node import Node
+
+logger = logging.getLogger(__name__)
+
+
+async def fetch_records(dht: hivemind.DHT, run_id: str) -> tuple[dict[str, tuple[HealthRecord, float]], int]:
+    """Every valid, unexpired health record of the run: ({peer ID: (record, expiration)}, invalid count)."""
+    found = await dht.get(health_key(run_id), latest=True, return_future=True)
+    return read_records(found, now=get_dht_time())
+
+
+async def install_validator(dht: hivemind.DHT, run_id: str) -> None:
+    """Make this peer's DHT node refuse forged health records it is asked to store or is sent."""
+    await asyncio.get_running_loop().run_in_executor(None, dht.add_validators, [HealthRecordValidator(run_id)])
+
+
+def reachability(maddrs: list[str], client_mode: bool) -> str:
+    if client_mode:
+        return "client"
+    return "direct" if any("p2p-circuit" not in m for m in maddrs) else "relay"
+
+
+class HealthService:
+    """Owns the publisher task and the HTTP server of one peer (trainer or bootstrap)."""
+
+    def __init__(
+        self,
+        *,
+        dht: hivemind.DHT,
+        identity: Identity,
+        metrics: PeerMetrics,
+        settings: NetworkSettings,
+        config_hash: str = "",
+        node: Optional[Node] = None,
+        publish_every_s: float = PUBLISH_EVERY_S,
+    ) -> None:
+        self.dht, self.identity, self.metrics, self.settings, self.node = dht, identity, metrics, settings, node
+        self.peer_id = identity.peer_id
+        self.config_hash = config_hash
+        self.protocol = PROTOCOL_VERSION
+        self.publish_every_s = publish_every_s
+        self.started_at = get_dht_time()
+        self.started_monotonic = time.monotonic()
+        self.addresses: list[str] = []
+        self.records: dict[str, HealthRecord] = {}
+        self.invalid_records = 0
+        self.violations: list[str] = []
+        self.published_at: Optional[float] = None  # DHT time of the last successful store
+        self.http: Optional[HttpServer] = None
+        self._closing = False
+        self._bans_digest = bans_digest(set())
+        self._bans_changed_at = 0.0
+        self._membership_refreshes = (-1, time.monotonic())  # (count, when it last changed)
+        self._task: Optional[asyncio.Task] = None
+        metrics.registry.register(NodeCollector(self))
+
+    # ---- lifecycle ------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        await install_validator(self.dht, self.settings.run_id)
+        await self._cycle()
+        self._task = asyncio.create_task(self._run(), name="health-publisher")
+        if self.settings.http_port:
+            self.http = await open_http(peer_app(self), self.settings.http_host, self.settings.http_port)
+
+    async def aclose(self) -> None:
+        if self.http is not None:
+            await self.http.aclose()
+            self.http = None
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+            self._task = None
+        if self.dht.is_alive():
+            self._closing = True
+            try:
+                await asyncio.wait_for(self._publish(expire_in_s=self.publish_every_s), timeout=3)
+            except Exception as e:
+                logger.debug(f"could not publish the offline record: {e!r}")
+
+    async def _run(self) -> None:
+        while True:
+            await asyncio.sleep(self.publish_every_s)
+            try:
+                await self._cycle()
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:
+                logger.debug(f"health cycle failed: {e!r}")
+
+    async def _cycle(self) -> None:
+        loop = asyncio.get_running_loop()
+        maddrs = await loop.run_in_executor(None, self.dht.get_visible_maddrs)
+        self.addresses = [str(m) for m in maddrs][:16]
+        found, self.invalid_records = await fetch_records(self.dht, self.settings.run_id)
+        self.records = {peer: record for peer, (record, _) in found.items()}
+        self._track_bans()
+        self._track_membership()
+        self.violations = self._check()[:MAX_VIOLATIONS]
+        await self._publish(expire_in_s=TTL_S)
+
+    # ---- what this peer publishes ---------------------------------------------------------
+
+    def bans(self) -> set[str]:
+        return set(self.node.membership.banned) if self.node is not None else set()
+
+    def _track_bans(self) -> None:
+        digest = bans_digest(self.bans())
+        if digest != self._bans_digest:
+            self._bans_digest, self._bans_changed_at = digest, get_dht_time()
+
+    def _track_membership(self) -> None:
+        if self.node is not None and self.node.membership.stats.refreshes != self._membership_refreshes[0]:
+            self._membership_refreshes = (self.node.membership.stats.refreshes, time.monotonic())
+
+    def _check(self) -> list[str]:
+        last = self.metrics.last_round
+        me = LocalView(
+            peer_id=self.peer_id,
+            protocol=self.protocol,
+            config_hash=self.config_hash,
+            bans=frozenset(self.bans()),
+            bans_digest=self._bans_digest,
+            bans_changed_at=self._bans_changed_at,
+            round_members=tuple(last.members) if last is not None else (),
+        )
+        return check_legality(me, self.records, now=get_dht_time())
+
+    def state(self) -> str:
+        if self._closing:
+            return "offline"
+        if self.metrics.role == "bootstrap":
+            return "online"
+        return "online" if self.metrics.in_sync else "joining"
+
+    def record(self) -> HealthRecord:
+        m, engine = self.metrics, (self.node.engine.stats if self.node is not None else None)
+        return HealthRecord(
+            peer_id=self.peer_id,
+            role=m.role,
+            state=self.state(),
+            version=package_version()[:32],
+            protocol=self.protocol,
+            run_id=self.settings.run_id,
+            config_hash=self.config_hash,
+            published_at=get_dht_time(),
+            started_at=self.started_at,
+            addresses=[a[:256] for a in self.addresses],
+            reachability=reachability(self.addresses, self.settings.client_mode),
+            step=m.step,
+            samples_per_s=m.samples_per_s,
+            loss=m.loss,
+            accuracy=m.accuracy,
+            rounds_ok=engine.rounds_ok if engine else 0,
+            rounds_partial=engine.rounds_partial if engine else 0,
+            rounds_failed=engine.rounds_failed if engine else 0,
+            resyncs=engine.resyncs if engine else 0,
+            last_round=m.last_round,
+            peers_seen=self.peers_seen(),
+            bans=sorted(self.bans())[:MAX_BANS],
+            bans_digest=self._bans_digest,
+            bans_changed_at=self._bans_changed_at,
+            accusations_seen=m.accusations_seen,
+            violations=[v[:200] for v in self.violations],
+            legal=not self.violations,
+        )
+
+    async def _publish(self, expire_in_s: float) -> None:
+        record = self.record()
+        ok = await self.dht.store(
+            health_key(self.settings.run_id),
+            sign_record(self.identity, record),
+            record.published_at + expire_in_s,
+            subkey=self.peer_id,
+            return_future=True,
+        )
+        if ok:
+            self.published_at = record.published_at
+        else:
+            logger.debug("health record was not stored by any DHT node")
+
+    # ---- what the HTTP server reads -------------------------------------------------------
+
+    def alive(self) -> bool:
+        return self.dht.is_alive()
+
+    def peers_seen(self) -> int:
+        if self.node is not None:
+            return len(self.node.membership.peers())
+        return sum(1 for r in self.records.values() if r.role == "trainer" and r.state != "offline")
+
+    def records_by_state(self) -> dict[str, int]:
+        return dict(Counter(r.state for r in self.records.values()))
+
+    def readiness(self) -> tuple[bool, list[str]]:
+        """(ready, reasons it is not): alive, published, connected, in sync, not banned, legal."""
+        reasons: list[str] = []
+        if not self.alive():
+            reasons.append("the DHT process is not running")
+        if self.published_at is None or get_dht_time() - self.published_at > 3 * self.publish_every_s:
+            reasons.append("health record not stored in the DHT recently")
+        if self.node is not None:
+            membership = self.node.membership
+            quiet_s = time.monotonic() - self._membership_refreshes[1]
+            if quiet_s > max(3 * self.publish_every_s, 4 * membership.refresh_s):
+                reasons.append(f"membership view not refreshed for {quiet_s:.0f} s")
+            if self.peer_id not in membership.peers():
+                reasons.append("not yet visible in the swarm's membership")
+            if not self.metrics.in_sync:
+                reasons.append("not in sync: no round completed since start or the last resync")
+            if self.peer_id in membership.banned:
+                reasons.append("banned")
+        reasons.extend(self.violations)
+        return not reasons, reasons
+
+    def metrics_text(self) -> bytes:
+        return render(self.metrics.registry)
+
+    def status(self) -> dict[str, Any]:
+        ready, reasons = self.readiness()
+        node, m = self.node, self.metrics
+        engine = node.engine.stats if node is not None else None
+        return {
+            "peer_id": self.peer_id,
+            "role": m.role,
+            "version": package_version(),
+            "protocol": self.protocol,
+            "run_id": self.settings.run_id,
+            "config_hash": self.config_hash,
+            "addresses": self.addresses,
+            "reachability": reachability(self.addresses, self.settings.client_mode),
+            "state": self.state(),
+            "alive": self.alive(),
+            "ready": ready,
+            "not_ready_because": reasons,
+            "uptime_s": round(time.monotonic() - self.started_monotonic, 3),
+            "step": m.step,
+            "loss": m.loss,
+            "accuracy": m.accuracy,
+            "samples_per_s": m.samples_per_s,
+            "staleness_penalty": m.staleness_penalty,
+            "rounds": {
+                "ok": engine.rounds_ok if engine else 0,
+                "partial": engine.rounds_partial if engine else 0,
+                "failed": engine.rounds_failed if engine else 0,
+                "resync": engine.resyncs if engine else 0,
+                "last_group_size": engine.last_group_size if engine else 0,
+                "last_round_s": engine.last_round_s if engine else 0.0,
+            },
+            "last_round": m.last_round.model_dump(mode="json") if m.last_round is not None else None,
+            "transport": asdict(node.transport.stats) if node is not None else {},
+            "bytes_sent": node.transport.stats.bytes_sent if node is not None else 0,
+            "bytes_received": node.transport.stats.bytes_received if node is not None else 0,
+            "peers_seen": self.peers_seen(),
+            "membership": (
+                {p: {"state": r.state, "step": r.step} for p, r in sorted(node.membership.peers().items())}
+                if node is not None
+                else {}
+            ),
+            "bans": sorted(self.bans()),
+            "accusations_seen": m.accusations_seen,
+            "legality": {"legal": not self.violations, "violations": self.violations},
+            "health_records": {
+                p: {
+                    "role": r.role,
+                    "state": r.state,
+                    "step": r.step,
+                    "age_s": round(get_dht_time() - r.published_at, 3),
+                }
+                for p, r in sorted(self.records.items())
+            },
+            "invalid_health_records": self.invalid_records,
+            "http": {"url": self.http.url} if self.http is not None else None,
+        }
+
+
+async def open_health(
+    *,
+    dht: hivemind.DHT,
+    identity: Identity,
+    metrics: PeerMetrics,
+    settings: NetworkSettings,
+    config_hash: str = "",
+    node: Optional[Node] = None,
+) -> HealthService:
+    """Start publishing this peer's record (and serving HTTP when --http-port is set)."""
+    service = HealthService(
+        dht=dht, identity=identity, metrics=metrics, settings=settings, config_hash=config_hash, node=node
+    )
+    try:
+        await service.start()
+    except BaseException:
+        await service.aclose()
+        raise
+    return service
+
+
+async def open_node_health(node: Node, config: PeerConfig, metrics: PeerMetrics) -> HealthService:
+    """The health service of a trainer: its node's DHT, identity and stats, its run's config hash."""
+    return await open_health(
+        dht=node.dht,
+        identity=node.identity,
+        metrics=metrics,
+        settings=config,
+        config_hash=config.run_hash().hex(),
+        node=node,
+    )
