@@ -1,13 +1,17 @@
-"""`phalanx bootstrap`: a DHT-only peer that others use as their entry point."""
+"""`phalanx bootstrap`: a DHT-only peer that others use as their entry point. It publishes a
+health record with role "bootstrap" and, with --http-port, serves /healthz and /readyz too."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import signal
-import threading
+import tempfile
+from pathlib import Path
 
 from peer.config import NetworkSettings
-from peer.node import start_dht, visible_maddrs
+from peer.health import PeerMetrics, open_health
+from peer.node import load_identity, start_dht, visible_maddrs
 
 logger = logging.getLogger(__name__)
 
@@ -20,15 +24,31 @@ def initial_peers_line(maddrs: list[str]) -> str:
 
 def run_bootstrap(settings: NetworkSettings, *, print_fn=print) -> None:
     """Serve the DHT until SIGINT/SIGTERM."""
-    stop = threading.Event()
+    import uvloop
+
+    uvloop.run(_serve(settings, print_fn))
+
+
+async def _serve(settings: NetworkSettings, print_fn) -> None:
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
-    dht = start_dht(settings)
+        loop.add_signal_handler(sig, stop.set)
+    scratch = tempfile.TemporaryDirectory(prefix="phalanx-bootstrap-")
     try:
-        maddrs = visible_maddrs(dht)
-        logger.info(f"bootstrap peer {dht.peer_id} is up")
-        print_fn("Other peers join this swarm with:")
-        print_fn(initial_peers_line(maddrs), flush=True)
-        stop.wait()
+        identity_path, identity = load_identity(settings, Path(scratch.name))  # signs its health record
+        dht = await loop.run_in_executor(None, start_dht, settings, identity_path)
+        try:
+            maddrs = visible_maddrs(dht)
+            logger.info(f"bootstrap peer {dht.peer_id} is up")
+            print_fn("Other peers join this swarm with:")
+            print_fn(initial_peers_line(maddrs), flush=True)
+            health = await open_health(dht=dht, identity=identity, metrics=PeerMetrics(role="bootstrap"), settings=settings)
+            try:
+                await stop.wait()
+            finally:
+                await health.aclose()
+        finally:
+            await loop.run_in_executor(None, dht.shutdown)
     finally:
-        dht.shutdown()
+        scratch.cleanup()

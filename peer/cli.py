@@ -36,7 +36,7 @@ _state = {"debug": False}
 
 @app.callback()
 def _root(
-    log_format: str = typer.Option("text", "--log-format", help="text or json (one JSON object per line)."),
+    log_format: str = typer.Option("text", "--log-format", envvar="PHALANX_LOG_FORMAT", help="text or json (one JSON object per line)."),
     debug: bool = typer.Option(False, "--debug", help="Verbose logs and full tracebacks."),
 ) -> None:
     _state["debug"] = debug
@@ -47,7 +47,7 @@ def _root(
 
 
 @app.command("bootstrap")
-@settings_command(NetworkSettings, exclude=("direct", "direct_port", "run_id"))
+@settings_command(NetworkSettings, exclude=("direct", "direct_port"))
 def bootstrap(settings: NetworkSettings) -> None:
     """Start a DHT-only peer that others join through; prints the exact --initial-peers line to use.
 
