@@ -15,7 +15,9 @@ import typer
 from aggregation.errors import ConfigError, PhalanxError
 from peer.cli_options import settings_command
 from peer.config import NetworkSettings, PeerConfig
+from peer.health.options import settings_command_with
 from peer.logs import configure_logging
+from peer.monitor.config import MonitorSettings
 
 app = typer.Typer(
     name="phalanx",
@@ -119,6 +121,52 @@ def swarm(
     result = run_swarm(peers, join_args, target_accuracy=target_accuracy, workdir=workdir)
     if not result.reached_target:
         raise typer.Exit(1)
+
+
+@app.command("health")
+@settings_command_with(
+    NetworkSettings,
+    exclude=("direct", "direct_port", "http_port", "http_host", "client_mode", "port", "public_ip", "announce_maddrs"),
+    as_json=(bool, typer.Option(False, "--json", help="Print JSON (every record, with the problems found) instead of a table.")),
+    watch=(bool, typer.Option(False, "--watch", help="Keep polling: a live table, or one JSON line per poll with --json.")),
+    interval_s=(float, typer.Option(2.0, "--interval-s", min=0.2, help="Seconds between polls.")),
+    expect=(int, typer.Option(0, "--expect", min=0, help="Wait until at least this many peers are online; exit 1 if not by --timeout-s.")),
+    timeout_s=(float, typer.Option(60.0, "--timeout-s", min=0, help="How long --expect waits.")),
+)
+def health(settings: NetworkSettings, as_json: bool, watch: bool, interval_s: float, expect: int, timeout_s: float) -> None:
+    """Join the swarm as a client and print every peer's health: short ID, state, version, step,
+    samples/s, last seen, relay/direct and the problems found (signed records from the DHT).
+
+    [bold]Examples[/bold]
+
+      phalanx health --initial-peers /ip4/203.0.113.7/tcp/31337/p2p/12D3KooW...
+
+      phalanx health --initial-peers ... --watch
+
+      phalanx health --initial-peers ... --json --expect 3 --timeout-s 120
+    """
+    from peer.health.client import run_health
+
+    code = run_health(settings, as_json=as_json, watch=watch, interval_s=interval_s, expect=expect, timeout_s=timeout_s)
+    if code:
+        raise typer.Exit(code)
+
+
+@app.command("monitor")
+@settings_command(MonitorSettings, exclude=("direct", "direct_port", "client_mode", "public_ip", "announce_maddrs"))
+def monitor(settings: MonitorSettings) -> None:
+    """Serve a swarm dashboard: the peer table and plots of loss, accuracy, throughput and peers by
+    state over time, a JSON API (/api/v1/status) and aggregated Prometheus /metrics.
+
+    [bold]Examples[/bold]
+
+      phalanx monitor --initial-peers /ip4/203.0.113.7/tcp/31337/p2p/12D3KooW... --http-port 8000
+
+      phalanx monitor --initial-peers ... --http-host 0.0.0.0 --poll-s 5
+    """
+    from peer.monitor.app import run_monitor
+
+    run_monitor(settings)
 
 
 @bench_app.command("aggregate")
