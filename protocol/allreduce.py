@@ -15,9 +15,10 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Annotated, Callable, Optional, Protocol
 
 import torch
+from pydantic import Field
 
 from aggregation.errors import AggregationInputError, PeerProtocolError, RoundAbortedError
 from protocol.codec import Codec, decode, encode, encoded_size_bound
@@ -38,10 +39,23 @@ class PartHeader(WireModel):
     numel: int  # elements in this part
     codec: str  # Codec value the payload is encoded with
     weight: float  # sender's contribution weight; reducers clip it to [0, 1]
+    signature: Annotated[bytes, Field(max_length=4096)] = b""  # verified rounds: the signed "part" statement
 
 
 class AggregateHeader(WireModel):
     contributors: int  # how many members' parts went into the aggregate
+    statement: Annotated[bytes, Field(max_length=4096)] = b""  # verified rounds: the signed "aggregate" statement
+
+
+class PartGuard(Protocol):
+    """What a verified round (protocol.btard) checks and signs around the data phases.
+    Methods raise PeerProtocolError to refuse a part or an aggregate."""
+
+    def sign_part(self, part: int, payload: bytes | memoryview, weight: float) -> bytes: ...
+    def accept_part(self, sender: int, part: int, payload: bytes | memoryview, header: PartHeader) -> None: ...
+    def sign_aggregate(self, part: int, payload: bytes | memoryview, contributors: list[int]) -> bytes: ...
+    def reply_for(self, receiver: int, header: bytes, payload: bytes | memoryview) -> tuple[bytes, bytes | memoryview]: ...
+    def accept_aggregate(self, part: int, payload: bytes | memoryview, header: AggregateHeader) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -68,6 +82,9 @@ class AllReduceResult:
     bytes_sent: int
     bytes_received: int
     duration_s: float
+    own_rows: Optional[torch.Tensor] = None  # (n, part) parts this peer reduced (rows of `own_received`)
+    own_received: tuple[int, ...] = ()
+    own_value: Optional[torch.Tensor] = None  # this peer's aggregate of its part, as the others decoded it
 
 
 @dataclass
@@ -81,12 +98,14 @@ class _Reduction:
     weights: torch.Tensor  # (n,)
     received: set[int] = field(default_factory=set)
     receiving: set[int] = field(default_factory=set)  # parts being written into `rows` right now
+    refused: set[int] = field(default_factory=set)  # senders whose part was refused or who are skipped
     closed: bool = False  # set once aggregation starts; later parts are refused
     complete_at: float = 0.0  # time.monotonic() when the last part arrived (or the deadline)
     reduced_at: float = 0.0
     complete: asyncio.Event = field(default_factory=asyncio.Event)
     result: Optional[asyncio.Future] = None
     encoded: Optional[tuple[bytes, bytes | memoryview]] = None
+    guard: Optional[PartGuard] = None
 
     def claim(self, index: int) -> None:
         """Reserve row `index` for an incoming part (refuses late and repeated parts)."""
@@ -105,7 +124,17 @@ class _Reduction:
         self.weights[index] = min(max(weight, 0.0), 1.0)  # never trust a self-reported weight beyond 1
         self.receiving.discard(index)
         self.received.add(index)
-        if len(self.received) == len(self.spec.members):
+        self._check_complete()
+
+    def refuse(self, index: int) -> None:
+        """Stop waiting for `index`'s part (refused, or a member left out of the round)."""
+        self.receiving.discard(index)
+        if index not in self.received:
+            self.refused.add(index)
+        self._check_complete()
+
+    def _check_complete(self) -> None:
+        if len(self.received | self.refused) >= len(self.spec.members):
             self.complete.set()
 
 
@@ -130,9 +159,12 @@ class AllReduceService:
         weight: float = 1.0,
         call_timeout_s: float,
         out: Optional[torch.Tensor] = None,
+        guard: Optional[PartGuard] = None,
+        skip: frozenset[int] = frozenset(),
     ) -> AllReduceResult:
         """All-reduce `vector` (numel,) with the group in `spec`; this peer must be a member.
-        The result is written into `out` (numel,) float32 when given (callers reuse one buffer)."""
+        The result is written into `out` (numel,) float32 when given (callers reuse one buffer).
+        Parts whose reducer is in `skip` are not sent and come back missing."""
         started = time.monotonic()
         sent0, recv0 = self.transport.stats.bytes_sent, self.transport.stats.bytes_received
         me = spec.members.index(self.transport.peer_id)
@@ -144,9 +176,12 @@ class AllReduceService:
         shape = (len(spec.members), hi - lo)
         rows = self._spare_rows.pop(shape, None)
         reduction = _Reduction(spec, me, reducer, torch.empty(shape) if rows is None else rows, torch.zeros(shape[0]))
+        reduction.guard = guard
         reduction.result = asyncio.get_running_loop().create_future()
         reduction.claim(me)
         reduction.add(me, vector[lo:hi], weight)
+        for i in skip:
+            reduction.refuse(i)
         self._rounds[spec.round_id] = reduction
         self._registered.setdefault(spec.round_id, asyncio.Event()).set()
         if out is not None and (out.shape != (spec.numel,) or out.dtype != torch.float32 or out.device.type != "cpu"):
@@ -155,14 +190,13 @@ class AllReduceService:
         missing: list[int] = []
         try:
             reduce_task = asyncio.create_task(self._reduce(reduction))
-            calls = [
-                self._send_part(spec, j, vector[a:b], weight, output[a:b], call_timeout_s)
-                for j, (a, b) in enumerate(bounds)
-                if j != me
-            ]
+            others = [j for j in range(len(spec.members)) if j != me and j not in skip]
+            calls = [self._send_part(spec, j, vector[a:b], weight, output[a:b], call_timeout_s, guard) for j, (a, b) in ((j, bounds[j]) for j in others)]
             outcomes = await asyncio.gather(*calls, return_exceptions=True)
             gathered = time.monotonic()
-            others = [j for j in range(len(spec.members)) if j != me]
+            for j in sorted(skip - {me}):
+                missing.append(j)
+                output[bounds[j][0] : bounds[j][1]] = 0.0
             for j, outcome in zip(others, outcomes):
                 if isinstance(outcome, BaseException):
                     if isinstance(outcome, asyncio.CancelledError):
@@ -179,7 +213,7 @@ class AllReduceService:
         finally:
             # keep serving replies that are in flight, then forget the round
             asyncio.get_running_loop().call_later(5.0, self._forget, spec.round_id)
-            if reduction.closed and not reduction.receiving:  # nobody is still writing into the rows
+            if guard is None and reduction.closed and not reduction.receiving:  # nobody still writes into the rows
                 self._spare_rows = {shape: reduction.rows}
         return AllReduceResult(
             vector=output,
@@ -189,15 +223,21 @@ class AllReduceService:
             bytes_sent=self.transport.stats.bytes_sent - sent0,
             bytes_received=self.transport.stats.bytes_received - recv0,
             duration_s=time.monotonic() - started,
+            own_rows=reduction.rows if guard is not None else None,
+            own_received=tuple(sorted(reduction.received)),
+            own_value=output[lo:hi],
         )
 
     def _forget(self, round_id: bytes) -> None:
         self._rounds.pop(round_id, None)
         self._registered.pop(round_id, None)
 
-    async def _send_part(self, spec, j, part, weight, out, timeout_s) -> None:
-        header = PartHeader(round_id=spec.round_id, part=j, numel=part.numel(), codec=spec.codec.value, weight=weight)
+    async def _send_part(self, spec, j, part, weight, out, timeout_s, guard: Optional[PartGuard]) -> None:
         payload = encode(part, spec.codec)
+        signature = guard.sign_part(j, payload, weight) if guard is not None else b""
+        header = PartHeader(
+            round_id=spec.round_id, part=j, numel=part.numel(), codec=spec.codec.value, weight=weight, signature=signature
+        )
         raw = spec.codec is Codec.NONE  # the reply's bytes can land in `out` directly
         reply_header, reply = await self.transport.call(
             spec.members[j],
@@ -208,7 +248,9 @@ class AllReduceService:
             timeout_s=timeout_s,
             reply_into=_bytes_of(out) if raw else None,
         )
-        unpack(reply_header, AggregateHeader, peer=spec.members[j])
+        head = unpack(reply_header, AggregateHeader, peer=spec.members[j])
+        if guard is not None:
+            guard.accept_aggregate(j, reply, head)
         if not raw:
             out.copy_(decode(reply, spec.codec, part.numel(), peer=spec.members[j]))
 
@@ -232,7 +274,9 @@ class AllReduceService:
             reduction.result.set_exception(RoundAbortedError(f"aggregation failed: {e}"))
             raise RoundAbortedError(f"aggregation failed: {e}") from e
         reduction.reduced_at = time.monotonic()
-        reduction.encoded = (pack(AggregateHeader(contributors=len(got))), encode(value, reduction.spec.codec))
+        payload = encode(value, reduction.spec.codec)
+        statement = b"" if reduction.guard is None else reduction.guard.sign_aggregate(reduction.my_index, payload, got)
+        reduction.encoded = (pack(AggregateHeader(contributors=len(got), statement=statement)), payload)
         reduction.result.set_result(value)
         # what we send is what the others decode: keep our own part bit-identical to theirs
         if reduction.spec.codec is not Codec.NONE:
@@ -263,11 +307,19 @@ class AllReduceService:
 
     async def _serve_part(self, peer: str, header: bytes, payload) -> tuple[bytes, bytes | memoryview]:
         head, reduction, index = await self._checked_part(peer, header)
+        if reduction.guard is not None:
+            try:
+                reduction.guard.accept_part(index, reduction.my_index, payload, head)
+            except PeerProtocolError:
+                reduction.refuse(index)
+                raise
         if reduction.spec.codec is Codec.NONE:
             reduction.add(index, None, head.weight)  # the sink already put the bytes in place
         else:
             reduction.add(index, decode(payload, reduction.spec.codec, head.numel, peer=peer), head.weight)
         await asyncio.shield(reduction.result)
+        if reduction.guard is not None:
+            return reduction.guard.reply_for(index, *reduction.encoded)
         return reduction.encoded
 
     async def _wait_for_round(self, round_id: bytes, peer: str) -> _Reduction:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -50,6 +51,22 @@ class MatchmakingConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class VerifyConfig:
+    """Verification of rounds; protocol-relevant (hashed into the run key)."""
+
+    tau: float
+    """CenteredClip radius the reducers use (inf for the mean)."""
+    eps: float = 1e-6
+    """CenteredClip's stopping tolerance: the projection tolerance follows from it."""
+    phase_timeout_s: float = 10.0
+    """Each verification phase waits at most this long for the other members."""
+    validators: int = 1
+    """Members per round that recompute another member's gradient."""
+    contribution_rtol: float = 1e-4
+    """How far a recomputed gradient part may differ (relative L2) before it counts as forged."""
+
+
+@dataclass(frozen=True, kw_only=True)
 class RoundConfig:
     """One averaging round. Protocol-relevant fields are hashed into the run key."""
 
@@ -62,13 +79,18 @@ class RoundConfig:
     allreduce_timeout_s: float = 30.0
     """Reducers stop waiting for parts this long after the group forms; stalled members are dropped."""
     state_timeout_s: float = 120.0
+    verify: Optional[VerifyConfig] = None
+    """BTARD verification of every round (commitments, MPRNG, projections, validators, bans)."""
 
     def make_reducer(self):
         """(rows (n, d), weights (n,)) -> aggregate (d,) with the configured rule; unknown names and
         bad parameters raise ConfigError listing the valid ones."""
         from aggregation.registry import make_aggregator
 
-        aggregate = make_aggregator(self.aggregator, **dict(self.aggregator_params))
+        params = dict(self.aggregator_params)
+        if self.verify is not None and self.aggregator == "centered_clip":
+            params.setdefault("max_iter", 100_000)  # the projection check assumes it ran to convergence
+        aggregate = make_aggregator(self.aggregator, **params)
         return lambda rows, weights: aggregate(rows, weights).value
 
 
@@ -84,3 +106,15 @@ def parse_aggregator_params(text: str) -> tuple[tuple[str, float], ...]:
         if not sep or not key.strip():
             raise ConfigError(f"--aggregator-params takes name=number pairs like tau=1, not {item!r}")
     return tuple(sorted(params))
+
+
+def verify_config_for(aggregator: str, params: tuple[tuple[str, float], ...], **options) -> VerifyConfig:
+    """The verification settings that match the aggregator every reducer runs."""
+    if aggregator == "mean":
+        return VerifyConfig(tau=math.inf, eps=0.0, **options)
+    if aggregator == "centered_clip":
+        values = dict(params)
+        return VerifyConfig(tau=values["tau"], eps=values.get("eps", 1e-6), **options)
+    raise ConfigError(
+        f"--verify checks CenteredClip's fixed point and needs --aggregator centered_clip (or mean), not {aggregator!r}"
+    )

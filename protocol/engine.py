@@ -10,6 +10,7 @@ Phases 2 (commitments) and 6 (verification) slot in around `_allreduce`.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 import time
@@ -18,12 +19,22 @@ from typing import Optional, Union
 
 import torch
 
+from aggregation.errors import PeerProtocolError, RoundAbortedError
+from protocol.adversary import Behavior
 from protocol.allreduce import AllReduceResult, AllReduceService, RoundSpec
+from protocol.bans import BanBook
+from protocol.btard import BtardService, Recompute, Verdict, VerifiedRound
+from protocol.codec import encode
 from protocol.config import RoundConfig
+from protocol.exchange import ExchangeService
 from protocol.matchmaking import GroupSpec, Matchmaker
 from protocol.membership import Membership
 from protocol.state_sync import StateService, StateSnapshot
 from protocol.transport import Transport
+from security.commitments import GroupBody
+from security.identity import Identity
+from security.statements import Signed, open_statement
+from security.wire import unpack
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +59,7 @@ class Averaged:
 
     group: GroupSpec
     result: AllReduceResult
+    verdict: Optional[Verdict] = None  # verified rounds: who was banned, which parts were thrown away
 
 
 @dataclass(frozen=True)
@@ -64,6 +76,7 @@ class EngineStats:
     rounds_partial: int = 0
     rounds_failed: int = 0
     resyncs: int = 0
+    bans_voted: int = 0
     last_group_size: int = 0
     last_round_s: float = 0.0
 
@@ -77,12 +90,26 @@ class RoundEngine:
         membership: Membership,
         config: RoundConfig,
         run_hash: bytes,
+        *,
+        identity: Optional[Identity] = None,
+        bans: Optional[BanBook] = None,
+        behavior: Optional[Behavior] = None,
     ) -> None:
         self.transport, self.membership, self.config, self.run_hash = transport, membership, config, run_hash
-        self.matchmaker = Matchmaker(transport, membership, config.matchmaking, run_hash)
+        self.identity, self.bans, self.behavior = identity, bans, behavior or Behavior()
+        transport.banned = membership.banned  # one set: matchmaking, membership and every handler honor it
+        if bans is not None:
+            bans.banned = membership.banned
+        self.matchmaker = Matchmaker(transport, membership, config.matchmaking, run_hash, identity=identity)
         self.allreduce = AllReduceService(transport, registration_wait_s=config.matchmaking.join_timeout_s)
         self.state = StateService(transport)
-        self.reducer = config.make_reducer()
+        self.reducer = self.behavior.wrap_reducer(config.make_reducer())
+        self.btard: Optional[BtardService] = None
+        if config.verify is not None:
+            if identity is None:
+                raise ValueError("verified rounds need the peer's identity to sign")
+            self.exchange = ExchangeService(transport)
+            self.btard = BtardService(transport, self.exchange, identity)
         self._output: Optional[torch.Tensor] = None  # reused by every round: see run_round
         self.version = b""
         self.step = 0
@@ -99,7 +126,9 @@ class RoundEngine:
     async def aclose(self) -> None:
         await self.matchmaker.aclose()
 
-    async def run_round(self, vector: torch.Tensor, *, weight: float = 1.0) -> Union[Averaged, Resync]:
+    async def run_round(
+        self, vector: torch.Tensor, *, weight: float = 1.0, recompute: Optional[Recompute] = None
+    ) -> Union[Averaged, Resync]:
         """Form a group and all-reduce `vector` (numel,) with it, or learn that we must resync.
 
         The averaged vector lives in a buffer that the next call overwrites (fresh 40 MB buffers
@@ -120,21 +149,73 @@ class RoundEngine:
         )
         if self._output is None or self._output.numel() != vector.numel():
             self._output = torch.empty(vector.numel())
-        result = await self.allreduce.run(
-            spec,
-            vector,
-            self.reducer,
-            weight=weight,
-            call_timeout_s=self.config.allreduce_timeout_s + 10,
-            out=self._output,
-        )
+        verdict = None
+        if self.btard is None:
+            result = await self.allreduce.run(
+                spec, vector, self.reducer, weight=weight, call_timeout_s=self.config.allreduce_timeout_s + 10, out=self._output
+            )
+        else:
+            result, verdict = await self._verified_round(group, spec, vector, recompute)
         if result.missing_parts or result.dropped_senders:
             self.stats.rounds_partial += 1
         else:
             self.stats.rounds_ok += 1
         self.stats.last_group_size = len(group.members)
         self.stats.last_round_s = time.monotonic() - started
-        return Averaged(group, result)
+        return Averaged(group, result, verdict)
+
+    async def _verified_round(self, group: GroupSpec, spec: RoundSpec, vector: torch.Tensor, recompute):
+        """Phases 2–6 with BTARD: commit, data with signed statements, verify, judge, ban."""
+        statement = self._check_group(group)
+        if self.behavior.silent:
+            raise RoundAbortedError("silent by design (attack)")
+        vector = vector.detach().to("cpu", torch.float32).contiguous().view(-1)
+        exchange = self.exchange
+        exchange.open_round(spec.round_id, spec.members)
+        try:
+            vr = VerifiedRound(
+                self.btard,
+                round_id=spec.round_id,
+                members=spec.members,
+                group_statement=statement,
+                bounds=spec.bounds,
+                codec=spec.codec,
+                config=self.config.verify,
+                behavior=self.behavior,
+            )
+            await vr.commit([encode(vector[a:b], spec.codec) for a, b in spec.bounds])
+            skip = frozenset(i for i, p in enumerate(spec.members) if p not in vr.committed)
+            # the data phase's deadline starts now: waiting for late commitments must not eat into it
+            spec = dataclasses.replace(spec, deadline=time.monotonic() + self.config.allreduce_timeout_s)
+            if self.peer_id not in vr.committed:
+                raise RoundAbortedError("our commitment was not collected")
+            sent = self.behavior.sent_vector(vector)
+            result = await self.allreduce.run(
+                spec, sent, self.reducer, weight=1.0, call_timeout_s=self.config.allreduce_timeout_s + 10,
+                out=self._output, guard=vr, skip=skip,
+            )  # fmt: skip
+            verdict = await vr.verify(vector, result.vector, result.own_rows, result.own_received, recompute)
+        finally:
+            exchange.close_round(spec.round_id)
+        for part in verdict.bad_parts:  # aggregates of convicted reducers are not applied
+            a, b = spec.bounds[part]
+            result.vector[a:b] = 0.0
+        result.missing_parts = tuple(sorted(set(result.missing_parts) | verdict.bad_parts))
+        if verdict.votes and self.bans is not None:
+            self.stats.bans_voted += len(verdict.votes)
+            await self.bans.publish(verdict.votes)
+        elif verdict.banned:
+            self.membership.banned.update(verdict.banned)
+        return result, verdict
+
+    def _check_group(self, group: GroupSpec) -> Signed:
+        """A verified round needs the leader's signed group statement, listing exactly these members."""
+        leader = self.matchmaker.last_leader
+        signed = unpack(group.statement, Signed, peer=leader)
+        _, body = open_statement(signed, GroupBody, kind="group", round_id=group.round_id, sender=leader)
+        if list(body.members) != list(group.members):
+            raise PeerProtocolError("group statement lists other members", peer=leader)
+        return signed
 
     async def completed(self, averaged: Averaged, snapshot_fn) -> None:
         """Advance the version after the caller applied `averaged`; publish state if we are a donor.

@@ -21,12 +21,17 @@ import secrets
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Literal, Optional
+from typing import Annotated, Literal, Optional
+
+from pydantic import Field
 
 from aggregation.errors import PeerProtocolError, RoundTimeoutError
 from protocol.config import MatchmakingConfig
 from protocol.membership import Membership
 from protocol.transport import CallFailed, Transport
+from security.commitments import GroupBody
+from security.identity import Identity
+from security.statements import sign_statement
 from security.wire import PeerIdStr, RoundId, WireModel, pack, unpack
 
 logger = logging.getLogger(__name__)
@@ -52,6 +57,7 @@ class GroupSpec(WireModel):
     step: int  # every member's step before the round
     version: bytes  # every member's state version before the round
     donations: list[Donation]
+    statement: Annotated[bytes, Field(max_length=64 << 10)] = b""  # verified runs: the leader's signed "group"
 
 
 class JoinReply(WireModel):
@@ -84,7 +90,9 @@ class Matchmaker:
     membership: Membership
     config: MatchmakingConfig
     run_hash: bytes
+    identity: Optional[Identity] = None  # signs the groups this peer leads (verified runs)
     stats: MatchmakingStats = field(default_factory=MatchmakingStats)
+    last_leader: Optional[str] = None  # who answered the last successful join
     _pending: dict[str, _Pending] = field(default_factory=dict)
     _expected_next: set[str] = field(default_factory=set)
     _arrived: Optional[asyncio.Event] = None
@@ -149,6 +157,7 @@ class Matchmaker:
                 continue
             if reply.group is None or (reply.kind == "group" and self.peer_id not in reply.group.members):
                 raise PeerProtocolError("join reply without a group that includes us", peer=leader)
+            self.last_leader = leader
             return reply
         raise RoundTimeoutError(f"no group formed within {self.config.join_timeout_s:.0f} s")
 
@@ -232,12 +241,17 @@ class Matchmaker:
         donations = {peer: in_sync[i % len(in_sync)] for i, peer in enumerate(behind)}
         self._expected_next = set(pending)
         for members in chunks:
+            round_id = secrets.token_bytes(16)
+            statement = b""
+            if self.identity is not None:
+                statement = pack(sign_statement(self.identity, "group", round_id, GroupBody(members=members)))
             group = GroupSpec(
-                round_id=secrets.token_bytes(16),
+                round_id=round_id,
                 members=members,
                 step=step,
                 version=version,
                 donations=[Donation(recipient=r, donor=d) for r, d in donations.items() if d in members],
+                statement=statement,
             )
             self.stats.groups_formed += 1
             for peer in members:

@@ -141,6 +141,7 @@ class Transport(ServicerBase):
         self._direct_unreachable_until: dict[str, float] = {}
         self._connections: set[asyncio.Task] = set()
         self.stats = TransportStats()
+        self.banned: set[str] = set()  # shared with membership and the ban book: calls from these are refused
         self.prefer_direct = True  # benchmarks turn this off to measure the libp2p path alone
         self._stream_proto = f"{namespace}.stream"
 
@@ -295,6 +296,8 @@ class Transport(ServicerBase):
 
     async def rpc_ticket(self, request: BytesValue, context: P2PContext) -> BytesValue:
         peer = context.remote_id.to_base58()
+        if peer in self.banned:
+            raise PeerProtocolError("banned peer", peer=peer)
         unpack(request.value, _TicketRequest, peer=peer)
         if not self._addresses:
             return BytesValue(value=pack(_Ticket(conn_id=b"\0" * 16, key=b"\0" * 32, addresses=[])))
@@ -381,6 +384,8 @@ class Transport(ServicerBase):
 
     async def _dispatch(self, peer: str, method: str, header: bytes, payload, channel: Optional[Channel] = None):
         """Run the handler. `payload` is the bytes themselves (unary) or their length, read from `channel`."""
+        if peer in self.banned:
+            raise PeerProtocolError("banned peer", peer=peer)
         entry = self._methods.get(method)
         if entry is None:
             return Status.UNKNOWN_METHOD, f"unknown method {method[:40]!r}", b"", b""

@@ -5,15 +5,20 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import tempfile
 from dataclasses import dataclass
-from typing import AsyncIterator
+from pathlib import Path
+from typing import AsyncIterator, Optional
 
 import hivemind
 
+from protocol.adversary import Behavior
+from protocol.bans import BanBook, BanVoteValidator
 from protocol.config import RoundConfig
 from protocol.engine import RoundEngine
 from protocol.membership import Membership
 from protocol.transport import Transport
+from security.identity import Identity
 
 LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
 RUN_HASH = hashlib.sha256(b"test-run").digest()
@@ -26,23 +31,37 @@ class TestPeer:
     transport: Transport
     membership: Membership
     engine: RoundEngine
+    scratch: tempfile.TemporaryDirectory
 
     @property
     def peer_id(self) -> str:
         return self.transport.peer_id
 
 
-async def open_peer(initial_peers: list[str], config: RoundConfig, *, direct: bool = True) -> TestPeer:
+async def open_peer(
+    initial_peers: list[str], config: RoundConfig, *, direct: bool = True, behavior: Optional[Behavior] = None
+) -> TestPeer:
     loop = asyncio.get_running_loop()
+    scratch = tempfile.TemporaryDirectory(prefix="phalanx-test-peer-")
+    identity = Identity.generate_ed25519(Path(scratch.name) / "identity.key")
     dht = await loop.run_in_executor(
-        None, lambda: hivemind.DHT(initial_peers=initial_peers, host_maddrs=LOOPBACK, start=True)
+        None,
+        lambda: hivemind.DHT(
+            initial_peers=initial_peers,
+            host_maddrs=LOOPBACK,
+            identity_path=str(Path(scratch.name) / "identity.key"),
+            check_if_identity_free=False,
+            record_validators=[BanVoteValidator(KEY + ".bans")],
+            start=True,
+        ),
     )
     p2p = await dht.replicate_p2p()
     transport = await Transport.open(p2p, namespace=KEY, direct_host="127.0.0.1" if direct else None)
     membership = Membership(dht, KEY + ".peers", transport.peer_id, refresh_s=1.0, ttl_s=6.0)
-    engine = RoundEngine(transport, membership, config, RUN_HASH)
+    bans = BanBook(dht, KEY + ".bans", membership.banned)
+    engine = RoundEngine(transport, membership, config, RUN_HASH, identity=identity, bans=bans, behavior=behavior)
     await membership.start()
-    return TestPeer(dht, transport, membership, engine)
+    return TestPeer(dht, transport, membership, engine, scratch)
 
 
 async def close_peer(peer: TestPeer) -> None:
@@ -50,17 +69,21 @@ async def close_peer(peer: TestPeer) -> None:
     await peer.membership.aclose(announce_leaving=False)
     await peer.transport.aclose()
     await asyncio.get_running_loop().run_in_executor(None, peer.dht.shutdown)
+    peer.scratch.cleanup()
 
 
 @contextlib.asynccontextmanager
-async def open_swarm(n: int, config: RoundConfig, **kwargs) -> AsyncIterator[list[TestPeer]]:
+async def open_swarm(
+    n: int, config: RoundConfig, *, behaviors: Optional[list[Optional[Behavior]]] = None, **kwargs
+) -> AsyncIterator[list[TestPeer]]:
     loop = asyncio.get_running_loop()
     bootstrap = await loop.run_in_executor(None, lambda: hivemind.DHT(host_maddrs=LOOPBACK, start=True))
     initial = [str(m) for m in bootstrap.get_visible_maddrs()]
     peers: list[TestPeer] = []
     try:
-        for _ in range(n):
-            peers.append(await open_peer(initial, config, **kwargs))
+        for i in range(n):
+            behavior = behaviors[i] if behaviors is not None else None
+            peers.append(await open_peer(initial, config, behavior=behavior, **kwargs))
         for peer in peers:  # everyone sees everyone before the first round
             while len(peer.membership.peers()) < n:
                 await peer.membership.refresh()

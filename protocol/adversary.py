@@ -1,0 +1,140 @@
+"""Protocol-level attacks, for tests, demos and benchmarks (`phalanx join --attack NAME`).
+
+A `Behavior` is consulted at every point of a verified round where a member could lie;
+the base class is an honest member and each attack overrides one hook. Gradient-level
+attacks (what a member contributes) live with the trainer in peer/attacks.py.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Callable
+
+import torch
+
+from aggregation.registry import Registry
+from security.commitments import AggregateBody, part_hash
+from security.statements import sign_statement
+from security.wire import pack, unpack
+
+if TYPE_CHECKING:
+    from protocol.btard import VerifiedRound
+
+
+class Behavior:
+    """An honest member."""
+
+    name = "honest"
+    silent = False  # joins groups, then sends nothing at all
+
+    def committed_hashes(self, hashes: list[bytes]) -> list[bytes]:
+        return hashes
+
+    def sent_vector(self, vector: torch.Tensor) -> torch.Tensor:
+        """What is actually sent after committing to `vector`."""
+        return vector
+
+    def claimed_weight(self, weight: float) -> float:
+        return weight
+
+    def speaks(self, phase: str) -> bool:
+        return True
+
+    def reported(self, s: float, norm: float) -> tuple[float, float]:
+        return s, norm
+
+    def wrap_reducer(self, reducer: Callable) -> Callable:
+        return reducer
+
+    def aggregate_reply(self, vr: "VerifiedRound", receiver: int, header: bytes, payload):
+        return header, payload
+
+    def false_accusations(self, vr: "VerifiedRound", reports: dict) -> list[str]:
+        return []
+
+
+class WrongAggregate(Behavior):
+    """As a reducer, returns its aggregate shifted far from the fixed point (the same to everyone)."""
+
+    name = "wrong_aggregate"
+
+    def wrap_reducer(self, reducer):
+        def shifted(rows, weights):
+            value = reducer(rows, weights)
+            return value + 0.1 * (value.abs().mean() + 1e-3)
+        return shifted
+
+
+class Equivocate(Behavior):
+    """As a reducer, sends a different (signed) aggregate to every other receiver."""
+
+    name = "equivocate"
+
+    def aggregate_reply(self, vr, receiver, header, payload):
+        if receiver % 2 == 0:
+            return header, payload
+        from protocol.allreduce import AggregateHeader
+
+        forged = torch.frombuffer(bytearray(payload), dtype=torch.float32) + 1.0
+        data = forged.numpy().tobytes()
+        head = unpack(header, AggregateHeader)
+        body = AggregateBody(part=vr.me, hash=part_hash(data), contributors=vr.my_contributors)
+        statement = pack(sign_statement(vr.identity, "aggregate", vr.round_id, body))
+        return pack(AggregateHeader(contributors=head.contributors, statement=statement)), data
+
+
+class FalseReport(Behavior):
+    """Reports projections that do not match its data (to frame honest reducers)."""
+
+    name = "false_report"
+
+    def reported(self, s, norm):
+        return s + 0.5 * norm + 1.0, norm
+
+
+class FalseAccusation(Behavior):
+    """As a reducer, accuses an honest contributor of a false report."""
+
+    name = "false_accusation"
+
+    def false_accusations(self, vr, reports):
+        victims = sorted(p for p in reports if p != vr.identity.peer_id)
+        return victims[:1]
+
+
+class WithholdReveal(Behavior):
+    """Commits to an MPRNG share and never reveals it (to bias the public seed)."""
+
+    name = "withhold_reveal"
+
+    def speaks(self, phase):
+        return phase != "reveal"
+
+
+class BadCommitment(Behavior):
+    """Commits to its honest parts, then sends different bytes."""
+
+    name = "bad_commitment"
+
+    def sent_vector(self, vector):
+        return -vector
+
+
+class Silent(Behavior):
+    """Joins groups and then stays silent."""
+
+    name = "silent"
+    silent = True
+
+
+class InflateWeight(Behavior):
+    """Claims a weight of 1000 for its parts."""
+
+    name = "inflate_weight"
+
+    def claimed_weight(self, weight):
+        return 1000.0
+
+
+PROTOCOL_ATTACKS: Registry[type[Behavior]] = Registry("protocol attack")
+for _cls in (WrongAggregate, Equivocate, FalseReport, FalseAccusation, WithholdReveal, BadCommitment, Silent, InflateWeight):
+    PROTOCOL_ATTACKS.register(_cls.name, _cls)

@@ -1,0 +1,600 @@
+"""Phases 2 and 6 of a verified round (BTARD, ALGORITHMS.md §2): commit, then verify and judge.
+
+    commit     every member signs the hashes of the parts it will send + an MPRNG commitment;
+               nobody sends data before all commitments are in (late members are left out)
+    data       parts and aggregates travel with signed statements (protocol.allreduce hooks)
+    reveal     MPRNG shares + an echo of the commitments and aggregates each member got
+    report     each contributor's projection of its part against each aggregate
+    validate   a validator chosen by the public seed recomputes one member's gradient
+    accuse     accusations with evidence; every member judges every accusation itself
+    vote       signed ban votes are exchanged; security.evidence decides who is banned
+
+Every member runs the same checks on the same signed inputs, so honest members reach the
+same verdicts and keep the same state version.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Annotated, Awaitable, Callable, Optional
+
+import torch
+from pydantic import Field
+
+from aggregation.errors import PeerProtocolError, RoundAbortedError
+from protocol.adversary import Behavior
+from protocol.config import VerifyConfig
+from protocol.codec import Codec, decode, encode, encoded_size_bound
+from protocol.exchange import ExchangeService
+from protocol.transport import CallFailed, Transport
+from security.commitments import (
+    AggregateBody,
+    CommitBody,
+    PartBody,
+    members_digest,
+    new_share,
+    part_hash,
+    public_seed,
+    seeded_choice,
+    share_commitment,
+)
+from security.evidence import BanVote, Offense, RevealBody, Vote, banned, check_self_contained
+from security.identity import Identity
+from security.projection import direction, fixed_point_holds, recompute, report, report_matches
+from security.statements import Signed, Statement, open_statement, sign_statement
+from security.wire import PeerIdStr, RoundId, WireModel, pack, unpack
+
+logger = logging.getLogger(__name__)
+
+EVIDENCE_METHOD = "evidence"
+HELD_ROUNDS = 8
+Recompute = Callable[[str], Awaitable[torch.Tensor]]  # peer ID -> its honest flat gradient at this round's state
+
+
+class ReportEntry(WireModel):
+    part: Annotated[int, Field(ge=0, lt=256)]
+    aggregate: Annotated[bytes, Field(min_length=32, max_length=32)]  # hash of the aggregate v it was computed against
+    s: float  # ⟨z_part, clipped (x − v)⟩
+    norm: float  # ‖x − v‖
+
+
+class ReportBody(WireModel):
+    """Kind "report"."""
+
+    entries: Annotated[list[ReportEntry], Field(max_length=256)]
+
+
+class Accusation(WireModel):
+    accused: PeerIdStr
+    offense: Annotated[Offense, Field(strict=False)]  # sent as its string value
+    part: Annotated[int, Field(ge=-1, lt=256)]  # the part concerned, -1 if none
+    evidence: Annotated[list[Signed], Field(max_length=4)]
+
+
+class AccuseBody(WireModel):
+    """Kind "accuse"."""
+
+    accusations: Annotated[list[Accusation], Field(max_length=256)]
+
+
+class EvidenceRequest(WireModel):
+    round_id: RoundId
+    part: int
+    contributor: PeerIdStr
+
+
+class VoteList(WireModel):
+    votes: Annotated[list[Signed], Field(max_length=256)]
+
+
+@dataclass
+class _Held:
+    """What a reducer keeps of a round so judges can check accusations: each contributor's part bytes
+    (for raw float32 parts, the rows they were received into; no copy)."""
+
+    part: int
+    payloads: dict[str, bytes | memoryview]
+
+
+@dataclass
+class Verdict:
+    banned: set[str] = field(default_factory=set)
+    bad_parts: set[int] = field(default_factory=set)  # aggregates not to apply (their reducer is guilty)
+    votes: list[Signed] = field(default_factory=list)  # every valid vote seen (to publish)
+
+
+class BtardService:
+    """One per peer: serves held part bytes to judges and opens verified rounds."""
+
+    def __init__(self, transport: Transport, exchange: ExchangeService, identity: Identity) -> None:
+        self.transport, self.exchange, self.identity = transport, exchange, identity
+        self._held: dict[bytes, _Held] = {}
+        transport.register(EVIDENCE_METHOD, self._serve_evidence, max_payload=0)
+
+    def hold(self, round_id: bytes, held: _Held) -> None:
+        self._held[round_id] = held
+        while len(self._held) > HELD_ROUNDS:
+            self._held.pop(next(iter(self._held)))
+
+    async def _serve_evidence(self, peer: str, header: bytes, payload) -> tuple[bytes, bytes]:
+        request = unpack(header, EvidenceRequest, peer=peer)
+        held = self._held.get(request.round_id)
+        if held is None or request.part != held.part or request.contributor not in held.payloads:
+            raise RoundAbortedError("no such evidence here")
+        return b"", held.payloads[request.contributor]
+
+    async def fetch_part(self, reducer: str, round_id: bytes, part: int, contributor: str, max_bytes: int, timeout_s: float) -> bytes:
+        if reducer == self.transport.peer_id:
+            held = self._held.get(round_id)
+            if held is None or contributor not in held.payloads:
+                raise RoundAbortedError("evidence not held")
+            return held.payloads[contributor]
+        _, data = await self.transport.call(
+            reducer,
+            EVIDENCE_METHOD,
+            pack(EvidenceRequest(round_id=round_id, part=part, contributor=contributor)),
+            max_reply_payload=max_bytes,
+            timeout_s=timeout_s,
+            expect_large_reply=max_bytes > (64 << 10),
+        )
+        return bytes(data)
+
+
+class VerifiedRound:
+    """One member's view of one verified round; also the data phases' PartGuard."""
+
+    def __init__(
+        self,
+        service: BtardService,
+        *,
+        round_id: bytes,
+        members: tuple[str, ...],
+        group_statement: Signed,
+        bounds: list[tuple[int, int]],
+        codec: Codec,
+        config: VerifyConfig,
+        behavior: Behavior,
+    ) -> None:
+        self.service, self.identity = service, service.identity
+        self.round_id, self.members, self.group_statement = round_id, members, group_statement
+        self.bounds, self.codec, self.config, self.behavior = bounds, codec, config, behavior
+        self.me = members.index(self.identity.peer_id)
+        self.share = new_share()
+        self.my_hashes: list[bytes] = []
+        self.commits: dict[str, tuple[Signed, CommitBody]] = {}
+        self.aggregates: dict[int, tuple[Signed, AggregateBody]] = {}
+        self.part_statements: dict[str, Signed] = {}  # contributors to my part -> their signed part statement
+        self.payloads: dict[str, bytes | memoryview] = {}  # contributors to my part -> the exact bytes they sent
+        self.my_contributors: list[int] = []
+        self.accusations: list[Accusation] = []
+        self.signed_aggregates: dict[int, dict[bytes, Signed]] = {}  # part -> hash -> the reducer's statement
+        self.proofs: dict[str, tuple[Offense, list[Signed]]] = {}  # self-contained proofs found locally
+
+    @property
+    def committed(self) -> set[str]:
+        return set(self.commits)
+
+    def _deadline(self) -> float:
+        return time.monotonic() + self.config.phase_timeout_s
+
+    def _prove(self, accused: str, offense: Offense, evidence: list[Signed]) -> None:
+        if accused != self.identity.peer_id and check_self_contained(offense, accused, self.round_id, evidence):
+            self.proofs.setdefault(accused, (offense, evidence))
+
+    # ---- phase 2: commit ----------------------------------------------------------------------
+
+    async def commit(self, payloads: list[bytes | memoryview]) -> None:
+        """Commit to the exact bytes of every part; afterwards `committed` lists who may take part."""
+        self.my_hashes = [part_hash(p) for p in payloads]
+        self.payloads[self.identity.peer_id] = bytes(payloads[self.me])
+        body = CommitBody(
+            members=members_digest(self.members),
+            parts=self.behavior.committed_hashes(self.my_hashes),
+            mprng=share_commitment(self.round_id, self.identity.peer_id, self.share),
+        )
+        mine = sign_statement(self.identity, "commit", self.round_id, body)
+        received = await self.service.exchange.all_to_all(
+            self.round_id, "commit", pack(mine), deadline=self._deadline(), send=self.behavior.speaks("commit")
+        )
+        digest = members_digest(self.members)
+        for peer, raw in received.items():
+            try:
+                signed = unpack(raw, Signed, peer=peer)
+                _, commit = open_statement(signed, CommitBody, kind="commit", round_id=self.round_id, sender=peer)
+                if commit.members != digest or len(commit.parts) != len(self.members):
+                    raise PeerProtocolError("commitment for another group", peer=peer)
+            except PeerProtocolError as e:
+                logger.info(f"dropping {peer[-8:]} from round {self.round_id.hex()[:8]}: {e}")
+                continue
+            self.commits[peer] = (signed, commit)
+
+    # ---- phases 3-5: PartGuard hooks ----------------------------------------------------------
+
+    def sign_part(self, part: int, payload: bytes | memoryview, weight: float) -> bytes:
+        body = PartBody(part=part, hash=self.my_hashes[part], weight=self.behavior.claimed_weight(weight))
+        return pack(sign_statement(self.identity, "part", self.round_id, body))
+
+    def accept_part(self, sender: int, part: int, payload: bytes | memoryview, header) -> None:
+        peer = self.members[sender]
+        if peer not in self.commits:
+            raise PeerProtocolError("sent a part without a commitment", peer=peer)
+        signed = unpack(header.signature, Signed, peer=peer)
+        _, body = open_statement(signed, PartBody, kind="part", round_id=self.round_id, sender=peer)
+        if body.part != part:
+            raise PeerProtocolError("signed a part statement for another part", peer=peer)
+        if not 0.0 <= body.weight <= 1.0:
+            self._prove(peer, Offense.INFLATED_WEIGHT, [signed])
+            raise PeerProtocolError(f"claimed weight {body.weight}", peer=peer)
+        if body.weight != header.weight:
+            raise PeerProtocolError("header weight differs from the signed one", peer=peer)
+        commit_signed, commit = self.commits[peer]
+        if body.hash != commit.parts[part]:
+            self._prove(peer, Offense.BAD_COMMITMENT, [commit_signed, signed])
+            raise PeerProtocolError("part does not match its commitment", peer=peer)
+        if part_hash(payload) != body.hash:
+            raise PeerProtocolError("part bytes do not match their signed hash", peer=peer)
+        self.part_statements[peer] = signed
+        # raw float32 parts live on in the reducer's rows (kept for the round): no copy needed
+        self.payloads[peer] = payload if self.codec is Codec.NONE else bytes(payload)
+
+    def sign_aggregate(self, part: int, payload: bytes | memoryview, contributors: list[int]) -> bytes:
+        self.my_contributors = list(contributors)
+        body = AggregateBody(part=part, hash=part_hash(payload), contributors=list(contributors))
+        signed = sign_statement(self.identity, "aggregate", self.round_id, body)
+        self.aggregates[part] = (signed, body)
+        self.signed_aggregates.setdefault(part, {})[body.hash] = signed
+        return pack(signed)
+
+    def reply_for(self, receiver: int, header: bytes, payload: bytes | memoryview) -> tuple[bytes, bytes | memoryview]:
+        return self.behavior.aggregate_reply(self, receiver, header, payload)
+
+    def accept_aggregate(self, part: int, payload: bytes | memoryview, header) -> None:
+        reducer = self.members[part]
+        signed = unpack(header.statement, Signed, peer=reducer)
+        _, body = open_statement(signed, AggregateBody, kind="aggregate", round_id=self.round_id, sender=reducer)
+        if body.part != part or part_hash(payload) != body.hash:
+            raise PeerProtocolError("aggregate does not match its signed statement", peer=reducer)
+        self.aggregates[part] = (signed, body)
+        self.signed_aggregates.setdefault(part, {})[body.hash] = signed
+
+    # ---- phase 6: verify and judge ------------------------------------------------------------
+
+    async def verify(
+        self,
+        vector: torch.Tensor,
+        output: torch.Tensor,
+        own_rows: Optional[torch.Tensor],
+        own_received: tuple[int, ...],
+        recompute_fn: Optional[Recompute],
+    ) -> Verdict:
+        """Run reveal, report, validation, accusation and voting; returns who is banned and which
+        aggregates must not be applied. `vector` is this member's contribution, `output` the gathered result."""
+        own_part = self.me
+        self.service.hold(self.round_id, _Held(own_part, dict(self.payloads)))
+        seed, revealed = await self._reveal()
+        reports = await self._report(seed, vector, output)
+        if own_rows is not None:
+            self._check_reports_as_reducer(seed, reports, output, own_rows, own_received)
+        await self._validate(seed, recompute_fn)
+        accusations = await self._accuse()
+        return await self._judge(seed, reports, output, accusations, revealed, recompute_fn)
+
+    async def _reveal(self) -> tuple[bytes, set[str]]:
+        body = RevealBody(
+            share=self.share,
+            commits=[signed for signed, _ in self.commits.values()],
+            aggregates=[signed for signed, _ in self.aggregates.values()],
+        )
+        mine = sign_statement(self.identity, "reveal", self.round_id, body)
+        received = await self.service.exchange.all_to_all(
+            self.round_id, "reveal", pack(mine), deadline=self._deadline(), send=self.behavior.speaks("reveal"),
+            expect=self.committed,
+        )
+        shares: dict[str, bytes] = {}
+        for peer, raw in received.items():
+            if peer not in self.commits:
+                continue
+            try:
+                signed = unpack(raw, Signed, peer=peer)
+                _, reveal = open_statement(signed, RevealBody, kind="reveal", round_id=self.round_id, sender=peer)
+            except PeerProtocolError as e:
+                logger.info(f"bad reveal from {peer[-8:]}: {e}")
+                continue
+            commit_signed, commit = self.commits[peer]
+            if share_commitment(self.round_id, peer, reveal.share) != commit.mprng:
+                self._prove(peer, Offense.BAD_REVEAL, [commit_signed, signed])
+                continue
+            shares[peer] = reveal.share
+            self._compare_echoes(reveal)
+        return public_seed(self.round_id, shares), set(shares)
+
+    def _compare_echoes(self, reveal: RevealBody) -> None:
+        """Two different signed commitments or aggregates for one slot prove equivocation."""
+        for echoed in list(reveal.commits) + list(reveal.aggregates):
+            try:
+                statement = unpack(echoed.statement, Statement)
+            except PeerProtocolError:
+                continue
+            if statement.kind == "commit" and statement.sender in self.commits:
+                mine = self.commits[statement.sender][0]
+                if echoed.statement != mine.statement:
+                    self._prove(statement.sender, Offense.EQUIVOCATION, [mine, echoed])
+            elif statement.kind == "aggregate" and statement.sender in self.members:
+                part = self.members.index(statement.sender)
+                try:
+                    _, body = open_statement(echoed, AggregateBody, kind="aggregate", round_id=self.round_id)
+                except PeerProtocolError:
+                    continue
+                if body.part == part:
+                    self.signed_aggregates.setdefault(part, {})[body.hash] = echoed
+                if part in self.aggregates and echoed.statement != self.aggregates[part][0].statement:
+                    self._prove(statement.sender, Offense.EQUIVOCATION, [self.aggregates[part][0], echoed])
+
+    def _part_values(self, data: bytes | memoryview, part: int, peer: str) -> torch.Tensor:
+        a, b = self.bounds[part]
+        return decode(bytearray(data), self.codec, b - a, peer=peer).clone()
+
+    async def _report(self, seed: bytes, vector: torch.Tensor, output: torch.Tensor) -> dict[str, tuple[Signed, ReportBody]]:
+        entries = []
+        for part in range(len(self.members)):
+            if self.me not in self.aggregates_contributors(part):
+                continue
+            a, b = self.bounds[part]
+            s, norm = report(self._as_sent(vector, part), output[a:b], direction(seed, part, b - a), self.config.tau)
+            s, norm = self.behavior.reported(s, norm)
+            entries.append(ReportEntry(part=part, aggregate=self.aggregates[part][1].hash, s=s, norm=norm))
+        mine_signed = sign_statement(self.identity, "report", self.round_id, ReportBody(entries=entries))
+        received = await self.service.exchange.all_to_all(
+            self.round_id, "report", pack(mine_signed), deadline=self._deadline(), send=self.behavior.speaks("report"),
+            expect=self.committed,
+        )
+        reports = {}
+        for peer, raw in received.items():
+            if peer not in self.commits:
+                continue
+            try:
+                signed = unpack(raw, Signed, peer=peer)
+                _, body = open_statement(signed, ReportBody, kind="report", round_id=self.round_id, sender=peer)
+                reports[peer] = (signed, body)
+            except PeerProtocolError as e:
+                logger.info(f"bad report from {peer[-8:]}: {e}")
+        return reports
+
+    def _as_sent(self, vector: torch.Tensor, part: int) -> torch.Tensor:
+        """This member's part as its reducer decoded it (lossy codecs change it)."""
+        a, b = self.bounds[part]
+        values = vector[a:b].detach().float().cpu()
+        if self.codec is Codec.NONE:
+            return values
+        return decode(bytearray(encode(values, self.codec)), self.codec, b - a)
+
+    def _aggregate_reports(self, part: int, reports) -> tuple[list[str], list[Optional[tuple[float, float]]]]:
+        """Contributors of `part` (as its reducer signed them) and their reports for it (None if missing)."""
+        contributors = [self.members[i] for i in self.aggregates_contributors(part)]
+        out = []
+        for peer in contributors:
+            entry = None
+            if peer in reports:
+                for e in reports[peer][1].entries:
+                    if e.part == part:
+                        entry = (e.s, e.norm)
+            out.append(entry)
+        return contributors, out
+
+    def aggregates_contributors(self, part: int) -> list[int]:
+        if part == self.me:
+            return self.my_contributors
+        if part in self.aggregates:
+            return list(self.aggregates[part][1].contributors)
+        return []
+
+    def _check_reports_as_reducer(self, seed, reports, output, own_rows, own_received) -> None:
+        part = self.me
+        a, b = self.bounds[part]
+        z = direction(seed, part, b - a)
+        received = [i for i in own_received]
+        s_true, n_true = recompute(own_rows[received], output[a:b], z, self.config.tau)
+        for k, i in enumerate(received):
+            peer = self.members[i]
+            if peer == self.identity.peer_id:
+                continue
+            true = (float(s_true[k]), float(n_true[k]))
+            if peer not in reports:  # a contributor that does not report: judges take the true value from us
+                self.accusations.append(Accusation(accused=peer, offense=Offense.FALSE_REPORT, part=part, evidence=[]))
+                continue
+            entry = next((e for e in reports[peer][1].entries if e.part == part), None)
+            mine = self.aggregates[part][1].hash
+            if entry is None or entry.aggregate != mine or not report_matches((entry.s, entry.norm), true, self.config.tau):
+                self.accusations.append(
+                    Accusation(accused=peer, offense=Offense.FALSE_REPORT, part=part, evidence=[reports[peer][0]])
+                )
+        for victim in self.behavior.false_accusations(self, reports):
+            self.accusations.append(
+                Accusation(accused=victim, offense=Offense.FALSE_REPORT, part=part, evidence=[reports[victim][0]])
+            )
+
+    def _validator_and_target(self, seed: bytes) -> tuple[Optional[str], Optional[str]]:
+        candidates = sorted(self.commits)
+        if len(candidates) < 2 or self.config.validators < 1:
+            return None, None
+        validator = seeded_choice(seed, "validator", candidates)
+        target = seeded_choice(seed, "target", [p for p in candidates if p != validator])
+        return validator, target
+
+    async def _validate(self, seed: bytes, recompute_fn: Optional[Recompute]) -> None:
+        validator, target = self._validator_and_target(seed)
+        if validator != self.identity.peer_id or recompute_fn is None:
+            return
+        if not await self._contribution_holds(target, recompute_fn):
+            self.accusations.append(Accusation(accused=target, offense=Offense.BAD_CONTRIBUTION, part=-1, evidence=[]))
+
+    async def _contribution_holds(self, target: str, recompute_fn: Recompute) -> bool:
+        """Recompute `target`'s gradient; parts whose hash differs are fetched and compared within tolerance."""
+        honest = (await recompute_fn(target)).detach().float().cpu()
+        _, commit = self.commits[target]
+        for part, (a, b) in enumerate(self.bounds):
+            mine = encode(honest[a:b], self.codec)
+            if part_hash(mine) == commit.parts[part]:
+                continue  # bit-identical recomputation
+            try:
+                data = await self.service.fetch_part(
+                    self.members[part], self.round_id, part, target,
+                    encoded_size_bound(b - a, self.codec), self.config.phase_timeout_s,
+                )  # fmt: skip
+            except (CallFailed, RoundAbortedError, PeerProtocolError):
+                return False  # nobody can show the part the target committed to
+            if part_hash(data) != commit.parts[part]:
+                return False
+            theirs = self._part_values(data, part, target)
+            expected = decode(bytearray(mine), self.codec, b - a)
+            diff = float(torch.linalg.vector_norm((theirs - expected).double()))
+            if not math.isfinite(diff) or diff > self.config.contribution_rtol * float(torch.linalg.vector_norm(expected.double())) + 1e-12:
+                return False
+        return True
+
+    async def _accuse(self) -> dict[str, list[Accusation]]:
+        for accused, (offense, evidence) in self.proofs.items():
+            self.accusations.append(Accusation(accused=accused, offense=offense, part=-1, evidence=evidence))
+        body = AccuseBody(accusations=self.accusations)
+        mine = sign_statement(self.identity, "accuse", self.round_id, body)
+        received = await self.service.exchange.all_to_all(
+            self.round_id, "accuse", pack(mine), deadline=self._deadline(), expect=self.committed
+        )
+        out: dict[str, list[Accusation]] = {}
+        for peer, raw in received.items():
+            try:
+                signed = unpack(raw, Signed, peer=peer)
+                _, body = open_statement(signed, AccuseBody, kind="accuse", round_id=self.round_id, sender=peer)
+                out[peer] = list(body.accusations)
+            except PeerProtocolError:
+                continue
+        return out
+
+    async def _judge(self, seed, reports, output, accusations, revealed, recompute_fn) -> Verdict:
+        guilty: dict[str, tuple[Offense, list[Signed]]] = {}
+        corrected: dict[tuple[str, int], tuple[float, float]] = {}  # (peer, part) -> true report, where one was false
+
+        def convict(peer: str, offense: Offense, evidence: list[Signed]) -> None:
+            if peer != self.identity.peer_id and peer not in guilty:
+                logger.info(f"round {self.round_id.hex()[:8]}: {peer[-8:]} found guilty of {offense.value}")
+                guilty[peer] = (offense, evidence)
+
+        for accused, (offense, evidence) in self.proofs.items():  # provable offenses first
+            convict(accused, offense, evidence)
+        for accuser, items in accusations.items():
+            for acc in items:
+                if acc.offense.self_contained:
+                    if check_self_contained(acc.offense, acc.accused, self.round_id, list(acc.evidence)):
+                        convict(acc.accused, acc.offense, list(acc.evidence))
+                    else:
+                        convict(accuser, Offense.FALSE_ACCUSATION, [self.group_statement])
+                elif acc.offense is Offense.FALSE_REPORT:
+                    verdict = await self._judge_false_report(seed, output, accuser, acc, reports)
+                    if verdict is None:
+                        convict(accuser, Offense.FALSE_ACCUSATION, [self.group_statement])
+                    else:
+                        corrected[(acc.accused, acc.part)] = verdict
+                        convict(acc.accused, Offense.FALSE_REPORT, [self.group_statement])
+                elif acc.offense is Offense.BAD_CONTRIBUTION:
+                    validator, target = self._validator_and_target(seed)
+                    if accuser != validator or acc.accused != target or recompute_fn is None:
+                        convict(accuser, Offense.FALSE_ACCUSATION, [self.group_statement])
+                    elif await self._contribution_holds(acc.accused, recompute_fn):
+                        convict(accuser, Offense.FALSE_ACCUSATION, [self.group_statement])
+                    else:
+                        convict(acc.accused, Offense.BAD_CONTRIBUTION, [self.group_statement])
+        # silence: members that joined but never committed, or committed and never revealed or reported
+        for peer in self.members:
+            if peer not in self.commits or peer not in revealed or peer not in reports:
+                convict(peer, Offense.WITHHELD, [self.group_statement])
+        bad_parts = self._check_aggregates(seed, reports, output, corrected, guilty, convict)
+        votes = [
+            sign_statement(self.identity, "ban", b"", BanVote(accused=p, offense=o, round_id=self.round_id, evidence=e))
+            for p, (o, e) in guilty.items()
+        ]
+        return await self._vote(votes, bad_parts)
+
+    async def _judge_false_report(self, seed, output, accuser, acc: Accusation, reports) -> Optional[tuple[float, float]]:
+        """The true report if `acc.accused` lied about part `acc.part`; None if the accusation is false."""
+        part = acc.part
+        if part < 0 or part >= len(self.members) or self.members[part] != accuser or acc.accused not in self.commits:
+            return None
+        entry = None
+        if acc.evidence:  # the accused's signed report; without one, the accusation is that it never reported
+            try:
+                _, claimed = open_statement(
+                    acc.evidence[0], ReportBody, kind="report", round_id=self.round_id, sender=acc.accused
+                )
+            except PeerProtocolError:
+                return None
+            entry = next((e for e in claimed.entries if e.part == part), None)
+        elif acc.accused in reports:
+            return None  # we did get its report: judge by that one
+        a, b = self.bounds[part]
+        try:
+            data = await self.service.fetch_part(
+                accuser, self.round_id, part, acc.accused, encoded_size_bound(b - a, self.codec), self.config.phase_timeout_s
+            )
+        except (CallFailed, RoundAbortedError, PeerProtocolError):
+            return None  # the accuser cannot show what it claims to have received
+        if part_hash(data) != self.commits[acc.accused][1].parts[part]:
+            return None
+        if part not in self.aggregates:
+            return None  # we cannot judge a part whose aggregate we do not hold
+        if entry is not None and entry.aggregate != self.aggregates[part][1].hash:
+            if entry.aggregate in self.signed_aggregates.get(part, {}):
+                return None  # the reducer signed another aggregate for it: the reducer equivocated, not the reporter
+            entry = None  # a report against an aggregate nobody signed is no report
+        x = self._part_values(data, part, acc.accused)
+        true = report(x, output[a:b], direction(seed, part, b - a), self.config.tau)
+        if entry is not None and report_matches((entry.s, entry.norm), true, self.config.tau):
+            return None
+        return true
+
+    def _check_aggregates(self, seed, reports, output, corrected, guilty, convict) -> set[int]:
+        bad: set[int] = set()
+        for part in range(len(self.members)):
+            reducer = self.members[part]
+            if reducer in guilty:
+                bad.add(part)
+                continue
+            if part not in self.aggregates and part != self.me:
+                continue  # not received: already a missing part
+            contributors, entries = self._aggregate_reports(part, reports)
+            values = []
+            for peer, entry in zip(contributors, entries):
+                entry = corrected.get((peer, part), entry)
+                if entry is None:
+                    break
+                values.append(entry)
+            if len(values) != len(contributors) or not values:
+                continue  # someone's report is missing: they are judged for silence instead
+            a, b = self.bounds[part]
+            if not fixed_point_holds(values, [1.0] * len(values), self.config.tau, self.config.eps, float(output[a:b].norm()), b - a):
+                convict(reducer, Offense.WRONG_AGGREGATE, [self.group_statement])
+                bad.add(part)
+        return bad
+
+    async def _vote(self, votes: list[Signed], bad_parts: set[int]) -> Verdict:
+        received = await self.service.exchange.all_to_all(
+            self.round_id, "vote", pack(VoteList(votes=votes)), deadline=self._deadline(), expect=self.committed
+        )
+        valid: list[Vote] = []
+        signed_votes: list[Signed] = []
+        for peer, raw in received.items():
+            try:
+                for signed in unpack(raw, VoteList, peer=peer).votes:
+                    statement, body = open_statement(signed, BanVote, kind="ban", round_id=b"", sender=peer)
+                    if body.round_id == self.round_id:
+                        valid.append(Vote(peer, body))
+                        signed_votes.append(signed)
+            except PeerProtocolError:
+                continue
+        out = banned(valid)
+        for part, reducer in enumerate(self.members):
+            if reducer in out:
+                bad_parts.add(part)
+        return Verdict(banned=out, bad_parts=bad_parts, votes=signed_votes)

@@ -1,0 +1,92 @@
+"""Phase 2 and the MPRNG of a verified round: what members commit to before any data moves.
+
+Each member signs, before sending a byte of its vector, the SHA-256 of every part it
+will send (the exact bytes, after compression) and a commitment to a random share.
+Parts are later checked against these hashes, and the round's public seed is the hash
+of all revealed shares — unknown to anyone while parts and aggregates are committed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import secrets
+from typing import Annotated
+
+from pydantic import Field
+
+from security.wire import PeerIdStr, WireModel
+
+HASH_BYTES = 32
+MAX_MEMBERS = 256
+
+Hash = Annotated[bytes, Field(min_length=HASH_BYTES, max_length=HASH_BYTES)]
+MaybeHash = Annotated[bytes, Field(max_length=HASH_BYTES)]  # b"" where nothing was seen
+
+
+def part_hash(data: bytes | bytearray | memoryview) -> bytes:
+    return hashlib.sha256(data).digest()
+
+
+def members_digest(members: list[str] | tuple[str, ...]) -> bytes:
+    return hashlib.sha256("\n".join(members).encode()).digest()
+
+
+class JoinTicket(WireModel):
+    """A member's signed wish to join through `leader` (kind "join"), embedded in the group statement."""
+
+    leader: PeerIdStr
+    nonce: Hash  # fresh per join: binds the ticket to one matchmaking attempt
+
+
+class GroupBody(WireModel):
+    """The leader's signed group (kind "group"): proves who was asked into the round."""
+
+    members: Annotated[list[PeerIdStr], Field(min_length=1, max_length=MAX_MEMBERS)]
+
+
+class CommitBody(WireModel):
+    """Kind "commit": signed by a member before it sends any part."""
+
+    members: Hash  # members_digest of the round's ordered member list
+    parts: Annotated[list[Hash], Field(min_length=1, max_length=MAX_MEMBERS)]  # part_hash of each part it sends
+    mprng: Hash  # share_commitment of its random share
+
+
+class PartBody(WireModel):
+    """Kind "part": signed with every part sent; must match the commitment (else it is proof)."""
+
+    part: Annotated[int, Field(ge=0, lt=MAX_MEMBERS)]
+    hash: Hash
+    weight: float  # must lie in [0, 1]
+
+
+class AggregateBody(WireModel):
+    """Kind "aggregate": the reducer's signed result for its part, sent with the bytes."""
+
+    part: Annotated[int, Field(ge=0, lt=MAX_MEMBERS)]
+    hash: Hash
+    contributors: Annotated[list[Annotated[int, Field(ge=0, lt=MAX_MEMBERS)]], Field(max_length=MAX_MEMBERS)]
+
+
+def new_share() -> bytes:
+    return secrets.token_bytes(HASH_BYTES)
+
+
+def share_commitment(round_id: bytes, peer: str, share: bytes) -> bytes:
+    return hashlib.sha256(b"mprng\0" + round_id + peer.encode() + share).digest()
+
+
+def public_seed(round_id: bytes, shares: dict[str, bytes]) -> bytes:
+    """The round's public randomness from every revealed share (order-independent)."""
+    h = hashlib.sha256(b"seed\0" + round_id)
+    for peer in sorted(shares):
+        h.update(peer.encode() + b"\0" + shares[peer])
+    return h.digest()
+
+
+def seeded_choice(seed: bytes, purpose: str, options: list[str] | list[int]):
+    """A public, reproducible choice among `options` (e.g. the validator and its target)."""
+    if not options:
+        raise ValueError("nothing to choose from")
+    index = int.from_bytes(hashlib.sha256(seed + purpose.encode()).digest()[:8], "big") % len(options)
+    return options[index]

@@ -1,0 +1,116 @@
+"""Checking an aggregator with random projections (ALGORITHMS.md §2 step 7).
+
+CenteredClip's output v of part j satisfies Σ_i w_i (x_i − v)·min(1, τ/‖x_i − v‖) ≈ 0.
+Projected on a direction z_j drawn from the round's public seed — unknown when v was
+committed — every contributor i reports s_i = ⟨z_j, (x_i − v)·min(1, τ/‖x_i − v‖)⟩ and
+‖x_i − v‖; anyone checks |Σ_i w_i s_i| ≤ tolerance, and the reducer, who holds every x_i,
+checks each report. τ = ∞ checks a plain mean the same way.
+
+z_j is cheap to draw at any size: a random unit block u (BLOCK values) times a random sign
+per block, scaled to unit length. Its entries are unknown in advance, so a wrong v shows
+up in the projection with constant probability, at the cost of one pass over the data.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+BLOCK = 4096
+FLOAT32_EPS = 2.0**-23
+REPORT_REL_TOL = 1e-4  # reported vs recomputed projection, relative to its largest possible size
+NORM_REL_TOL = 1e-5
+
+
+@dataclass(frozen=True)
+class Direction:
+    """z = signs ⊗ u / sqrt(#blocks) for a part of `numel` values; ‖z‖ = 1 (up to the last partial block)."""
+
+    u: Tensor  # (BLOCK,) float32, unit norm
+    signs: Tensor  # (blocks,) float64, ±1
+    numel: int
+
+    def project(self, diff: Tensor) -> Tensor:
+        """⟨z, row⟩ for each row of diff (k, numel) or a single vector (numel,): float64."""
+        single = diff.dim() == 1
+        rows = diff.reshape(1, -1) if single else diff
+        full = (self.numel // BLOCK) * BLOCK
+        per_block = rows[:, :full].reshape(rows.shape[0], -1, BLOCK) @ self.u  # (k, full blocks) float32
+        total = per_block.double() @ self.signs[: per_block.shape[1]]
+        if full < self.numel:
+            tail = rows[:, full:] @ self.u[: self.numel - full]
+            total = total + tail.double() * self.signs[-1]
+        total = total / math.sqrt(self.signs.numel())
+        return total[0] if single else total
+
+
+def direction(seed: bytes, part: int, numel: int, device: torch.device | str = "cpu") -> Direction:
+    """The public random direction of part `part` in the round with public seed `seed`."""
+    generator = torch.Generator(device="cpu")
+    generator.manual_seed(int.from_bytes(hashlib.sha256(seed + b"z" + part.to_bytes(4, "little")).digest()[:8], "big") >> 1)
+    u = torch.randn(BLOCK, generator=generator, dtype=torch.float64)
+    u = (u / torch.linalg.vector_norm(u)).float()
+    blocks = max(1, math.ceil(numel / BLOCK))
+    signs = torch.randint(0, 2, (blocks,), generator=generator, dtype=torch.int64).double().mul_(2).sub_(1)
+    return Direction(u.to(device), signs.to(device), numel)
+
+
+def clip_factor(norm: Tensor | float, tau: float) -> Tensor | float:
+    """min(1, τ/‖x − v‖), 1 at distance 0 (as CenteredClip does)."""
+    if isinstance(norm, Tensor):
+        return torch.where(norm > 0, (tau / norm).clamp(max=1.0), torch.ones_like(norm))
+    return 1.0 if norm <= 0 else min(1.0, tau / norm)
+
+
+def report(x: Tensor, v: Tensor, z: Direction, tau: float) -> tuple[float, float]:
+    """A contributor's (s, ‖x − v‖) for its part x (numel,) against the aggregate v."""
+    diff = x.float() - v.float()
+    norm = float(torch.linalg.vector_norm(diff, dtype=torch.float64))
+    return float(clip_factor(norm, tau)) * float(z.project(diff)), norm
+
+
+def recompute(rows: Tensor, v: Tensor, z: Direction, tau: float) -> tuple[Tensor, Tensor]:
+    """The reducer's (s, norms) for every row (k, numel) it received: float64 (k,) each."""
+    diff = rows.float() - v.float()
+    norms = torch.linalg.vector_norm(diff, dim=1, dtype=torch.float64)
+    return clip_factor(norms, tau) * z.project(diff), norms
+
+
+def report_matches(reported: tuple[float, float], true: tuple[float, float], tau: float) -> bool:
+    """Whether a report equals the recomputed value up to float rounding."""
+    s, norm = reported
+    s_true, norm_true = true
+    if not (math.isfinite(s) and math.isfinite(norm)):
+        return False
+    scale = float(clip_factor(norm_true, tau)) * norm_true  # the largest |s| can be (‖z‖ = 1)
+    return abs(s - s_true) <= REPORT_REL_TOL * scale + 1e-12 and abs(norm - norm_true) <= NORM_REL_TOL * norm_true + 1e-12
+
+
+def tolerance(
+    reports: list[tuple[float, float]], weights: list[float], tau: float, eps: float, v_norm: float, numel: int
+) -> float:
+    """How far |Σ w_i s_i| may be from 0 for an honest aggregate of a part of `numel` values.
+
+    CenteredClip stops once a step moves v by ≤ ε, so the residual R at the returned point has
+    ‖R‖ ≤ ~3ε·Σw (the clipped map is 2-Lipschitz), plus up to 2·eps32·‖v‖·Σw from rounding v to
+    float32. A random unit z sees ⟨z, R⟩ ~ N(0, ‖R‖²/numel): 6 standard deviations bound it for
+    any honest run (false alarm < 1e-8). Each s_i also carries float32 rounding of about 1e-5 of
+    its size over the blocks. A wrong aggregate shifted by δ is caught once ‖δ‖ exceeds roughly
+    1e-5·sqrt(BLOCK) ≈ 6e-4 of the typical clipped distance.
+    """
+    w_sum = sum(weights)
+    blocks = max(1, math.ceil(numel / BLOCK))
+    residual = w_sum * (3 * eps + 2 * FLOAT32_EPS * v_norm)
+    clipped = sum(w * float(clip_factor(n, tau)) * n for (_, n), w in zip(reports, weights))
+    return 6 * residual / math.sqrt(max(numel, 1)) + 1e-5 * clipped / math.sqrt(blocks) + 1e-12
+
+
+def fixed_point_holds(
+    reports: list[tuple[float, float]], weights: list[float], tau: float, eps: float, v_norm: float, numel: int
+) -> bool:
+    total = sum(w * s for (s, _), w in zip(reports, weights))
+    return math.isfinite(total) and abs(total) <= tolerance(reports, weights, tau, eps, v_norm, numel)
