@@ -32,6 +32,9 @@ bench_app = typer.Typer(
     no_args_is_help=True,
 )
 app.add_typer(bench_app, name="bench")
+from peer.sim.cli import sim_app  # noqa: E402  (imports only typer; the simulator loads when a command runs)
+
+app.add_typer(sim_app, name="sim")
 
 _state = {"debug": False}
 

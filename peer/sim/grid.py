@@ -143,7 +143,7 @@ def write_outputs(out: Path, prefix: str, records: list[dict[str, Any]]) -> dict
         for r in records:
             writer.writerow({k: _fmt(v) for k, v in run_row(r).items()})
     with paths["runs_json"].open("w") as f:
-        json.dump([_compact(r) for r in records], f, separators=(",", ":"))
+        json.dump([json_ready(r) for r in records], f, separators=(",", ":"))
     with paths["summary_csv"].open("w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=SUMMARY_FIELDS)
         writer.writeheader()
@@ -156,8 +156,8 @@ def _fmt(v: Any) -> Any:
     return f"{v:.6g}" if isinstance(v, float) else v
 
 
-def _compact(record: dict[str, Any]) -> dict[str, Any]:
-    """Round floats to 6 significant digits so the JSON stays small and diffable."""
+def json_ready(record: dict[str, Any]) -> dict[str, Any]:
+    """Floats rounded to 6 significant digits (small, diffable JSON); NaN/Inf become null."""
 
     def walk(v: Any) -> Any:
         if isinstance(v, float):

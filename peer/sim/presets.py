@@ -5,7 +5,7 @@ equal gradient budget (2000 minibatches, i.e. equal data), the K-family again at
 virtual time (T = 4000/N, i.e. equal compute: N·T worker-time units), and one worker
 (Nesterov SGD) with the same 2000 gradients as the reference.
 byzantine: SSGD with Nesterov momentum, N = 16, b ∈ {0, 3, 7}, every attack × aggregator,
-150 updates each.
+150 updates each. Both use 2 seeds per cell unless told otherwise.
 """
 
 from __future__ import annotations
@@ -119,7 +119,7 @@ def _config(method: str, n: int, delay: str, budget: Budget, seed: int) -> SimCo
     return SimConfig(method=method, workers=n, delay=delay, budget=budget, seed=seed)
 
 
-def byzantine_preset(seeds: int = 1) -> Preset:
+def byzantine_preset(seeds: int = 2) -> Preset:
     runs: list[GridRun] = []
     budget = Budget(kind="updates", amount=BYZANTINE_UPDATES)
     for seed in range(seeds):
@@ -158,7 +158,7 @@ def _byz_config(aggregator: str, byzantine: ByzantineConfig, budget: Budget, see
 
 
 PRESETS = {"staleness": staleness_preset, "byzantine": byzantine_preset}
-DEFAULT_SEEDS = {"staleness": 2, "byzantine": 1}
+DEFAULT_SEEDS = {"staleness": 2, "byzantine": 2}
 
 
 def build_preset(name: str, seeds: int | None = None) -> Preset:

@@ -1,0 +1,102 @@
+"""peer/sim/grid.py, presets.py, plots.py and report.py on a tiny grid."""
+
+from __future__ import annotations
+
+import csv
+import json
+
+import pytest
+
+from aggregation.errors import ConfigError
+from peer.sim.config import Budget, SimConfig
+from peer.sim.grid import GridRun, run_grid, summarize, write_outputs
+from peer.sim.plots import plot_run
+from peer.sim.presets import EQUAL_TIME_METHODS, STALENESS_DELAYS, STALENESS_WORKERS, TableSpec, build_preset
+from peer.sim.report import (
+    READING_END,
+    READING_START,
+    Check,
+    checks_table,
+    existing_reading,
+    markdown_table,
+    write_report,
+)
+from peer.sim.runner import policy_spec
+
+
+def tiny_runs() -> list[GridRun]:
+    budget = Budget(kind="gradients", amount=24)
+    return [
+        GridRun("t", method, "N=2", SimConfig(method=method, workers=2, budget=budget, seed=seed, eval_points=3))
+        for method in ("asgd", "ssgd")
+        for seed in (0, 1)
+    ]
+
+
+@pytest.fixture(scope="module")
+def records():
+    return run_grid(tiny_runs(), jobs=1)
+
+
+def test_records_keep_the_order_and_the_cell(records):
+    assert [(r["row"], r["config"]["seed"]) for r in records] == [("asgd", 0), ("asgd", 1), ("ssgd", 0), ("ssgd", 1)]
+    assert all(r["table"] == "t" and r["column"] == "N=2" and r["gradients"] == 24 for r in records)
+
+
+def test_parallel_processes_give_the_same_records(records):
+    parallel = run_grid(tiny_runs(), jobs=2)
+    strip = lambda rs: [{k: v for k, v in r.items() if k != "wall_s"} for r in rs]  # noqa: E731
+    assert strip(parallel) == strip(records)
+
+
+def test_summary_averages_over_seeds(records):
+    summary = summarize(records)
+    cell = summary[("t", "asgd", "N=2")]
+    assert cell["seeds"] == 2
+    assert cell["final_accuracy"] == pytest.approx((records[0]["final_accuracy"] + records[1]["final_accuracy"]) / 2)
+
+
+def test_outputs_and_plots(records, tmp_path):
+    paths = write_outputs(tmp_path, "sim_tiny", records)
+    with paths["runs_csv"].open() as f:
+        rows = list(csv.DictReader(f))
+    assert [r["method"] for r in rows] == ["asgd", "asgd", "ssgd", "ssgd"]
+    assert json.loads(paths["runs_json"].read_text())[0]["curve"][0]["updates"] == 0
+    with paths["summary_csv"].open() as f:
+        assert len(list(csv.DictReader(f))) == 2
+    png = plot_run(records[0], tmp_path / "run.png")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_markdown_table(records):
+    table = TableSpec("t", "Tiny", "note", ("asgd", "ssgd", "gossip"), (("two", "t", "N=2"),))
+    text = markdown_table(table, summarize(records))
+    lines = text.splitlines()
+    assert lines[:2] == ["|  | two |", "|---|---|"]
+    assert lines[3].startswith("| ssgd | 0.") and lines[4] == "| gossip | — |"
+
+
+def test_report_keeps_the_hand_written_reading(tmp_path):
+    path = tmp_path / "results.md"
+    path.write_text(f"old\n{READING_START}\nWe read this.\n{READING_END}\nold tail\n")
+    assert existing_reading(path).strip() == "We read this."
+    write_report(path, [], "phalanx sim grid --preset staleness")
+    text = path.read_text()
+    assert "phalanx sim grid --preset staleness" in text and "We read this." in text and "old tail" not in text
+    assert checks_table([Check("a", "agrees", "b")]).splitlines()[-1] == "| a | **agrees** | b |"
+
+
+def test_presets_cover_the_issue_grids():
+    staleness = build_preset("staleness")
+    cells = len(STALENESS_WORKERS) * len(STALENESS_DELAYS)
+    assert len(staleness.runs) == 2 * (1 + cells * (18 + len(EQUAL_TIME_METHODS)))
+    byzantine = build_preset("byzantine", seeds=1)
+    assert len(byzantine.runs) == 7 * (1 + 2 * 8)
+    for preset in (staleness, byzantine):
+        keys = {(r.table, r.row, r.column) for r in preset.runs}
+        for table in preset.tables:
+            assert {(k, row, c) for row in table.rows for _, k, c in table.columns} <= keys
+        for run in preset.runs[:40]:
+            policy_spec(run.config)  # every config resolves
+    with pytest.raises(ConfigError, match="--preset 'speed' is unknown; use one of staleness, byzantine"):
+        build_preset("speed")
