@@ -47,6 +47,9 @@ class Registry(Mapping[str, T], Generic[T]):
         except KeyError:
             raise ConfigError(f"unknown {self.kind} {name!r}; valid names: {', '.join(self._items)}") from None
 
+    def __contains__(self, name: object) -> bool:  # Mapping's default would raise our ConfigError
+        return name in self._items
+
     def __iter__(self) -> Iterator[str]:
         return iter(self._items)
 

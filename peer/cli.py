@@ -101,6 +101,8 @@ def swarm(
     steps: int = typer.Option(2000, "--steps", min=1, help="Step budget per trainer."),
     target_accuracy: float = typer.Option(0.95, "--target-accuracy", min=0.0, max=1.0, help="Stop when a trainer's test accuracy reaches this; exit 0 only if it did."),
     workdir: Optional[Path] = typer.Option(None, "--workdir", help="Keep logs, identities and checkpoints here (default: a temporary folder, removed at exit)."),
+    byzantine: int = typer.Option(0, "--byzantine", min=0, help="How many of the --peers trainers attack."),
+    attack: str = typer.Option("sign_flip", "--attack", help="Attack(s) of the Byzantine peers, comma-separated and cycled (see `phalanx join --help`)."),
 ) -> None:
     """Start a whole swarm on this machine (a bootstrap peer and N trainers on loopback), show live
     progress, stop at the target accuracy or the step budget and print a report.
@@ -114,6 +116,8 @@ def swarm(
       phalanx swarm --peers 3 --aggregator centered_clip --tau 1 --compression fp16
 
       phalanx swarm --peers 2 --task mnist-cnn --data-dir ~/data/mnist --target-accuracy 0.98
+
+      phalanx swarm --peers 9 --byzantine 3 --attack sign_flip,label_flip,wrong_aggregate --aggregator centered_clip --tau 1 --verify
     """
     from peer.swarm import run_swarm
 
@@ -121,7 +125,11 @@ def swarm(
         "--task", task, "--steps", str(steps), "--target-accuracy", str(target_accuracy),
         "--wait-for-peers", str(peers), *ctx.args,
     ]  # fmt: skip
-    result = run_swarm(peers, join_args, target_accuracy=target_accuracy, workdir=workdir)
+    attacks = _str_list(attack)
+    if byzantine and not attacks:
+        raise ConfigError("--attack needs at least one attack name with --byzantine")
+    chosen = [attacks[i % len(attacks)] for i in range(byzantine)]
+    result = run_swarm(peers, join_args, target_accuracy=target_accuracy, workdir=workdir, attacks=chosen)
     if not result.reached_target:
         raise typer.Exit(1)
 

@@ -19,7 +19,7 @@ from pydantic import Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, PydanticBaseSettingsSource, SettingsConfigDict, TomlConfigSettingsSource
 
 from aggregation.errors import ConfigError
-from protocol.config import Codec, MatchmakingConfig, RoundConfig, parse_aggregator_params
+from protocol.config import Codec, MatchmakingConfig, RoundConfig, parse_aggregator_params, verify_config_for
 
 PROTOCOL_VERSION = 1
 _config_file: contextvars.ContextVar[Optional[Path]] = contextvars.ContextVar("phalanx_config_file", default=None)
@@ -117,6 +117,10 @@ class PeerConfig(NetworkSettings):
     wait_for_peers: int = Field(1, ge=1, description="Before the first step, wait (up to a minute) until this many trainers are announced; avoids a ragged start.")
     torch_threads: Optional[int] = Field(None, ge=1, description="Threads torch may use in this process.")
     events: bool = Field(False, description="Print one JSON progress event per line on stdout (used by `phalanx swarm`).")
+    verify: bool = Field(False, description="Byzantine-tolerant rounds (BTARD): commitments, MPRNG, projection checks, validators, bans. Needs --aggregator centered_clip or mean.")
+    validators: int = Field(1, ge=0, le=8, description="With --verify: members per round that recompute another member's gradient.")
+    phase_timeout_s: float = Field(10.0, gt=0, description="With --verify: how long each verification phase waits for the others.")
+    attack: Optional[str] = Field(None, description="Make this peer an attacker (tests and demos): sign_flip, random_direction, label_flip, delayed, ipm, alie, nan, wrong_aggregate, equivocate, false_report, false_accusation, withhold_reveal, bad_commitment, silent, inflate_weight.")
 
     @model_validator(mode="after")
     def _check_peer(self) -> "PeerConfig":
@@ -124,6 +128,13 @@ class PeerConfig(NetworkSettings):
             raise ValueError("--resume needs --checkpoint-dir")
         if self.target_group_size is not None and self.target_group_size < self.min_group_size:
             raise ValueError("--target-group-size must be ≥ --min-group-size")
+        if self.attack is not None:
+            from peer.attacks import parse_attack
+
+            try:
+                parse_attack(self.attack, self.seed)
+            except ConfigError as e:
+                raise ValueError(str(e)) from None
         try:
             self.round_config()  # validates aggregator name and parameters early
         except ConfigError as e:
@@ -152,7 +163,15 @@ class PeerConfig(NetworkSettings):
             aggregator_params=self.aggregator_kwargs(),
             compression=Codec.parse(self.compression),
             allreduce_timeout_s=self.allreduce_timeout_s,
-        )
+            verify=(
+                verify_config_for(
+                    self.aggregator, self.aggregator_kwargs(),
+                    phase_timeout_s=self.phase_timeout_s, validators=self.validators,
+                )
+                if self.verify
+                else None
+            ),
+        )  # fmt: skip
         config.make_reducer()  # unknown names and bad parameters fail here, with the valid choices listed
         return config
 
@@ -171,6 +190,7 @@ class PeerConfig(NetworkSettings):
             "aggregator": self.aggregator,
             "aggregator_params": self.aggregator_kwargs(),
             "compression": self.compression,
+            "verify": [self.verify, self.validators] if self.verify else False,
         }
         return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).digest()
 

@@ -18,6 +18,8 @@ from multiaddr import Multiaddr
 
 from aggregation.errors import ConfigError, PhalanxError
 from peer.config import NetworkSettings, PeerConfig
+from peer.attacks import parse_attack
+from protocol.bans import BanBook, BanVoteValidator
 from protocol.engine import RoundEngine
 from protocol.membership import Membership
 from protocol.transport import Transport
@@ -190,8 +192,14 @@ async def open_node(config: PeerConfig) -> Node:
             announce_hosts=hosts,
         )
         membership = Membership(dht, key + ".peers", transport.peer_id)
-        engine = RoundEngine(transport, membership, config.round_config(), config.run_hash())
+        await loop.run_in_executor(None, dht.add_validators, [BanVoteValidator(key + ".bans")])
+        bans = BanBook(dht, key + ".bans", membership.banned)
+        behavior, _ = parse_attack(config.attack, config.seed)
+        engine = RoundEngine(
+            transport, membership, config.round_config(), config.run_hash(), identity=identity, bans=bans, behavior=behavior
+        )
         await membership.start()
+        await engine.start()
         if transport.peer_id != identity.peer_id:
             raise PhalanxError(f"the daemon runs as {transport.peer_id}, not as the identity file's {identity.peer_id}")
     except BaseException:

@@ -45,6 +45,7 @@ class PeerView:
     bytes_sent: int = 0
     report: Optional[dict[str, Any]] = None
     exit_code: Optional[int] = None
+    attack: Optional[str] = None
     events: list[dict[str, Any]] = field(default_factory=list)
 
 
@@ -68,9 +69,13 @@ class Swarm:
         console: Optional[Console] = None,
         live: bool = True,
         join_env: Optional[dict[str, str]] = None,
+        attacks: Optional[list[str]] = None,
     ) -> None:
         if peers < 1:
             raise PhalanxError("--peers must be at least 1")
+        attacks = attacks or []
+        if len(attacks) >= peers:
+            raise PhalanxError("--byzantine must leave at least one honest peer")
         self.n = peers
         self.join_args = join_args
         self.target_accuracy = target_accuracy
@@ -81,7 +86,9 @@ class Swarm:
         self.live = live
         self.join_env = join_env or {}
         self.bootstrap: Optional[asyncio.subprocess.Process] = None
-        self.views = [PeerView(f"trainer-{i}") for i in range(peers)]
+        # the last len(attacks) trainers are Byzantine, one attack each
+        self.views = [PeerView(f"trainer-{i}") for i in range(peers - len(attacks))]
+        self.views += [PeerView(f"byzantine-{i}", attack=a) for i, a in enumerate(attacks)]
         self.started = time.monotonic()
         self.time_to_target: Optional[float] = None
         self.target_hit = asyncio.Event()
@@ -124,6 +131,7 @@ class Swarm:
             "--identity-path", str(self.workdir / f"{view.name}.id"),
             "--events",
             *self.join_args,
+            *(["--attack", view.attack] if view.attack else []),
         ]  # fmt: skip
         env = {"PHALANX_TORCH_THREADS": "1"} if "--torch-threads" not in self.join_args else {}
         view.process = await self._spawn(view.name, args, {**env, **self.join_env})
@@ -144,7 +152,8 @@ class Swarm:
                 view.bytes_sent = event.get("bytes_sent", view.bytes_sent)
             elif kind == "eval":
                 view.step, view.accuracy = event["step"], event["accuracy"]
-                if self.target_accuracy is not None and event["accuracy"] >= self.target_accuracy:
+                honest = view.attack is None  # a banned attacker may train on alone: only honest peers count
+                if honest and self.target_accuracy is not None and event["accuracy"] >= self.target_accuracy:
                     if self.time_to_target is None:
                         self.time_to_target = time.monotonic() - self.started
                     self.target_hit.set()
@@ -209,7 +218,7 @@ class Swarm:
             if target_task is not None:
                 target_task.cancel()
             await self._cleanup(followers)
-        accs = [v.accuracy for v in self.views if v.accuracy is not None]
+        accs = [v.accuracy for v in self.views if v.accuracy is not None and v.attack is None]
         return SwarmResult(
             reached_target=self.target_hit.is_set(),
             wall_s=time.monotonic() - self.started,
@@ -247,6 +256,13 @@ class Swarm:
             shutil.rmtree(self.workdir, ignore_errors=True)
 
 
+def _bans(banned: list[str], attackers: set[str]) -> str:
+    if not banned:
+        return ""
+    caught = sum(p in attackers for p in banned)
+    return f"{len(banned)} ({caught} attackers)" if attackers else str(len(banned))
+
+
 def _signal_group(process: asyncio.subprocess.Process, sig: int) -> None:
     try:
         os.killpg(process.pid, sig)
@@ -256,8 +272,9 @@ def _signal_group(process: asyncio.subprocess.Process, sig: int) -> None:
 
 def print_report(result: SwarmResult, console: Console, target: Optional[float]) -> None:
     table = Table(title="final report")
-    for col in ("peer", "id", "steps", "accuracy", "rounds ok", "partial", "failed", "resyncs", "sent MB", "exit"):
-        table.add_column(col, justify="left" if col in ("peer", "id") else "right")
+    attackers = {v.peer_id for v in result.peers if v.attack}
+    for col in ("peer", "id", "steps", "accuracy", "rounds ok", "partial", "failed", "resyncs", "sent MB", "banned", "exit"):
+        table.add_column(col, justify="left" if col in ("peer", "id", "banned") else "right")
     for v in result.peers:
         r = v.report or {}
         table.add_row(
@@ -270,9 +287,13 @@ def print_report(result: SwarmResult, console: Console, target: Optional[float])
             str(r.get("rounds_failed", "")),
             str(r.get("resyncs", "")),
             f"{r.get('bytes_sent', v.bytes_sent) / 1e6:.2f}",
+            _bans(r.get("banned", []), attackers),
             "" if v.exit_code is None else str(v.exit_code),
         )
     console.print(table)
+    if attackers:
+        kinds = ", ".join(sorted({v.attack for v in result.peers if v.attack}))
+        console.print(f"banned: how many peers each one saw banned, and how many of those are the {len(attackers)} attackers ({kinds})")
     best = "n/a" if result.best_accuracy is None else f"{result.best_accuracy:.4f}"
     line = f"wall time {result.wall_s:.1f} s, best test accuracy {best}"
     if target is not None:
@@ -283,13 +304,20 @@ def print_report(result: SwarmResult, console: Console, target: Optional[float])
     console.print(line)
 
 
-def run_swarm(peers: int, join_args: list[str], *, target_accuracy: Optional[float], workdir: Optional[Path]) -> SwarmResult:
+def run_swarm(
+    peers: int,
+    join_args: list[str],
+    *,
+    target_accuracy: Optional[float],
+    workdir: Optional[Path],
+    attacks: Optional[list[str]] = None,
+) -> SwarmResult:
     import uvloop
 
     console = Console(stderr=True)
     if not console.is_terminal:
         console.width = 120  # logs and CI: do not squeeze the report into 80 columns
-    swarm = Swarm(peers, join_args, target_accuracy=target_accuracy, workdir=workdir, console=console)
+    swarm = Swarm(peers, join_args, target_accuracy=target_accuracy, workdir=workdir, console=console, attacks=attacks)
 
     async def main() -> SwarmResult:
         loop = asyncio.get_running_loop()

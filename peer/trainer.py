@@ -12,6 +12,7 @@ SIGINT/SIGTERM stop the loop between steps and write a final checkpoint.
 from __future__ import annotations
 
 import asyncio
+import copy
 import hashlib
 import json
 import logging
@@ -19,12 +20,13 @@ import signal
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 
 import torch
 
 from aggregation.errors import ConfigError, PeerProtocolError, PhalanxError, RoundAbortedError, RoundTimeoutError
+from peer.attacks import parse_attack
 from peer.checkpoint import load_latest, save_checkpoint
 from peer.config import PeerConfig
 from peer.health import PeerMetrics, open_node_health
@@ -121,6 +123,8 @@ class Report:
     wall_s: float = 0.0
     reached_target: bool = False
     param_hash: str = ""
+    banned: list[str] = field(default_factory=list)  # peers this one saw banned
+    attack: Optional[str] = None
 
 
 class Trainer:
@@ -133,6 +137,8 @@ class Trainer:
         self.task = resolve_task(config.task, **options).to(self.device)
         self.model = Model(self.task, config)
         self.batch_size = config.batch_size or self.task.batch_size
+        _, self.attack = parse_attack(config.attack, config.seed)
+        self._validator_model: Optional[torch.nn.Module] = None  # a copy: recomputation must not touch BatchNorm stats
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="train")
         self.report = Report()
         self.health = PeerMetrics(role="trainer")  # updated once per round; read by the health server
@@ -196,6 +202,8 @@ class Trainer:
             s = engine.stats
             self.report.rounds_ok, self.report.rounds_partial, self.report.rounds_failed = s.rounds_ok, s.rounds_partial, s.rounds_failed
             self.report.resyncs = s.resyncs
+            self.report.banned = sorted(node.membership.banned)
+            self.report.attack = self.config.attack
             self.report.bytes_sent = node.transport.stats.bytes_sent
             self.report.bytes_received = node.transport.stats.bytes_received
             if self.config.checkpoint_dir is not None and engine.step > 0:
@@ -206,6 +214,37 @@ class Trainer:
             self.executor.shutdown(wait=True)
             self._emit("done", **asdict(self.report))
         return self.report
+
+    def _contribution(self, peer_id: str, step: int) -> tuple[float, torch.Tensor]:
+        """This step's gradient on our public batch — or, with --attack, what the attacker sends instead."""
+        flip = self.attack is not None and self.attack.flips_labels
+        loss, grad = self._gradient(self.model.module, peer_id, step, flip_labels=flip)
+        if self.attack is not None:
+            extra = lambda k: self._gradient(self.model.module, f"{peer_id}/extra{k}", step)[1]  # noqa: E731
+            grad = self.attack.contribution(step, grad, extra)
+        return loss, grad
+
+    def _gradient(self, module, peer_id: str, step: int, *, flip_labels: bool = False) -> tuple[float, torch.Tensor]:
+        if not flip_labels:
+            return compute_gradient(self.task, module, self.config.seed, peer_id, step, self.batch_size)
+        module.zero_grad(set_to_none=True)
+        inputs, targets = self.task.batch(self.config.seed, peer_id, step, self.batch_size)
+        classes = int(self.task.train_targets.max()) + 1
+        loss = self.task.loss(module, inputs, classes - 1 - targets)
+        loss.backward()
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in module.parameters()]
+        return loss.item(), torch.nn.utils.parameters_to_vector(grads)
+
+    async def _recompute(self, peer_id: str) -> torch.Tensor:
+        """A validator's honest recomputation of `peer_id`'s gradient at this round's parameters."""
+
+        def run() -> torch.Tensor:
+            if self._validator_model is None:
+                self._validator_model = copy.deepcopy(self.model.module)
+            self._validator_model.load_state_dict(self.model.module.state_dict())
+            return self._gradient(self._validator_model, peer_id, self._node.engine.step)[1].cpu()
+
+        return await self._in_thread(run)
 
     async def _wait_for_peers(self, node: Node) -> None:
         deadline = time.monotonic() + 60.0
@@ -225,14 +264,21 @@ class Trainer:
             return True
         return self.report.reached_target
 
+    async def _sleep_or_stop(self, seconds: float) -> None:
+        try:
+            await asyncio.wait_for(self.stop_requested.wait(), timeout=seconds)
+        except asyncio.TimeoutError:
+            pass
+
     async def _loop(self, node: Node) -> None:
         engine, config = node.engine, self.config
+        failures = 0
         while not self._done(engine.step):
+            if node.peer_id in node.membership.banned:
+                raise PhalanxError("the swarm banned this peer (its ban votes are in the DHT and the log); stopping")
             step = engine.step
-            loss, grad = await self._in_thread(
-                compute_gradient, self.task, self.model.module, config.seed, node.peer_id, step, self.batch_size
-            )
-            round_task = asyncio.ensure_future(engine.run_round(grad.to("cpu")))
+            loss, grad = await self._in_thread(self._contribution, node.peer_id, step)
+            round_task = asyncio.ensure_future(engine.run_round(grad.to("cpu"), recompute=self._recompute))
             stop_task = asyncio.ensure_future(self.stop_requested.wait())
             await asyncio.wait({round_task, stop_task}, return_when=asyncio.FIRST_COMPLETED)
             stop_task.cancel()
@@ -245,8 +291,12 @@ class Trainer:
             except (RoundAbortedError, RoundTimeoutError, PeerProtocolError) as e:
                 engine.stats.rounds_failed += 1
                 self.health.round_failed()
+                failures += 1
                 logger.warning(f"round at step {step} failed: {e}")
+                # back off, so a peer the swarm refuses does not spin: 0.1 s, doubling up to 5 s
+                await self._sleep_or_stop(min(5.0, 0.1 * 2 ** min(failures, 6)))
                 continue
+            failures = 0
             if isinstance(outcome, Resync):
                 await self._resync(engine, outcome)
                 continue

@@ -428,6 +428,7 @@ class VerifiedRound:
         validator, target = self._validator_and_target(seed)
         if validator != self.identity.peer_id or recompute_fn is None:
             return
+        logger.debug(f"round {self.round_id.hex()[:8]}: validating {target[-8:]}")
         if not await self._contribution_holds(target, recompute_fn):
             self.accusations.append(Accusation(accused=target, offense=Offense.BAD_CONTRIBUTION, part=-1, evidence=[]))
 

@@ -10,6 +10,7 @@ Phases 2 (commitments) and 6 (verification) slot in around `_allreduce`.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import hashlib
 import logging
@@ -22,7 +23,7 @@ import torch
 from aggregation.errors import PeerProtocolError, RoundAbortedError
 from protocol.adversary import Behavior
 from protocol.allreduce import AllReduceResult, AllReduceService, RoundSpec
-from protocol.bans import BanBook
+from protocol.bans import BanBook, refresh_forever
 from protocol.btard import BtardService, Recompute, Verdict, VerifiedRound
 from protocol.codec import encode
 from protocol.config import RoundConfig
@@ -123,7 +124,16 @@ class RoundEngine:
         self.version, self.step = version, step
         self.membership.step = step
 
+    async def start(self) -> None:
+        """Background work: keep the ban list in sync with the swarm's ban votes."""
+        if self.bans is not None:
+            self._ban_refresh = asyncio.create_task(refresh_forever(self.bans, interval_s=5.0), name="ban-refresh")
+
     async def aclose(self) -> None:
+        task = getattr(self, "_ban_refresh", None)
+        if task is not None:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
         await self.matchmaker.aclose()
 
     async def run_round(

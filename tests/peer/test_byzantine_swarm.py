@@ -1,0 +1,42 @@
+"""The acceptance run of Byzantine tolerance: 6 honest and 3 Byzantine trainers (mixed attacks) in
+sync mode with CenteredClip and verification. Every attacker is banned, no honest peer is, and the
+honest peers end within 2 points of the same run without attackers."""
+
+import asyncio
+
+import pytest
+
+from peer.swarm import Swarm
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
+STEPS = 150
+ARGS = [
+    "--steps", str(STEPS), "--eval-every", "50", "--aggregator", "centered_clip", "--tau", "1",
+    "--verify", "--phase-timeout-s", "3",
+]  # fmt: skip
+ATTACKS = ["sign_flip", "label_flip", "wrong_aggregate"]
+
+
+def _run(peers: int, attacks: list[str], workdir):
+    swarm = Swarm(
+        peers, [*ARGS, "--wait-for-peers", str(peers)], target_accuracy=None, workdir=workdir, live=False, attacks=attacks
+    )
+    return asyncio.run(swarm.run())
+
+
+def test_byzantine_peers_are_banned_and_accuracy_holds(tmp_path):
+    attacked = _run(9, ATTACKS, tmp_path / "attacked")
+    honest_views = [v for v in attacked.peers if v.attack is None]
+    attackers = {v.peer_id for v in attacked.peers if v.attack is not None}
+    assert len(honest_views) == 6 and len(attackers) == 3
+    for view in honest_views:
+        assert view.report is not None, f"{view.name} did not finish; see {tmp_path / 'attacked' / (view.name + '.log')}"
+        assert set(view.report["banned"]) == attackers, (view.name, view.report["banned"])
+        assert view.report["step"] == STEPS
+    attacked_accuracy = [v.report["accuracy"] for v in honest_views]
+    assert len(set(attacked_accuracy)) == 1  # sync mode: every honest peer holds the same model
+
+    clean = _run(6, [], tmp_path / "clean")
+    clean_accuracy = [v.report["accuracy"] for v in clean.peers]
+    assert all(not v.report["banned"] for v in clean.peers)
+    assert abs(attacked_accuracy[0] - clean_accuracy[0]) <= 0.02, (attacked_accuracy[0], clean_accuracy[0])

@@ -1,0 +1,109 @@
+"""Verified rounds (BTARD) with real peers on loopback: honest rounds pass, each protocol attack
+gets exactly its attacker banned by every honest member, and a banned peer is refused."""
+
+import asyncio
+import math
+
+import pytest
+import torch
+
+from aggregation.centered_clip import centered_clip
+from protocol.adversary import PROTOCOL_ATTACKS
+from protocol.config import MatchmakingConfig, RoundConfig, verify_config_for
+from protocol.engine import Averaged
+from protocol.partition import partition_bounds
+from swarm_fixture import open_swarm
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+PARAMS = (("tau", 1.0),)
+CONFIG = RoundConfig(
+    aggregator="centered_clip",
+    aggregator_params=PARAMS,
+    verify=verify_config_for("centered_clip", PARAMS, phase_timeout_s=3.0),
+    allreduce_timeout_s=5.0,
+    matchmaking=MatchmakingConfig(matchmaking_timeout_s=3.0, join_timeout_s=60.0),
+)
+NUMEL = 40_000
+
+
+def _inputs(n):
+    g = torch.Generator().manual_seed(1)
+    common = torch.randn(NUMEL, generator=g)
+    return [common + 0.3 * torch.randn(NUMEL, generator=g) for _ in range(n)]
+
+
+async def _round(peers, xs):
+    for peer in peers:
+        peer.engine.set_state(b"v0", 0)
+    return await asyncio.gather(*[p.engine.run_round(x) for p, x in zip(peers, xs)], return_exceptions=True)
+
+
+def test_honest_verified_round_equals_centered_clip_per_part():
+    async def main():
+        async with open_swarm(4, CONFIG) as peers:
+            xs = _inputs(4)
+            outcomes = await _round(peers, xs)
+            members = outcomes[0].group.members
+            by_member = {p.peer_id: x for p, x in zip(peers, xs)}
+            stacked = torch.stack([by_member[m] for m in members])
+            expected = torch.cat(
+                [centered_clip(stacked[:, a:b], tau=1.0, max_iter=100_000).value for a, b in partition_bounds(NUMEL, 4)]
+            )
+            for outcome in outcomes:
+                assert isinstance(outcome, Averaged)
+                assert outcome.verdict.banned == set() and outcome.verdict.bad_parts == set()
+                assert torch.allclose(outcome.result.vector, expected, atol=1e-6)
+            assert all(not p.membership.banned for p in peers)
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("attack", sorted(PROTOCOL_ATTACKS))
+def test_each_protocol_attack_bans_exactly_the_attacker(attack):
+    async def main():
+        behaviors = [None, None, None, PROTOCOL_ATTACKS[attack]()]
+        async with open_swarm(4, CONFIG, behaviors=behaviors) as peers:
+            attacker = peers[3].peer_id
+            outcomes = await _round(peers, _inputs(4))
+            honest = list(zip(peers[:3], outcomes[:3]))
+            for peer, outcome in honest:
+                assert isinstance(outcome, Averaged), outcome
+                assert outcome.verdict.banned == {attacker}
+                assert peer.membership.banned == {attacker}
+            # honest members agree on what they apply, so they keep one state version
+            first = honest[0][1]
+            for _, outcome in honest[1:]:
+                assert outcome.verdict.bad_parts == first.verdict.bad_parts
+                assert torch.equal(outcome.result.vector, first.result.vector)
+            assert math.isfinite(float(first.result.vector.abs().sum()))
+
+    asyncio.run(main())
+
+
+def test_banned_peer_is_refused_by_matchmaking_and_handlers():
+    async def main():
+        behaviors = [None, None, None, PROTOCOL_ATTACKS["inflate_weight"]()]
+        async with open_swarm(4, CONFIG, behaviors=behaviors) as peers:
+            attacker = peers[3]
+            await _round(peers, _inputs(4))
+            # the next round forms without it, whatever it tries
+            honest = peers[:3]
+            for peer in honest:
+                peer.engine.set_state(b"v1", 1)
+            attacker.engine.set_state(b"v1", 1)
+            xs = _inputs(4)
+            results = await asyncio.gather(
+                *[p.engine.run_round(x) for p, x in zip(honest, xs)], attacker.engine.run_round(xs[3]), return_exceptions=True
+            )
+            for outcome in results[:3]:
+                assert isinstance(outcome, Averaged) and attacker.peer_id not in outcome.group.members
+            # at best it trains alone: no honest peer groups with it
+            if isinstance(results[3], Averaged):
+                assert results[3].group.members == [attacker.peer_id]
+            # and every RPC handler refuses it
+            from protocol.transport import CallFailed
+
+            with pytest.raises(CallFailed, match="banned"):
+                await attacker.transport.call(honest[0].peer_id, "exchange", b"", b"", max_reply_payload=0, timeout_s=10)
+
+    asyncio.run(main())
