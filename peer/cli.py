@@ -180,6 +180,65 @@ def monitor(settings: MonitorSettings) -> None:
     run_monitor(settings)
 
 
+@app.command("keygen")
+def keygen(
+    owner: bool = typer.Option(False, "--owner", help="Make a swarm owner's key pair (for private swarms) instead of a peer identity."),
+    out: Path = typer.Option(Path("owner"), "--out", help="With --owner: write OUT.key (keep it secret) and OUT.pub (give it to every peer)."),
+    identity_path: Optional[Path] = typer.Option(None, "--identity-path", help="Peer identity file to create (if missing) and show the peer ID of."),
+) -> None:
+    """Make keys: a peer identity (its peer ID is what an owner admits) or a private swarm's owner key.
+
+    [bold]Examples[/bold]
+
+      phalanx keygen --identity-path me.id
+
+      phalanx keygen --owner --out myswarm
+    """
+    from security.admission import generate_owner_key
+
+    if owner:
+        private, public = out.with_suffix(".key"), out.with_suffix(".pub")
+        generate_owner_key(private, public)
+        typer.echo(f"owner key: {private} (secret)\nshare with every peer: --admission {public}")
+        return
+    if identity_path is None:
+        raise ConfigError("keygen needs --identity-path (a peer identity) or --owner (a swarm owner key)")
+    from hivemind.p2p import P2P
+
+    from security.identity import Identity
+
+    if not identity_path.exists():
+        P2P.generate_identity(str(identity_path))
+    typer.echo(Identity.load(identity_path).peer_id)
+
+
+@app.command("admit")
+def admit(
+    owner_key: Path = typer.Option(..., "--owner-key", help="The owner's private key (OUT.key from `phalanx keygen --owner`)."),
+    peer_id: str = typer.Option(..., "--peer-id", help="The peer to admit (printed by `phalanx keygen --identity-path`)."),
+    run_id: str = typer.Option("phalanx", "--run-id", help="The swarm (run id) the certificate is for."),
+    valid_days: float = typer.Option(30.0, "--valid-days", min=0.001, help="How long the certificate stays valid."),
+    out: Optional[Path] = typer.Option(None, "--out", help="Where to write the certificate (default: <peer-id>.cert)."),
+) -> None:
+    """Issue a certificate admitting one peer to a private swarm (peers started with --admission
+    refuse everything from peers without one).
+
+    [bold]Examples[/bold]
+
+      phalanx admit --owner-key myswarm.key --peer-id 12D3KooW... --valid-days 7
+
+      phalanx join --admission myswarm.pub --certificate 12D3KooW....cert --identity-path me.id ...
+    """
+    from security.admission import issue, load_owner_private
+    from security.identity import is_peer_id
+
+    if not is_peer_id(peer_id):
+        raise ConfigError(f"--peer-id: {peer_id!r} is not a peer ID (like 12D3KooW... or Qm...)")
+    path = out or Path(f"{peer_id}.cert")
+    path.write_bytes(issue(load_owner_private(owner_key), peer_id, run_id, valid_days * 86400))
+    typer.echo(f"certificate for {peer_id} in run {run_id!r}, valid {valid_days:g} days: {path}")
+
+
 @bench_app.command("aggregate")
 def bench_aggregate(
     n: str = typer.Option("8,16,32", "--n", help="Comma-separated numbers of rows (peers)."),

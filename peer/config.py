@@ -120,6 +120,8 @@ class PeerConfig(NetworkSettings):
     verify: bool = Field(False, description="Byzantine-tolerant rounds (BTARD): commitments, MPRNG, projection checks, validators, bans. Needs --aggregator centered_clip or mean.")
     validators: int = Field(1, ge=0, le=8, description="With --verify: members per round that recompute another member's gradient.")
     phase_timeout_s: float = Field(10.0, gt=0, description="With --verify: how long each verification phase waits for the others.")
+    admission: Optional[Path] = Field(None, description="Private swarm: the owner's public key (from `phalanx keygen --owner`); peers without a valid certificate are refused.")
+    certificate: Optional[Path] = Field(None, description="Private swarm: this peer's certificate (from `phalanx admit`).")
     attack: Optional[str] = Field(None, description="Make this peer an attacker (tests and demos): sign_flip, random_direction, label_flip, delayed, ipm, alie, nan, wrong_aggregate, equivocate, false_report, false_accusation, withhold_reveal, bad_commitment, silent, inflate_weight.")
 
     @model_validator(mode="after")
@@ -128,6 +130,11 @@ class PeerConfig(NetworkSettings):
             raise ValueError("--resume needs --checkpoint-dir")
         if self.target_group_size is not None and self.target_group_size < self.min_group_size:
             raise ValueError("--target-group-size must be ≥ --min-group-size")
+        if (self.admission is None) != (self.certificate is None):
+            raise ValueError("--admission and --certificate go together (a private swarm needs both)")
+        for flag, path in (("--admission", self.admission), ("--certificate", self.certificate)):
+            if path is not None and not path.is_file():
+                raise ValueError(f"{flag}: no such file {str(path)!r}")
         if self.attack is not None:
             from peer.attacks import parse_attack
 
@@ -191,6 +198,8 @@ class PeerConfig(NetworkSettings):
             "aggregator_params": self.aggregator_kwargs(),
             "compression": self.compression,
             "verify": [self.verify, self.validators] if self.verify else False,
+            # peers of different private swarms (different owners) never meet
+            "owner": hashlib.sha256(self.admission.read_bytes()).hexdigest() if self.admission else None,
         }
         return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).digest()
 

@@ -16,13 +16,15 @@ import hivemind
 from hivemind.p2p import P2P
 from multiaddr import Multiaddr
 
-from aggregation.errors import ConfigError, PhalanxError
+from aggregation.errors import ConfigError, PeerProtocolError, PhalanxError
 from peer.config import NetworkSettings, PeerConfig
 from peer.attacks import parse_attack
+from protocol.admission import AdmissionGate
 from protocol.bans import BanBook, BanVoteValidator
 from protocol.engine import RoundEngine
 from protocol.membership import Membership
 from protocol.transport import Transport
+from security.admission import load_owner_public
 from security.identity import Identity
 
 logger = logging.getLogger(__name__)
@@ -198,6 +200,16 @@ async def open_node(config: PeerConfig) -> Node:
         engine = RoundEngine(
             transport, membership, config.round_config(), config.run_hash(), identity=identity, bans=bans, behavior=behavior
         )
+        if config.admission is not None:
+            gate = AdmissionGate(
+                dht, key + ".certs", load_owner_public(config.admission), config.run_id, transport.peer_id,
+                config.certificate.read_bytes(),
+            )  # fmt: skip
+            try:
+                await gate.start()
+            except PeerProtocolError as e:
+                raise ConfigError(f"--certificate: {e} (ask the owner for a certificate of {transport.peer_id})") from None
+            transport.admission, membership.admitted = gate, gate.knows
         await membership.start()
         await engine.start()
         if transport.peer_id != identity.peer_id:

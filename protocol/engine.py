@@ -109,7 +109,7 @@ class RoundEngine:
         if config.verify is not None:
             if identity is None:
                 raise ValueError("verified rounds need the peer's identity to sign")
-            self.exchange = ExchangeService(transport)
+            self.exchange = ExchangeService(transport, wait_for_round_s=config.verify.phase_timeout_s)
             self.btard = BtardService(transport, self.exchange, identity)
         self._output: Optional[torch.Tensor] = None  # reused by every round: see run_round
         self.version = b""

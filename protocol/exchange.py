@@ -1,9 +1,10 @@
 """All-to-all exchange of one small message per member, for the verification phases of a round.
 
 Each member sends its message to every other member and waits (until a deadline) for
-theirs. Messages may arrive before this peer reaches the phase: they wait in a bounded
-mailbox keyed by (round, phase, sender). Only members of a round this peer registered
-can fill its mailbox, and each sender gets one message per phase.
+theirs. Messages may arrive before this peer reaches the phase: they wait in a mailbox
+keyed by (round, phase, sender). Only members of a round this peer opened can fill its
+mailbox, one message per phase each; a call for a round not opened yet is held (a
+bounded number of them, for a bounded time) until it opens.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ logger = logging.getLogger(__name__)
 EXCHANGE_METHOD = "exchange"
 MAX_PHASE_BYTES = 512 << 10
 MAX_OPEN_ROUNDS = 64
+MAX_WAITING_CALLS = 64  # calls held for rounds not opened yet (each holds at most MAX_PHASE_BYTES)
 
 
 class ExchangeHeader(WireModel):
@@ -42,36 +44,48 @@ class _Mailbox:
 class ExchangeService:
     """Routes phase messages to open rounds. Open a round with `open_round`, close with `close_round`."""
 
-    def __init__(self, transport: Transport) -> None:
+    def __init__(self, transport: Transport, *, wait_for_round_s: float = 10.0) -> None:
         self.transport = transport
+        self.wait_for_round_s = wait_for_round_s
         self._rounds: dict[bytes, _Mailbox] = {}
-        self._early: dict[bytes, list[tuple[str, str, bytes]]] = {}  # before the round is opened here
+        self._opened: dict[bytes, asyncio.Event] = {}
+        self._waiting = 0
         transport.register(EXCHANGE_METHOD, self._serve, max_payload=MAX_PHASE_BYTES)
 
     def open_round(self, round_id: bytes, members: tuple[str, ...]) -> None:
-        box = _Mailbox(frozenset(members))
-        self._rounds[round_id] = box
+        self._rounds[round_id] = _Mailbox(frozenset(members))
         while len(self._rounds) > MAX_OPEN_ROUNDS:
             self._rounds.pop(next(iter(self._rounds)))
-        for phase, sender, payload in self._early.pop(round_id, []):
-            if sender in box.members:
-                box.messages.setdefault((phase, sender), payload)
+        self._opened.setdefault(round_id, asyncio.Event()).set()
 
     def close_round(self, round_id: bytes) -> None:
         self._rounds.pop(round_id, None)
-        self._early.pop(round_id, None)
+        self._opened.pop(round_id, None)
+
+    async def _round(self, round_id: bytes) -> _Mailbox:
+        box = self._rounds.get(round_id)
+        if box is not None:
+            return box
+        if self._waiting >= MAX_WAITING_CALLS:
+            raise RoundAbortedError("too many calls for rounds not opened here")
+        event = self._opened.setdefault(round_id, asyncio.Event())
+        self._waiting += 1
+        try:
+            await asyncio.wait_for(event.wait(), timeout=self.wait_for_round_s)
+        except asyncio.TimeoutError:
+            if self._opened.get(round_id) is event and not event.is_set():
+                del self._opened[round_id]
+            raise RoundAbortedError("unknown round") from None
+        finally:
+            self._waiting -= 1
+        box = self._rounds.get(round_id)
+        if box is None:
+            raise RoundAbortedError("round already closed")
+        return box
 
     async def _serve(self, peer: str, header: bytes, payload) -> tuple[bytes, bytes]:
         head = unpack(header, ExchangeHeader, peer=peer)
-        box = self._rounds.get(head.round_id)
-        if box is None:
-            # the sender may be a phase ahead of us; keep a little, bounded
-            early = self._early.setdefault(head.round_id, [])
-            if len(self._early) > MAX_OPEN_ROUNDS or len(early) > 64:
-                self._early.pop(head.round_id, None)
-                raise RoundAbortedError("unknown round")
-            early.append((head.phase, peer, bytes(payload)))
-            return b"", b""
+        box = await self._round(head.round_id)  # the sender may be a phase ahead of us
         if peer not in box.members:
             raise PeerProtocolError("sent a phase message for a round it is not a member of", peer=peer)
         if (head.phase, peer) in box.messages:

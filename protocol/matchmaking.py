@@ -41,9 +41,9 @@ MAX_REDIRECTS = 3
 
 
 class JoinRequest(WireModel):
-    run: bytes  # configuration hash: peers of another run (or another config) are refused
-    version: bytes  # hash of the state the joiner holds (see protocol.engine)
-    step: int  # training step of that state
+    run: Annotated[bytes, Field(max_length=32)]  # configuration hash: peers of another run (or another config) are refused
+    version: Annotated[bytes, Field(max_length=32)]  # hash of the state the joiner holds (see protocol.engine)
+    step: Annotated[int, Field(ge=0)]  # training step of that state
 
 
 class Donation(WireModel):

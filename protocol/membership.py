@@ -11,7 +11,7 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Literal, Optional
+from typing import Callable, Literal, Optional
 
 from hivemind import DHT
 from hivemind.utils import get_dht_time
@@ -56,6 +56,7 @@ class Membership:
     _suspects: dict[str, float] = field(default_factory=dict)
     _task: Optional[asyncio.Task] = None
     _refreshed: Optional[asyncio.Event] = None
+    admitted: Optional[Callable[[str], bool]] = None  # private swarms: peers without a certificate are invisible
 
     async def start(self) -> None:
         self._refreshed = asyncio.Event()
@@ -119,7 +120,9 @@ class Membership:
         """Unexpired, unbanned records in the given states (ourselves included once announced)."""
         now = get_dht_time()
         return {
-            p: rec for p, (rec, exp) in self._view.items() if exp > now and rec.state in states and p not in self.banned
+            p: rec
+            for p, (rec, exp) in self._view.items()
+            if exp > now and rec.state in states and p not in self.banned and (self.admitted is None or self.admitted(p))
         }
 
     def suspect(self, peer: str, for_s: float) -> None:

@@ -142,6 +142,7 @@ class Transport(ServicerBase):
         self._connections: set[asyncio.Task] = set()
         self.stats = TransportStats()
         self.banned: set[str] = set()  # shared with membership and the ban book: calls from these are refused
+        self.admission = None  # private swarms: a protocol.admission.AdmissionGate; callers need its approval
         self.prefer_direct = True  # benchmarks turn this off to measure the libp2p path alone
         self._stream_proto = f"{namespace}.stream"
 
@@ -296,8 +297,7 @@ class Transport(ServicerBase):
 
     async def rpc_ticket(self, request: BytesValue, context: P2PContext) -> BytesValue:
         peer = context.remote_id.to_base58()
-        if peer in self.banned:
-            raise PeerProtocolError("banned peer", peer=peer)
+        await self._check_caller(peer)
         unpack(request.value, _TicketRequest, peer=peer)
         if not self._addresses:
             return BytesValue(value=pack(_Ticket(conn_id=b"\0" * 16, key=b"\0" * 32, addresses=[])))
@@ -382,10 +382,15 @@ class Transport(ServicerBase):
         except CallFailed as e:
             logger.debug(f"reply to {peer[-8:]} failed: {e!r}")
 
-    async def _dispatch(self, peer: str, method: str, header: bytes, payload, channel: Optional[Channel] = None):
-        """Run the handler. `payload` is the bytes themselves (unary) or their length, read from `channel`."""
+    async def _check_caller(self, peer: str) -> None:
         if peer in self.banned:
             raise PeerProtocolError("banned peer", peer=peer)
+        if self.admission is not None and not await self.admission.admitted(peer):
+            raise PeerProtocolError("not admitted to this swarm (no valid certificate)", peer=peer)
+
+    async def _dispatch(self, peer: str, method: str, header: bytes, payload, channel: Optional[Channel] = None):
+        """Run the handler. `payload` is the bytes themselves (unary) or their length, read from `channel`."""
+        await self._check_caller(peer)
         entry = self._methods.get(method)
         if entry is None:
             return Status.UNKNOWN_METHOD, f"unknown method {method[:40]!r}", b"", b""

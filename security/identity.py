@@ -79,6 +79,23 @@ def peer_id_of(public_key_message: bytes) -> str:
     return base58.b58encode(multihash).decode()
 
 
+def is_peer_id(text: str) -> bool:
+    """Whether `text` is a base58 libp2p peer ID (an identity or SHA-256 multihash of a key)."""
+    try:
+        raw = base58.b58decode(text)
+    except ValueError:
+        return False
+    if raw[:2] == b"\x12\x20":
+        return len(raw) == 34
+    if raw[:1] == b"\x00":
+        try:
+            length, pos = _read_varint(raw, 1)
+        except ValueError:
+            return False
+        return length == len(raw) - pos and length > 0
+    return False
+
+
 @dataclass(frozen=True)
 class Identity:
     """A loaded private key. `public_key` is the protobuf message other peers verify against."""

@@ -1,0 +1,64 @@
+"""Private swarms: every peer publishes its owner-signed certificate in the DHT, and every peer
+refuses calls from, and never groups with, a peer whose certificate it cannot verify."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+from cryptography.hazmat.primitives.asymmetric import ed25519
+from hivemind import DHT
+from hivemind.utils import get_dht_time
+
+from aggregation.errors import PeerProtocolError
+from security.admission import verify_certificate
+
+logger = logging.getLogger(__name__)
+
+REFRESH_MIN_INTERVAL_S = 2.0  # an unknown caller triggers at most one DHT read per this interval
+
+
+@dataclass
+class AdmissionGate:
+    dht: DHT
+    key: str  # the run's certificate key in the DHT
+    owner: ed25519.Ed25519PublicKey
+    run_id: str
+    peer_id: str
+    certificate: bytes  # ours
+    _valid_until: dict[str, float] = field(default_factory=dict)
+    _last_refresh: float = 0.0
+
+    async def start(self) -> None:
+        body = verify_certificate(self.owner, self.certificate, peer_id=self.peer_id, run_id=self.run_id)
+        self._valid_until[self.peer_id] = body.not_after
+        expiration = min(get_dht_time() + 7 * 24 * 3600.0, body.not_after)
+        await self.dht.store(self.key, self.certificate, expiration, subkey=self.peer_id, return_future=True)
+        await self.refresh()
+
+    def knows(self, peer: str) -> bool:
+        """Whether `peer` showed a certificate that is valid now (no network access)."""
+        return self._valid_until.get(peer, 0.0) > time.time()
+
+    async def admitted(self, peer: str) -> bool:
+        if self.knows(peer):
+            return True
+        if time.monotonic() - self._last_refresh >= REFRESH_MIN_INTERVAL_S:
+            await self.refresh()
+        return self.knows(peer)
+
+    async def refresh(self) -> None:
+        self._last_refresh = time.monotonic()
+        found = await self.dht.get(self.key, latest=True, return_future=True)
+        if found is None or not isinstance(found.value, dict):
+            return
+        for subkey, entry in found.value.items():
+            if not isinstance(subkey, str) or not isinstance(entry.value, bytes):
+                continue
+            try:
+                body = verify_certificate(self.owner, entry.value, peer_id=subkey, run_id=self.run_id)
+            except PeerProtocolError as e:
+                logger.debug(f"ignoring a certificate for {subkey[-8:]}: {e}")
+                continue
+            self._valid_until[subkey] = body.not_after
