@@ -274,6 +274,7 @@ def bench_allreduce(
     numel: int = typer.Option(10_000_000, "--numel", min=1, help="float32 values per peer."),
     rounds: int = typer.Option(5, "--rounds", min=1, help="Timed rounds after one warm-up (median reported)."),
     impls: str = typer.Option("phalanx,hivemind,gloo", "--impls", help="Which of phalanx, hivemind, gloo to run."),
+    verify: bool = typer.Option(False, "--verify", help="Instead: plain mean vs CenteredClip vs CenteredClip with full verification (time and bytes per round)."),
 ) -> None:
     """All-reduce one vector per peer on loopback: Phalanx's round engine (mean), hivemind's
     DecentralizedAverager and torch.distributed gloo, each in N worker processes; prints medians and ratios.
@@ -283,9 +284,14 @@ def bench_allreduce(
       phalanx bench allreduce --peers 2,4 --numel 10000000
 
       phalanx bench allreduce --peers 4 --numel 1000000 --impls phalanx,gloo
-    """
-    from peer.bench.allreduce import IMPLS, run_allreduce_bench
 
+      phalanx bench allreduce --verify --peers 4 --numel 10000000
+    """
+    from peer.bench.allreduce import IMPLS, run_allreduce_bench, run_verify_bench
+
+    if verify:
+        run_verify_bench(_int_list(peers, "--peers"), numel, rounds)
+        return
     chosen = _str_list(impls)
     unknown = sorted(set(chosen) - set(IMPLS))
     if unknown:

@@ -189,7 +189,7 @@ class VerifiedRound:
     async def commit(self, payloads: list[bytes | memoryview]) -> None:
         """Commit to the exact bytes of every part; afterwards `committed` lists who may take part."""
         self.my_hashes = [part_hash(p) for p in payloads]
-        self.payloads[self.identity.peer_id] = bytes(payloads[self.me])
+        self.payloads[self.identity.peer_id] = payloads[self.me]  # a view of the vector, which outlives the round
         body = CommitBody(
             members=members_digest(self.members),
             parts=self.behavior.committed_hashes(self.my_hashes),
@@ -395,8 +395,9 @@ class VerifiedRound:
         part = self.me
         a, b = self.bounds[part]
         z = direction(seed, part, b - a)
-        received = [i for i in own_received]
-        s_true, n_true = recompute(own_rows[received], output[a:b], z, self.config.tau)
+        received = list(own_received)
+        rows = own_rows if len(received) == own_rows.shape[0] else own_rows[received]  # no copy when all arrived
+        s_true, n_true = recompute(rows, output[a:b], z, self.config.tau)
         for k, i in enumerate(received):
             peer = self.members[i]
             if peer == self.identity.peer_id:

@@ -1,6 +1,6 @@
 """Phase 2 and the MPRNG of a verified round: what members commit to before any data moves.
 
-Each member signs, before sending a byte of its vector, the SHA-256 of every part it
+Each member signs, before sending a byte of its vector, the hash of every part it
 will send (the exact bytes, after compression) and a commitment to a random share.
 Parts are later checked against these hashes, and the round's public seed is the hash
 of all revealed shares — unknown to anyone while parts and aggregates are committed.
@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import hashlib
 import secrets
+
+import blake3
 from typing import Annotated
 
 from pydantic import Field
@@ -24,7 +26,8 @@ MaybeHash = Annotated[bytes, Field(max_length=HASH_BYTES)]  # b"" where nothing 
 
 
 def part_hash(data: bytes | bytearray | memoryview) -> bytes:
-    return hashlib.sha256(data).digest()
+    """BLAKE3 of a part's exact bytes: collision-resistant like SHA-256, about 3x faster on big tensors."""
+    return blake3.blake3(data).digest()
 
 
 def members_digest(members: list[str] | tuple[str, ...]) -> bytes:

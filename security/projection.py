@@ -66,18 +66,50 @@ def clip_factor(norm: Tensor | float, tau: float) -> Tensor | float:
     return 1.0 if norm <= 0 else min(1.0, tau / norm)
 
 
+CHUNK_BLOCKS = 64  # blocks per pass of the fused loop: the difference x − v stays in cache
+
+
+def _projections_and_norms(rows: Tensor, v: Tensor, z: Direction) -> tuple[Tensor, Tensor]:
+    """(⟨z, x_i − v⟩, ‖x_i − v‖) for every row x_i of rows (k, numel), float64 (k,) each.
+
+    One fused pass in chunks: x − v is formed a chunk at a time (never the whole (k, numel)
+    difference), dotted with u block by block and its per-block norms taken in float32, then
+    the per-block results are combined in float64 — the same code for reporters and reducers,
+    so their numbers agree to rounding.
+    """
+    k, numel = rows.shape
+    v = v.float()
+    proj = torch.zeros(k, dtype=torch.float64, device=rows.device)
+    sumsq = torch.zeros(k, dtype=torch.float64, device=rows.device)
+    step = CHUNK_BLOCKS * BLOCK
+    buf = torch.empty(k, min(step, max(numel, 1)), dtype=torch.float32, device=rows.device)
+    for start in range(0, numel, step):
+        end = min(numel, start + step)
+        diff = buf[:, : end - start]
+        torch.sub(rows[:, start:end].float(), v[start:end], out=diff)
+        full = (end - start) // BLOCK * BLOCK
+        first = start // BLOCK
+        if full:
+            blocks = diff[:, :full].reshape(k, -1, BLOCK)  # (k, nb, BLOCK)
+            proj += (blocks @ z.u).double() @ z.signs[first : first + blocks.shape[1]]
+            sumsq += torch.linalg.vector_norm(blocks, dim=-1).double().square().sum(-1)
+        if full < end - start:  # the part's last, partial block
+            tail = diff[:, full:]
+            proj += (tail @ z.u[: tail.shape[1]]).double() * z.signs[first + full // BLOCK]
+            sumsq += torch.linalg.vector_norm(tail, dim=-1).double().square()
+    return proj / math.sqrt(z.signs.numel()), sumsq.sqrt()
+
+
 def report(x: Tensor, v: Tensor, z: Direction, tau: float) -> tuple[float, float]:
     """A contributor's (s, ‖x − v‖) for its part x (numel,) against the aggregate v."""
-    diff = x.float() - v.float()
-    norm = float(torch.linalg.vector_norm(diff, dtype=torch.float64))
-    return float(clip_factor(norm, tau)) * float(z.project(diff)), norm
+    proj, norm = _projections_and_norms(x.reshape(1, -1), v, z)
+    return float(clip_factor(norm, tau)[0] * proj[0]), float(norm[0])
 
 
 def recompute(rows: Tensor, v: Tensor, z: Direction, tau: float) -> tuple[Tensor, Tensor]:
     """The reducer's (s, norms) for every row (k, numel) it received: float64 (k,) each."""
-    diff = rows.float() - v.float()
-    norms = torch.linalg.vector_norm(diff, dim=1, dtype=torch.float64)
-    return clip_factor(norms, tau) * z.project(diff), norms
+    proj, norms = _projections_and_norms(rows, v, z)
+    return clip_factor(norms, tau) * proj, norms
 
 
 def report_matches(reported: tuple[float, float], true: tuple[float, float], tau: float) -> bool:

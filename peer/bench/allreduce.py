@@ -24,8 +24,14 @@ import torch
 IMPLS = ("phalanx", "hivemind", "gloo")
 
 
+SPREAD = 1e-3  # per-coordinate spread of the peers' vectors around a shared one (see below)
+
+
 def _worker_tensor(rank: int, numel: int) -> torch.Tensor:
-    return torch.randn(numel, generator=torch.Generator().manual_seed(1000 + rank))
+    """A shared vector plus this peer's noise: like gradients, peers differ by a fraction of the whole,
+    so CenteredClip (tau=1 at ~2 units between peers for 10M values) converges in a few steps."""
+    shared = torch.randn(numel, generator=torch.Generator().manual_seed(999))
+    return shared.add_(torch.randn(numel, generator=torch.Generator().manual_seed(1000 + rank)), alpha=SPREAD)
 
 
 def _expected_mean(world: int, numel: int) -> torch.Tensor:
@@ -107,30 +113,53 @@ def _run_phalanx(args) -> dict[str, Any]:
         matchmaking_timeout_s=60.0,
         allreduce_timeout_s=120.0,
         direct=not args.no_direct,
+        verify=args.verify,
+        phase_timeout_s=60.0,
     )
 
     async def main() -> dict[str, Any]:
+        from hivemind.utils import get_dht_time
+
         node = await open_node(config)
         engine = node.engine
         engine.set_state(b"bench", 0)
         base = _worker_tensor(args.rank, args.numel)
         data, rounds = [], []
+        ranks: dict[str, int] = {}
+
+        vectors: dict[int, torch.Tensor] = {}
+
+        async def recompute(peer: str) -> torch.Tensor:
+            """A validator's recomputation. In training it is one gradient; here the target's seeded
+            vector, generated ahead of the timed rounds so the protocol's own cost is what is measured."""
+            return vectors[ranks[peer]]
+
         try:
-            while len(node.membership.peers()) < args.world:
+            await node.dht.store("bench.ranks", args.rank, get_dht_time() + 600, subkey=node.peer_id, return_future=True)
+            while len(node.membership.peers()) < args.world or len(ranks) < args.world:
                 await node.membership.refresh()
+                found = await node.dht.get("bench.ranks", latest=True, return_future=True)
+                if found is not None:
+                    ranks = {k: v.value for k, v in found.value.items()}
+            if args.verify:
+                vectors.update({r: _worker_tensor(r, args.numel) for r in range(args.world)})
             sent0, cpu0 = 0, 0.0
             for r in range(args.rounds + 1):
                 if r == 1:
                     sent0, cpu0 = node.transport.stats.bytes_sent, time.process_time()
                 started = time.perf_counter()
-                outcome = await engine.run_round(base)
+                outcome = await engine.run_round(base, recompute=recompute if args.verify else None)
                 if not isinstance(outcome, Averaged) or len(outcome.group.members) != args.world:
                     raise RuntimeError(f"round {r} did not form a full group: {outcome}")
                 await engine.completed(outcome, dict)
                 if r:
                     data.append(outcome.result.duration_s)
                     rounds.append(time.perf_counter() - started)
-            error = (outcome.result.vector - _expected_mean(args.world, args.numel)).abs().max().item()
+            error = float("nan")
+            if args.aggregator == "mean":
+                error = (outcome.result.vector - _expected_mean(args.world, args.numel)).abs().max().item()
+            if args.verify and outcome.verdict.banned:
+                raise RuntimeError(f"an honest benchmark round banned {outcome.verdict.banned}")
             per_round = (node.transport.stats.bytes_sent - sent0) / args.rounds
             cpu = (time.process_time() - cpu0) / args.rounds
             return {"data_s": data, "round_s": rounds, "error": error, "bytes_sent": per_round, "cpu_s": cpu}
@@ -152,6 +181,7 @@ def worker_main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("--aggregator", default="mean")
     parser.add_argument("--aggregator-params", default="")
     parser.add_argument("--no-direct", action="store_true")
+    parser.add_argument("--verify", action="store_true")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     result = {"phalanx": _run_phalanx, "hivemind": _run_hivemind, "gloo": _run_gloo}[args.impl](args)
@@ -211,7 +241,7 @@ def run_case(impl: str, world: int, numel: int, rounds: int, *, extra: Optional[
     total = [max(r["round_s"][i] for r in results) for i in range(rounds)]
     sent = [r["bytes_sent"] for r in results if r["bytes_sent"] is not None]
     return {
-        "impl": impl,
+        "impl": impl if not extra else f"{impl} {' '.join(extra)}",
         "peers": world,
         "numel": numel,
         "data_s": statistics.median(data),
@@ -255,6 +285,46 @@ def run_allreduce_bench(peers: list[int], numel: int, rounds: int, impls: list[s
             speedup = ref["hivemind"]["data_s"] / ref["phalanx"]["data_s"]
             verdict = "met" if speedup >= 2 else "NOT met"
             console.print(f"goal ≥2× hivemind at {world} peers: {speedup:.2f}× — {verdict}")
+    return rows
+
+
+VERIFY_CASES = (
+    ("plain mean", ["--aggregator", "mean"]),
+    ("CenteredClip", ["--aggregator", "centered_clip", "--aggregator-params", "tau=1"]),
+    ("CenteredClip + verification", ["--aggregator", "centered_clip", "--aggregator-params", "tau=1", "--verify"]),
+)
+
+
+def run_verify_bench(peers: list[int], numel: int, rounds: int, console=None) -> list[dict[str, Any]]:
+    """Plain mean vs CenteredClip vs CenteredClip with full BTARD verification, whole rounds."""
+    from rich.console import Console
+    from rich.table import Table
+
+    console = console or Console()
+    rows = []
+    for world in peers:
+        for label, extra in VERIFY_CASES:
+            console.print(f"running {label} with {world} peers × {numel:,} float32 ({rounds} timed rounds)…")
+            row = run_case("phalanx", world, numel, rounds, extra=extra)
+            row["label"] = label
+            rows.append(row)
+    table = Table(title=f"verification cost, {numel:,} float32 per peer on loopback (median of {rounds} rounds)")
+    for col in ("peers", "round", "round s", "× mean time", "MB sent/peer", "× mean bytes"):
+        table.add_column(col, justify="right")
+    for world in peers:
+        base = next(r for r in rows if r["peers"] == world and r["label"] == "plain mean")
+        for r in (x for x in rows if x["peers"] == world):
+            table.add_row(
+                str(world), r["label"], f"{r['round_s']:.3f}", f"{r['round_s'] / base['round_s']:.2f}",
+                f"{r['bytes_sent_per_peer'] / 1e6:.1f}", f"{r['bytes_sent_per_peer'] / base['bytes_sent_per_peer']:.3f}",
+            )  # fmt: skip
+    console.print(table)
+    for world in peers:
+        base = next(r for r in rows if r["peers"] == world and r["label"] == "plain mean")
+        full = next(r for r in rows if r["peers"] == world and r["label"].endswith("verification"))
+        t, b = full["round_s"] / base["round_s"], full["bytes_sent_per_peer"] / base["bytes_sent_per_peer"]
+        verdict = "met" if t <= 1.3 and b <= 1.05 else "NOT met"
+        console.print(f"goal at {world} peers: time ≤ 1.3× and bytes ≤ 1.05× plain mean — {t:.2f}× and {b:.3f}×: {verdict}")
     return rows
 
 
