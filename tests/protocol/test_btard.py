@@ -12,7 +12,7 @@ from protocol.adversary import PROTOCOL_ATTACKS
 from protocol.config import MatchmakingConfig, RoundConfig, verify_config_for
 from protocol.engine import Averaged
 from protocol.partition import partition_bounds
-from swarm_fixture import open_swarm
+from swarm_fixture import close_peer, open_peer, open_swarm
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 PARAMS = (("tau", 1.0),)
@@ -105,5 +105,12 @@ def test_banned_peer_is_refused_by_matchmaking_and_handlers():
 
             with pytest.raises(CallFailed, match="banned"):
                 await attacker.transport.call(honest[0].peer_id, "exchange", b"", b"", max_reply_payload=0, timeout_s=10)
+            # a peer that was in none of these rounds learns the ban from the signed votes in the DHT
+            newcomer = await open_peer([str(m) for m in honest[0].dht.get_visible_maddrs()], CONFIG)
+            try:
+                await newcomer.engine.bans.refresh()
+                assert newcomer.membership.banned == {attacker.peer_id}
+            finally:
+                await close_peer(newcomer)
 
     asyncio.run(main())
