@@ -6,11 +6,12 @@
 #
 # Any wheel in scripts/docker-wheels/ is installed first (scripts/compose-e2e.sh puts torch's CPU
 # wheel there so the build never downloads a CUDA build). The image runs as the non-root user
-# `phalanx`; /data holds identities and checkpoints (mount volumes there).
+# `phalanx`; /data holds identities and checkpoints (mount volumes there). The healthcheck asks
+# /readyz on PHALANX_HTTP_PORT (8080): a peer started with another --http-port should set that variable.
 ARG BASE_IMAGE=python:3.11-slim
 
-# ---- build: a virtual environment with torch, the dependencies and phalanx --------------------
-FROM ${BASE_IMAGE} AS build
+# ---- deps: a virtual environment with torch and every dependency (rebuilt only when pyproject.toml changes)
+FROM ${BASE_IMAGE} AS deps
 ARG TORCH_SPEC=torch==2.13.0
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
 ENV PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_CACHE_DIR=1
@@ -18,22 +19,27 @@ RUN python3 -m venv /opt/phalanx
 COPY scripts/docker-wheels/ /wheels/
 RUN if ls /wheels/*.whl >/dev/null 2>&1; then /opt/phalanx/bin/pip install /wheels/*.whl; \
     else /opt/phalanx/bin/pip install --index-url "$TORCH_INDEX_URL" "$TORCH_SPEC"; fi
-# dependencies first (a layer that survives source edits), then the source itself
-COPY pyproject.toml README.md /src/
-RUN mkdir -p /src/peer /src/protocol /src/aggregation /src/security \
+COPY pyproject.toml /src/
+RUN mkdir -p /src/peer /src/protocol /src/aggregation /src/security && touch /src/README.md \
     && touch /src/peer/__init__.py /src/protocol/__init__.py /src/aggregation/__init__.py /src/security/__init__.py \
     && /opt/phalanx/bin/pip install /src && /opt/phalanx/bin/pip uninstall -y phalanx
+
+# ---- build: the phalanx wheel itself ------------------------------------------------------------
+FROM deps AS build
+COPY README.md /src/
 COPY peer /src/peer
 COPY protocol /src/protocol
 COPY aggregation /src/aggregation
 COPY security /src/security
-RUN /opt/phalanx/bin/pip install --no-deps /src && /opt/phalanx/bin/phalanx --help >/dev/null
+RUN /opt/phalanx/bin/pip wheel --no-deps /src -w /dist
 
-# ---- runtime: the environment, an entry point and a non-root user ------------------------------
+# ---- runtime: the environment, phalanx, an entry point and a non-root user ---------------------
 FROM ${BASE_IMAGE}
 RUN useradd --create-home --uid 10001 --user-group phalanx \
     && mkdir -p /data && chown phalanx:phalanx /data
-COPY --from=build /opt/phalanx /opt/phalanx
+COPY --from=deps /opt/phalanx /opt/phalanx
+COPY --from=build /dist /dist
+RUN /opt/phalanx/bin/pip install --no-deps --no-index /dist/*.whl && rm -rf /dist && /opt/phalanx/bin/phalanx --help >/dev/null
 COPY scripts/docker-entrypoint.py /usr/local/bin/phalanx-entrypoint
 ENV PATH=/opt/phalanx/bin:$PATH \
     PYTHONUNBUFFERED=1 \
