@@ -43,7 +43,9 @@ async def _serve(settings: NetworkSettings, print_fn) -> None:
             logger.info(f"bootstrap peer {dht.peer_id} is up")
             print_fn("Other peers join this swarm with:")
             print_fn(initial_peers_line(maddrs), flush=True)
-            health = await open_health(dht=dht, identity=identity, metrics=PeerMetrics(role="bootstrap"), settings=settings)
+            health = await open_health(
+                dht=dht, identity=identity, metrics=PeerMetrics(role="bootstrap"), settings=settings
+            )
             try:
                 await stop.wait()
             finally:

@@ -33,7 +33,9 @@ def bootstrap_addresses(url: str, wait_s: float) -> str:
         except (OSError, ValueError, KeyError) as e:
             problem = str(e)
         if time.monotonic() > deadline:
-            sys.exit(f"error: PHALANX_BOOTSTRAP_URL: no peer addresses from {status_url} after {wait_s:.0f} s ({problem})")
+            sys.exit(
+                f"error: PHALANX_BOOTSTRAP_URL: no peer addresses from {status_url} after {wait_s:.0f} s ({problem})"
+            )
         time.sleep(2)
 
 
@@ -47,7 +49,9 @@ def main(args: list[str]) -> None:
         if args[:1] == ["join"]:
             env.setdefault("PHALANX_CHECKPOINT_DIR", os.path.join(own, "checkpoints"))
     if env.get("PHALANX_BOOTSTRAP_URL") and not env.get("PHALANX_INITIAL_PEERS") and args[:1] != ["bootstrap"]:
-        env["PHALANX_INITIAL_PEERS"] = bootstrap_addresses(env["PHALANX_BOOTSTRAP_URL"], float(env.get("PHALANX_BOOTSTRAP_WAIT_S", "120")))
+        env["PHALANX_INITIAL_PEERS"] = bootstrap_addresses(
+            env["PHALANX_BOOTSTRAP_URL"], float(env.get("PHALANX_BOOTSTRAP_WAIT_S", "120"))
+        )
     os.execvp("phalanx", ["phalanx", *args])
 
 
