@@ -62,11 +62,9 @@ def run(
         byzantine=ByzantineConfig(count=byzantine, attack=attack, start=attack_from), local_steps=local_steps,
         gossip_tau=gossip_tau, eval_points=eval_points, engine=engine,
     )  # fmt: skip
-    from rich.console import Console
-
     from peer.sim.runner import describe, run_sim
 
-    console = Console()
+    console = _console()
     with console.status(f"simulating {method} with {workers} workers..."):
         result = run_sim(config)
     _print_run(console, result, describe(config))
@@ -98,10 +96,8 @@ def grid(
     """
     import time
 
-    from rich.console import Console
-
     from aggregation.errors import ConfigError
-    from peer.sim.grid import default_jobs, run_grid, summarize, write_outputs
+    from peer.sim.grid import cpu_seconds, default_jobs, run_grid, summarize, write_outputs
     from peer.sim.plots import plot_preset
     from peer.sim.presets import build_preset
     from peer.sim.report import Section, write_report
@@ -110,21 +106,21 @@ def grid(
     if len(set(preset)) != len(preset):
         raise ConfigError(f"--preset lists a preset twice: {', '.join(preset)}")
     presets = [build_preset(name, seeds) for name in preset]
-    console = Console()
+    console = _console()
     sections = []
     for p in presets:
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), cpu_seconds()
         records = _run_with_progress(console, p, jobs, run_grid)
-        wall_s = time.perf_counter() - t0
+        wall_s, cpu_s = time.perf_counter() - t0, cpu_seconds() - cpu0
         summary = summarize(records)
         paths = write_outputs(out, f"sim_{p.name}", records)
         figures = plot_preset(p, records, summary, out)
         _print_tables(console, p, summary)
         console.print(
-            f"[bold]{p.name}[/bold]: {len(records)} runs in {wall_s / 60:.1f} min; wrote "
+            f"[bold]{p.name}[/bold]: {len(records)} runs in {wall_s / 60:.1f} min ({cpu_s / 60:.1f} CPU-min); wrote "
             + ", ".join(str(x) for x in [*paths.values(), *(f for _, f in figures)])
         )
-        sections.append(Section(p, records, summary, figures, wall_s, jobs))
+        sections.append(Section(p, records, summary, figures, wall_s, cpu_s, jobs))
     if report is not None:
         command = "phalanx sim grid " + " ".join(f"--preset {shlex.quote(x)}" for x in preset)
         command += f" --out {shlex.quote(str(out))}"
@@ -142,6 +138,15 @@ def _budget(updates: Optional[int], gradients: Optional[int], time_budget: Optio
         raise ConfigError(f"give one budget, not {' and '.join('--' + k for k in given)}")
     kind, amount = next(iter(given.items()), ("gradients", 2000))
     return Budget(kind=kind, amount=float(amount))
+
+
+def _console() -> Any:
+    """Rich console; wide when writing to a file or pipe, so the grid tables are not cut."""
+    import sys
+
+    from rich.console import Console
+
+    return Console() if sys.stdout.isatty() else Console(width=200)
 
 
 def _one_thread() -> None:

@@ -41,15 +41,6 @@ def _value(text: str) -> Any:
         return text
 
 
-def format_spec(name: str, params: dict[str, Any]) -> str:
-    """The inverse of `parse_spec` (for labels and file names)."""
-    return (
-        name
-        if not params
-        else f"{name}:" + ",".join(f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}" for k, v in params.items())
-    )
-
-
 @dataclass(frozen=True, kw_only=True)
 class Budget:
     """When a run stops; equal budgets make comparisons fair.

@@ -11,6 +11,7 @@ import csv
 import json
 import math
 import os
+import resource
 import statistics
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
@@ -52,6 +53,12 @@ def _run_one(config: SimConfig) -> dict[str, Any]:
     from peer.sim.runner import run_sim
 
     return run_sim(config).to_dict()
+
+
+def cpu_seconds() -> float:
+    """User + system CPU time of this process and its reaped children (grid worker processes)."""
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
 
 
 def default_jobs() -> int:

@@ -19,7 +19,7 @@ import numpy as np  # noqa: E402
 
 from peer.sim.presets import NO_ATTACK, Preset, TableSpec  # noqa: E402
 
-DPI = 80
+DPI = 90
 CURVE_METHODS = ("ssgd", "asgd", "nag_asgd", "sa", "ga", "ga_momentum", "dana_zero", "dana_ga", "lasgd", "gossip")
 
 
@@ -35,7 +35,7 @@ def heatmap(ax: Any, table: TableSpec, summary: dict[tuple[str, str, str], dict[
     for i in range(values.shape[0]):
         for j in range(values.shape[1]):
             if not np.isnan(values[i, j]):
-                ax.text(j, i, f"{values[i, j]:.2f}", ha="center", va="center", fontsize=7)
+                ax.text(j, i, f"{values[i, j]:.2f}", ha="center", va="center", fontsize=8)
     ax.set_xticks(range(len(table.columns)), [c[0] for c in table.columns], rotation=35, ha="right", fontsize=8)
     ax.set_yticks(range(len(table.rows)), table.rows, fontsize=8)
     ax.set_title(table.title, fontsize=10)
@@ -106,8 +106,9 @@ def _staleness(preset: Preset, records: list[dict[str, Any]], summary: dict, out
     reference = [r for r in records if r["table"] == "reference"]
     n_max = max(r["config"]["workers"] for r in records)
     delays = sorted({r["config"]["delay"] for r in records if r["table"] == "gradients"}, key=_delay_order)
-    fig, axes = plt.subplots(1, len(delays), figsize=(4 * len(delays), 3.4), sharey=True, squeeze=False)
+    fig, axes = plt.subplots(1, len(delays), figsize=(4.5 * len(delays), 3.8), sharey=True, squeeze=False)
     for ax, delay in zip(axes[0], delays, strict=True):
+        ax.set_prop_cycle(color=plt.get_cmap("tab20").colors[::2] + plt.get_cmap("tab20").colors[1::2])
         curves(
             ax, records, table="gradients", column=f"N={n_max} {delay}", rows=CURVE_METHODS, x="gradients",
             title=f"N={n_max}, {delay} delays",
@@ -136,9 +137,10 @@ def _staleness(preset: Preset, records: list[dict[str, Any]], summary: dict, out
 
 def _byzantine(preset: Preset, records: list[dict[str, Any]], summary: dict, out: Path) -> list[tuple[str, Path]]:
     figures = []
-    fig, axes = plt.subplots(1, len(preset.tables), figsize=(7 * len(preset.tables), 4), squeeze=False)
-    for ax, table in zip(axes[0], preset.tables, strict=True):
+    fig, axes = plt.subplots(len(preset.tables), 1, figsize=(8, 4 * len(preset.tables)), squeeze=False)
+    for ax, table in zip(axes[:, 0], preset.tables, strict=True):
         heatmap(ax, table, summary)
+    fig.tight_layout()
     figures.append(("Final accuracy per aggregator and attack", _save(fig, out / "sim_byzantine.png")))
 
     last = preset.tables[-1]

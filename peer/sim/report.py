@@ -41,6 +41,7 @@ class Section:
     summary: Summary
     figures: list[tuple[str, Path]]
     wall_s: float
+    cpu_s: float
     jobs: int
 
 
@@ -282,8 +283,8 @@ def render(sections: list[Section], command: str, report_path: Path, reading: st
     ]
     for s in sections:
         out.append(
-            f"- `{s.preset.name}`: {len(s.records)} runs in {s.wall_s / 60:.1f} min with {s.jobs} process(es) "
-            f"on a shared 2-core machine."
+            f"- `{s.preset.name}`: {len(s.records)} runs, {s.wall_s / 60:.1f} min wall-clock with {s.jobs} "
+            f"process(es), {s.cpu_s / 60:.1f} CPU-minutes (on an idle machine: about CPU-minutes / processes)."
         )
     out += [
         "",
