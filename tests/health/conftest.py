@@ -96,5 +96,7 @@ def live_swarm(tmp_path_factory):
             wait_until(lambda t=t: http_get(t.url + "/readyz")[0] == 200, f"{t.name} ready", procs)
         yield Swarm(workdir, initial_peers, boot, trainers, monitor, procs)
     finally:
+        for p in procs:  # all at once: trainers that lose their partner mid-round must not wait for each other's stop
+            p.terminate()
         for p in reversed(procs):
             p.stop()

@@ -57,6 +57,12 @@ class Proc:
     def logs(self) -> str:
         return f"--- {self.name} stderr ---\n" + (self.stderr.read_text()[-3000:] if self.stderr.exists() else "")
 
+    def terminate(self) -> None:
+        try:
+            os.killpg(self.popen.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+
     def stop(self) -> None:
         for sig, wait_s in ((signal.SIGTERM, 20), (signal.SIGKILL, 10)):
             try:
