@@ -94,7 +94,15 @@ class PeerConfig(NetworkSettings):
     task: str = Field("digits-mlp", description="Built-in task name or package.module:factory.")
     data_dir: Optional[Path] = Field(None, description="Where the task's data files are (mnist-cnn, cifar10-resnet18).")
     device: str = Field("auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$", description="auto, cpu, cuda or cuda:N.")
-    mode: Literal["sync"] = Field("sync", description="Training mode: sync (gradients all-reduced every step).")
+    mode: Literal["sync", "lasgd", "gossip"] = Field("sync", description="sync: gradients all-reduced every step; lasgd: local steps never wait, models averaged every --sync-every steps with whoever is ready; gossip: the same with one random peer at a time.")
+    sync_every: int = Field(10, ge=1, description="lasgd/gossip: start an exchange every H local steps (H).")
+    staleness: Literal["gap_aware", "sa", "dc", "none"] = Field("gap_aware", description="lasgd/gossip: how a contribution from an older base is corrected before averaging.")
+    dana: bool = Field(False, description="lasgd/gossip: compute gradients at DANA's look-ahead position θ − η·γ·v (momentum lives on the peer).")
+    max_gap: int = Field(8, ge=1, description="lasgd/gossip: a peer more than this many versions behind downloads the current model instead of contributing.")
+    average_optimizer_state: bool = Field(False, description="lasgd/gossip: also average the momentum buffers (default: they stay local).")
+    sync_policy: str = Field("full", description="How many peers a round waits for: full, k:<K>, hybrid:<linear|exp>:<T>, adasync:<K0>:<T0>.")
+    async_window_s: float = Field(0.3, gt=0, description="lasgd/gossip: how long a forming group waits for more peers after the first one is ready.")
+    slowdown: Optional[str] = Field(None, description="Delay each local step (a straggler for demos and tests): const:S, exp:M, shifted-exp:S:M, pareto:S:A.")
     batch_size: Optional[int] = Field(None, ge=1, description="Samples per peer per step (default: the task's).")
     lr: Optional[float] = Field(None, gt=0, description="Learning rate (default: the task's).")
     momentum: Optional[float] = Field(None, ge=0, lt=1, description="SGD momentum (default: the task's).")
@@ -135,6 +143,17 @@ class PeerConfig(NetworkSettings):
         for flag, path in (("--admission", self.admission), ("--certificate", self.certificate)):
             if path is not None and not path.is_file():
                 raise ValueError(f"{flag}: no such file {str(path)!r}")
+        from peer.slowdown import parse_slowdown
+        from protocol.sync_policy import parse_sync_policy
+
+        try:
+            parse_sync_policy(self.sync_policy)
+            if self.slowdown is not None:
+                parse_slowdown(self.slowdown)
+        except ConfigError as e:
+            raise ValueError(f"--sync-policy / --slowdown: {e}") from None
+        if self.mode == "gossip" and self.target_group_size not in (None, 2):
+            raise ValueError("--mode gossip averages with one peer at a time: drop --target-group-size")
         if self.attack is not None:
             from peer.attacks import parse_attack
 
@@ -156,11 +175,14 @@ class PeerConfig(NetworkSettings):
 
     def round_config(self) -> RoundConfig:
         try:
+            asynchronous = self.mode != "sync"
             matchmaking = MatchmakingConfig(
-                min_group_size=self.min_group_size,
-                target_group_size=self.target_group_size,
+                min_group_size=max(self.min_group_size, 2) if asynchronous else self.min_group_size,
+                target_group_size=2 if self.mode == "gossip" else self.target_group_size,
                 matchmaking_timeout_s=self.matchmaking_timeout_s,
                 join_timeout_s=max(60.0, 4 * self.matchmaking_timeout_s),
+                lockstep=not asynchronous,
+                window_s=self.async_window_s if asynchronous else None,
             )
         except ValueError as e:
             raise ConfigError(str(e)) from None
@@ -198,6 +220,8 @@ class PeerConfig(NetworkSettings):
             "aggregator_params": self.aggregator_kwargs(),
             "compression": self.compression,
             "verify": [self.verify, self.validators] if self.verify else False,
+            "sync_policy": self.sync_policy,
+            "average_optimizer_state": self.average_optimizer_state,
             # peers of different private swarms (different owners) never meet
             "owner": hashlib.sha256(self.admission.read_bytes()).hexdigest() if self.admission else None,
         }

@@ -10,7 +10,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import hivemind
 from hivemind.p2p import P2P
@@ -22,6 +22,7 @@ from peer.attacks import parse_attack
 from protocol.admission import AdmissionGate
 from protocol.bans import BanBook, BanVoteValidator
 from protocol.engine import RoundEngine
+from protocol.sync_policy import parse_sync_policy
 from protocol.membership import Membership
 from protocol.transport import Transport
 from security.admission import load_owner_public
@@ -173,7 +174,7 @@ class Node:
         self.scratch.cleanup()
 
 
-async def open_node(config: PeerConfig) -> Node:
+async def open_node(config: PeerConfig, *, loss: Callable[[], Optional[float]] = lambda: None) -> Node:
     loop = asyncio.get_running_loop()
     scratch = tempfile.TemporaryDirectory(prefix="phalanx-peer-")
     try:
@@ -198,8 +199,9 @@ async def open_node(config: PeerConfig) -> Node:
         bans = BanBook(dht, key + ".bans", membership.banned)
         behavior, _ = parse_attack(config.attack, config.seed)
         engine = RoundEngine(
-            transport, membership, config.round_config(), config.run_hash(), identity=identity, bans=bans, behavior=behavior
-        )
+            transport, membership, config.round_config(), config.run_hash(), identity=identity, bans=bans,
+            behavior=behavior, sync_policy=parse_sync_policy(config.sync_policy), loss=loss,
+        )  # fmt: skip
         if config.admission is not None:
             gate = AdmissionGate(
                 dht, key + ".certs", load_owner_public(config.admission), config.run_id, transport.peer_id,

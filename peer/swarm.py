@@ -213,7 +213,7 @@ class Swarm:
                         )
             target_task.cancel()
             await self._stop_trainers(grace_s=30)
-            await asyncio.wait_for(asyncio.gather(*followers, return_exceptions=True), timeout=60)
+            await asyncio.wait(followers, timeout=60)  # stragglers are killed in _cleanup
         finally:
             if target_task is not None:
                 target_task.cancel()

@@ -180,7 +180,7 @@ class Trainer:
     async def run(self) -> Report:
         started = time.monotonic()
         step = await self._in_thread(self._resume)
-        node = self._node = await open_node(self.config)
+        node = self._node = await open_node(self.config, loss=lambda: self.report.loss)
         self.report.peer_id = node.peer_id
         engine = node.engine
         engine.set_state(initial_version(self.config.run_hash(), self.model.state_tensors(), step), step)
@@ -194,9 +194,16 @@ class Trainer:
             health = await open_node_health(node, self.config, self.health)
             await self._wait_for_peers(node)
             self._emit("training", step=node.engine.step, peers=len(node.membership.peers()))
-            await self._loop(node)
+            if self.config.mode == "sync":
+                await self._loop(node)
+            else:
+                from peer.local_loop import LocalLoop
+
+                self._local = LocalLoop(self, node)
+                await self._local.run()
         finally:
-            self.report.step = engine.step
+            local = getattr(self, "_local", None)
+            self.report.step = engine.step if local is None else local.local_step
             self.report.wall_s = time.monotonic() - started
             self.report.param_hash = await self._in_thread(self.model.param_hash)
             s = engine.stats
@@ -344,6 +351,15 @@ class Trainer:
                 f"step {step} loss {loss:.4f} group {len(outcome.group.members)} "
                 f"round {result.duration_s * 1e3:.1f} ms sent {result.bytes_sent / 1e6:.2f} MB"
             )
+
+    def _local_progress(self, step: int, loss: float, engine) -> None:
+        """Progress of an asynchronous-mode peer: a step event every half second, a log line every 50 steps."""
+        now = time.monotonic()
+        if now - self._last_event >= 0.5:
+            self._last_event = now
+            self._emit("step", step=step, loss=loss, group=engine.stats.last_group_size, bytes_sent=self._bytes_sent())
+        if step % 50 == 0:
+            logger.info(f"step {step} loss {loss:.4f} (version {engine.step})")
 
     def _bytes_sent(self) -> int:
         return self._node.transport.stats.bytes_sent if self._node is not None else 0

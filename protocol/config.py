@@ -38,8 +38,15 @@ class MatchmakingConfig:
     """How long the leader waits for expected peers after the first join of a round."""
     join_timeout_s: float = 60.0
     """How long a peer keeps trying to get into a group before the round fails."""
+    lockstep: bool = True
+    """Members must hold the same state version and the rest resync (sync mode); False: everyone
+    who joins is a member, whatever its version (lasgd, gossip)."""
+    window_s: Optional[float] = None
+    """Asynchronous modes: close a group this long after its first join, with whoever joined."""
 
     def __post_init__(self) -> None:
+        if self.window_s is not None and self.window_s <= 0:
+            raise ValueError(f"window_s must be positive, got {self.window_s}")
         if self.min_group_size < 1:
             raise ValueError(f"min_group_size must be ≥ 1, got {self.min_group_size}")
         if self.target_group_size is not None and self.target_group_size < max(2, self.min_group_size):

@@ -16,7 +16,7 @@ import hashlib
 import logging
 import time
 from dataclasses import dataclass
-from typing import Optional, Union
+from typing import Awaitable, Callable, Optional, Union
 
 import torch
 
@@ -31,6 +31,7 @@ from protocol.exchange import ExchangeService
 from protocol.matchmaking import GroupSpec, Matchmaker
 from protocol.membership import Membership
 from protocol.state_sync import StateService, StateSnapshot
+from protocol.sync_policy import SyncPolicy
 from protocol.transport import Transport
 from security.commitments import GroupBody
 from security.identity import Identity
@@ -38,6 +39,8 @@ from security.statements import Signed, open_statement
 from security.wire import unpack
 
 logger = logging.getLogger(__name__)
+
+Prepare = Callable[[GroupSpec], Awaitable[tuple[torch.Tensor, float]]]  # group -> (contribution, weight)
 
 
 def initial_version(run_hash: bytes, tensors: dict[str, torch.Tensor], step: int) -> bytes:
@@ -95,13 +98,17 @@ class RoundEngine:
         identity: Optional[Identity] = None,
         bans: Optional[BanBook] = None,
         behavior: Optional[Behavior] = None,
+        sync_policy: Optional[SyncPolicy] = None,
+        loss: Callable[[], Optional[float]] = lambda: None,
     ) -> None:
         self.transport, self.membership, self.config, self.run_hash = transport, membership, config, run_hash
         self.identity, self.bans, self.behavior = identity, bans, behavior or Behavior()
         transport.banned = membership.banned  # one set: matchmaking, membership and every handler honor it
         if bans is not None:
             bans.banned = membership.banned
-        self.matchmaker = Matchmaker(transport, membership, config.matchmaking, run_hash, identity=identity)
+        self.matchmaker = Matchmaker(
+            transport, membership, config.matchmaking, run_hash, identity=identity, sync_policy=sync_policy, loss=loss
+        )
         self.allreduce = AllReduceService(transport, registration_wait_s=config.matchmaking.join_timeout_s)
         self.state = StateService(transport)
         self.reducer = self.behavior.wrap_reducer(config.make_reducer())
@@ -137,12 +144,19 @@ class RoundEngine:
         await self.matchmaker.aclose()
 
     async def run_round(
-        self, vector: torch.Tensor, *, weight: float = 1.0, recompute: Optional[Recompute] = None
+        self,
+        vector: Optional[torch.Tensor] = None,
+        *,
+        weight: float = 1.0,
+        recompute: Optional[Recompute] = None,
+        prepare: Optional[Prepare] = None,
     ) -> Union[Averaged, Resync]:
         """Form a group and all-reduce `vector` (numel,) with it, or learn that we must resync.
 
         The averaged vector lives in a buffer that the next call overwrites (fresh 40 MB buffers
-        cost page faults every round): apply or copy it before the next round."""
+        cost page faults every round): apply or copy it before the next round. Instead of a vector,
+        `prepare(group)` may return (vector, weight) once the group is known (asynchronous modes
+        correct stale contributions with what the group says)."""
         started = time.monotonic()
         reply = await self.matchmaker.join(version=self.version, step=self.step)
         if reply.kind == "resync":
@@ -150,6 +164,8 @@ class RoundEngine:
             logger.info(f"state {self.step} is behind the swarm's {reply.group.step}: resyncing from {reply.donor[-8:]}")
             return Resync(reply.group, reply.donor)
         group = reply.group
+        if prepare is not None:
+            vector, weight = await prepare(group)
         spec = RoundSpec(
             round_id=group.round_id,
             members=tuple(group.members),

@@ -21,13 +21,14 @@ import secrets
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Annotated, Literal, Optional
+from typing import Annotated, Callable, Literal, Optional
 
 from pydantic import Field
 
 from aggregation.errors import PeerProtocolError, RoundTimeoutError
 from protocol.config import MatchmakingConfig
 from protocol.membership import Membership
+from protocol.sync_policy import SyncPolicy
 from protocol.transport import CallFailed, Transport
 from security.commitments import GroupBody
 from security.identity import Identity
@@ -58,6 +59,8 @@ class GroupSpec(WireModel):
     version: bytes  # every member's state version before the round
     donations: list[Donation]
     statement: Annotated[bytes, Field(max_length=64 << 10)] = b""  # verified runs: the leader's signed "group"
+    versions: list[Annotated[int, Field(ge=0)]] = []  # each member's state version as it joined (async modes)
+    k: Annotated[int, Field(ge=0)] = 0  # how many members the sync policy asked for
 
 
 class JoinReply(WireModel):
@@ -91,6 +94,8 @@ class Matchmaker:
     config: MatchmakingConfig
     run_hash: bytes
     identity: Optional[Identity] = None  # signs the groups this peer leads (verified runs)
+    sync_policy: Optional[SyncPolicy] = None  # K per round; None: everyone expected (or target_group_size)
+    loss: Callable[[], Optional[float]] = lambda: None  # this peer's recent training loss, for AdaSync
     stats: MatchmakingStats = field(default_factory=MatchmakingStats)
     last_leader: Optional[str] = None  # who answered the last successful join
     _pending: dict[str, _Pending] = field(default_factory=dict)
@@ -98,6 +103,7 @@ class Matchmaker:
     _arrived: Optional[asyncio.Event] = None
     _former: Optional[asyncio.Task] = None
     _rng: random.Random = field(default_factory=lambda: random.Random(secrets.randbits(64)))
+    _started: float = field(default_factory=time.monotonic)
 
     def __post_init__(self) -> None:
         self._arrived = asyncio.Event()
@@ -193,34 +199,58 @@ class Matchmaker:
         expected = (view | self._expected_next) - self.membership.banned
         return {p for p in expected if not self.membership.is_suspect(p)} | {self.peer_id}
 
+    def _k(self) -> Optional[int]:
+        """How many members the sync policy wants in this group (None: no policy)."""
+        if self.sync_policy is None:
+            return None
+        return self.sync_policy.k(len(self._expected()), time.monotonic() - self._started, self.loss())
+
     async def _form_group(self) -> None:
-        deadline = time.monotonic() + self.config.matchmaking_timeout_s
-        target = self.config.target_group_size
+        """Close the group at K joiners (sync policy / target size), when everyone expected joined, at
+        the end of the asynchronous window, or at the deadline — each with at least min_group_size."""
+        first_join = time.monotonic()
+        deadline = first_join + self.config.matchmaking_timeout_s
+        window_end = None if self.config.window_s is None else first_join + self.config.window_s
+        k = self._k()
+        limits = [x for x in (self.config.target_group_size, k) if x]
+        target = min(limits) if limits else None
+        timed_out = False
         while True:
             self._arrived.clear()
-            joined = set(self._pending)
             if self.membership.leader() != self.peer_id:
                 self._release_all(JoinReply(kind="redirect", leader=self.membership.leader()))
                 return
-            if joined >= self._expected() or (target is not None and len(joined) >= target):
+            joined = set(self._pending)
+            enough = len(joined) >= self.config.min_group_size
+            if target is not None and len(joined) >= target:
                 break
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                if len(joined) >= self.config.min_group_size:
+            if target is None and window_end is None and joined >= self._expected():
+                break
+            now = time.monotonic()
+            if window_end is not None and enough and now >= window_end:
+                break  # asynchronous modes: whoever is ready
+            if now >= deadline:
+                if enough:
+                    timed_out = True
                     break
                 self._release_all(JoinReply(kind="retry"))
                 return
+            wake_at = min(deadline, window_end) if window_end is not None and enough else deadline
             try:
-                await asyncio.wait_for(self._arrived.wait(), timeout=remaining)
+                await asyncio.wait_for(self._arrived.wait(), timeout=max(wake_at - now, 0.001))
             except asyncio.TimeoutError:
                 pass
         missing = self._expected() - set(self._pending)
-        for peer in missing:  # do not wait for them again until they join
-            self.membership.suspect(peer, for_s=self.membership.ttl_s)
-        if missing:
-            logger.info(f"group closed without {len(missing)} expected peer(s): {sorted(p[-8:] for p in missing)}")
+        if timed_out:
+            for peer in missing:  # do not wait for them again until they join
+                self.membership.suspect(peer, for_s=self.membership.ttl_s)
+            if missing:
+                logger.info(f"group closed without {len(missing)} expected peer(s): {sorted(p[-8:] for p in missing)}")
         pending, self._pending = self._pending, {}
-        self._announce_groups(pending)
+        for peer in self._announce_groups(pending, k or 0):  # joiners that fit no group wait for the next one
+            self._pending[peer] = pending[peer]
+        if self._pending:
+            self._former = asyncio.create_task(self._form_group(), name="form-group")
 
     def _release_all(self, reply: JoinReply) -> None:
         pending, self._pending = self._pending, {}
@@ -228,16 +258,21 @@ class Matchmaker:
             if not entry.reply.done():
                 entry.reply.set_result(reply)
 
-    def _announce_groups(self, pending: dict[str, _Pending]) -> None:
+    def _announce_groups(self, pending: dict[str, _Pending], k: int) -> list[str]:
+        """Answer every joiner that fits a group; returns the ones left over (fewer than a group)."""
         counts = Counter((p.request.step, p.request.version) for p in pending.values())
         step, version = max(counts, key=lambda sv: (sv[0], counts[sv], sv[1]))
-        in_sync = sorted(peer for peer, p in pending.items() if p.request.version == version and p.request.step == step)
+        if self.config.lockstep:
+            in_sync = sorted(p for p, entry in pending.items() if entry.request.version == version and entry.request.step == step)
+        else:
+            in_sync = sorted(pending)  # asynchronous modes: every version is welcome
         behind = sorted(peer for peer in pending if peer not in set(in_sync))
         self._rng.shuffle(in_sync)
         size = self.config.target_group_size or len(in_sync)
         chunks = [in_sync[i : i + size] for i in range(0, len(in_sync), size)]
-        if len(chunks) > 1 and len(chunks[-1]) < self.config.min_group_size:
-            chunks[-2].extend(chunks.pop())
+        leftover: list[str] = []
+        if len(chunks) > 1 and len(chunks[-1]) < max(self.config.min_group_size, size if not self.config.lockstep else 0):
+            leftover = chunks.pop()  # groups keep their size; the rest wait for the next ones
         donations = {peer: in_sync[i % len(in_sync)] for i, peer in enumerate(behind)}
         self._expected_next = set(pending)
         for members in chunks:
@@ -252,13 +287,18 @@ class Matchmaker:
                 version=version,
                 donations=[Donation(recipient=r, donor=d) for r, d in donations.items() if d in members],
                 statement=statement,
+                versions=[pending[m].request.step for m in members],
+                k=k,
             )
+            if k:
+                logger.info(f"group of {len(members)} formed (sync policy K={k})")
             self.stats.groups_formed += 1
             for peer in members:
                 _resolve(pending[peer].reply, JoinReply(kind="group", group=group))
             for recipient, donor in donations.items():
                 if donor in members:
                     _resolve(pending[recipient].reply, JoinReply(kind="resync", group=group, donor=donor))
+        return leftover
 
 
 def _resolve(future: asyncio.Future, reply: JoinReply) -> None:
