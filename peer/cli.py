@@ -103,6 +103,8 @@ def swarm(
     workdir: Optional[Path] = typer.Option(None, "--workdir", help="Keep logs, identities and checkpoints here (default: a temporary folder, removed at exit)."),
     byzantine: int = typer.Option(0, "--byzantine", min=0, help="How many of the --peers trainers attack."),
     attack: str = typer.Option("sign_flip", "--attack", help="Attack(s) of the Byzantine peers, comma-separated and cycled (see `phalanx join --help`)."),
+    stragglers: int = typer.Option(0, "--stragglers", min=0, help="How many honest peers are slowed down by --slowdown."),
+    slowdown: Optional[str] = typer.Option(None, "--slowdown", help="Delay per local step: of the stragglers, or of every peer without --stragglers (const:S, exp:M, shifted-exp:S:M, pareto:S:A)."),
 ) -> None:
     """Start a whole swarm on this machine (a bootstrap peer and N trainers on loopback), show live
     progress, stop at the target accuracy or the step budget and print a report.
@@ -118,6 +120,8 @@ def swarm(
       phalanx swarm --peers 2 --task mnist-cnn --data-dir ~/data/mnist --target-accuracy 0.98
 
       phalanx swarm --peers 9 --byzantine 3 --attack sign_flip,label_flip,wrong_aggregate --aggregator centered_clip --tau 1 --verify
+
+      phalanx swarm --peers 4 --mode lasgd --stragglers 1 --slowdown shifted-exp:0.05:0.05
     """
     from peer.swarm import run_swarm
 
@@ -129,7 +133,19 @@ def swarm(
     if byzantine and not attacks:
         raise ConfigError("--attack needs at least one attack name with --byzantine")
     chosen = [attacks[i % len(attacks)] for i in range(byzantine)]
-    result = run_swarm(peers, join_args, target_accuracy=target_accuracy, workdir=workdir, attacks=chosen)
+    if slowdown is not None:
+        from peer.slowdown import parse_slowdown
+
+        parse_slowdown(slowdown)
+    if stragglers and slowdown is None:
+        raise ConfigError("--stragglers needs --slowdown (how much slower they are)")
+    slow_args = ["--slowdown", slowdown] if slowdown else []
+    if not stragglers:
+        join_args += slow_args
+    result = run_swarm(
+        peers, join_args, target_accuracy=target_accuracy, workdir=workdir, attacks=chosen,
+        stragglers=stragglers, straggler_args=slow_args,
+    )  # fmt: skip
     if not result.reached_target:
         raise typer.Exit(1)
 
@@ -323,6 +339,33 @@ def bench_swarm(
     if unknown:
         raise ConfigError(f"--impls: unknown {', '.join(unknown)}; choose from {', '.join(IMPLS)}")
     run_swarm_bench(peers, target_accuracy, chosen, repeats=repeats, time_limit_s=time_limit_s)
+
+
+@bench_app.command("convergence")
+def bench_convergence(
+    peers: int = typer.Option(4, "--peers", min=2, help="Peers per run (one of them a straggler)."),
+    target_accuracy: float = typer.Option(0.95, "--target-accuracy", min=0.0, max=1.0),
+    repeats: int = typer.Option(3, "--repeats", min=1, help="Runs per mode (median reported)."),
+    base_step_s: float = typer.Option(0.01, "--base-step-s", min=0.0, help="Every local step takes at least this long (stands in for GPU work)."),
+    straggler: str = typer.Option("shifted-exp:0.025:0.025", "--straggler", help="The straggler's step time (--slowdown form); the default is ~5× the others."),
+    max_steps: int = typer.Option(3000, "--max-steps", min=1),
+) -> None:
+    """Wall time to the target accuracy on digits with one straggler: sync, lasgd with Gap-Aware,
+    lasgd without correction, and gossip, each run --repeats times as a real swarm.
+
+    [bold]Examples[/bold]
+
+      phalanx bench convergence
+
+      phalanx bench convergence --peers 4 --repeats 1 --straggler shifted-exp:0.05:0.05
+    """
+    from peer.bench.convergence import run_convergence_bench
+    from peer.slowdown import parse_slowdown
+
+    parse_slowdown(straggler)
+    run_convergence_bench(
+        peers, target_accuracy, repeats, base_step_s=base_step_s, straggler=straggler, max_steps=max_steps
+    )
 
 
 def _int_list(text: str, flag: str) -> list[int]:

@@ -121,6 +121,7 @@ class PeerConfig(NetworkSettings):
     allreduce_timeout_s: float = Field(30.0, gt=0, description="Reducers drop members whose part has not arrived by then.")
     checkpoint_dir: Optional[Path] = Field(None, description="Save model + optimizer + step here (atomically).")
     checkpoint_every: int = Field(100, ge=1, description="Checkpoint every N steps (and on clean shutdown).")
+    checkpoint_keep: int = Field(3, ge=1, description="How many of the newest checkpoints to keep.")
     resume: bool = Field(False, description="Continue from the newest checkpoint in --checkpoint-dir.")
     wait_for_peers: int = Field(1, ge=1, description="Before the first step, wait (up to a minute) until this many trainers are announced; avoids a ragged start.")
     torch_threads: Optional[int] = Field(None, ge=1, description="Threads torch may use in this process.")

@@ -46,6 +46,7 @@ class PeerView:
     report: Optional[dict[str, Any]] = None
     exit_code: Optional[int] = None
     attack: Optional[str] = None
+    extra_args: list[str] = field(default_factory=list)  # this peer's own flags (e.g. a straggler's --slowdown)
     events: list[dict[str, Any]] = field(default_factory=list)
 
 
@@ -70,6 +71,8 @@ class Swarm:
         live: bool = True,
         join_env: Optional[dict[str, str]] = None,
         attacks: Optional[list[str]] = None,
+        stragglers: int = 0,
+        straggler_args: Optional[list[str]] = None,
     ) -> None:
         if peers < 1:
             raise PhalanxError("--peers must be at least 1")
@@ -87,7 +90,11 @@ class Swarm:
         self.join_env = join_env or {}
         self.bootstrap: Optional[asyncio.subprocess.Process] = None
         # the last len(attacks) trainers are Byzantine, one attack each
-        self.views = [PeerView(f"trainer-{i}") for i in range(peers - len(attacks))]
+        honest = peers - len(attacks)
+        if stragglers > honest:
+            raise PhalanxError("--stragglers cannot exceed the honest peers")
+        self.views = [PeerView(f"trainer-{i}") for i in range(honest - stragglers)]
+        self.views += [PeerView(f"straggler-{i}", extra_args=list(straggler_args or [])) for i in range(stragglers)]
         self.views += [PeerView(f"byzantine-{i}", attack=a) for i, a in enumerate(attacks)]
         self.started = time.monotonic()
         self.time_to_target: Optional[float] = None
@@ -132,6 +139,7 @@ class Swarm:
             "--events",
             *self.join_args,
             *(["--attack", view.attack] if view.attack else []),
+            *view.extra_args,
         ]  # fmt: skip
         env = {"PHALANX_TORCH_THREADS": "1"} if "--torch-threads" not in self.join_args else {}
         view.process = await self._spawn(view.name, args, {**env, **self.join_env})
@@ -311,13 +319,18 @@ def run_swarm(
     target_accuracy: Optional[float],
     workdir: Optional[Path],
     attacks: Optional[list[str]] = None,
+    stragglers: int = 0,
+    straggler_args: Optional[list[str]] = None,
 ) -> SwarmResult:
     import uvloop
 
     console = Console(stderr=True)
     if not console.is_terminal:
         console.width = 120  # logs and CI: do not squeeze the report into 80 columns
-    swarm = Swarm(peers, join_args, target_accuracy=target_accuracy, workdir=workdir, console=console, attacks=attacks)
+    swarm = Swarm(
+        peers, join_args, target_accuracy=target_accuracy, workdir=workdir, console=console, attacks=attacks,
+        stragglers=stragglers, straggler_args=straggler_args,
+    )  # fmt: skip
 
     async def main() -> SwarmResult:
         loop = asyncio.get_running_loop()

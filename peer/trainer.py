@@ -175,6 +175,7 @@ class Trainer:
             model_state=self.model.module.state_dict(),
             optimizer_state=self.model.optimizer.state_dict(),
             extra={"task": self.config.task, "run_id": self.config.run_id},
+            keep=self.config.checkpoint_keep,
         )
 
     async def run(self) -> Report:
