@@ -49,6 +49,7 @@ class LocalLoop:
         self._slow_rng = self.slowdown.sampler(self.config.seed, node.peer_id) if self.slowdown else None
         self.local_step = 0
         self.merges = 0
+        self._steps_at_merge = 0
         self.last_loss: Optional[float] = None
         self._base_ref: Optional[torch.Tensor] = None  # the base the exchange in flight merges onto
 
@@ -108,6 +109,7 @@ class LocalLoop:
                 f"{part.penalty.method} divided it by {part.penalty.mean_divisor:.2f} on average"
             )
         if part.penalty.gap_versions > 0:
+            self.trainer.health.staleness_penalty = part.penalty.mean_divisor
             self.trainer._emit("penalty", gap=part.penalty.gap_versions, method=part.penalty.method, divisor=part.penalty.mean_divisor)
         update = part.update
         if self.config.average_optimizer_state:
@@ -224,5 +226,11 @@ class LocalLoop:
         await self.trainer._in_thread(self._merge, averaged, outcome.group)
         self.merges += 1
         await self._publish()
+        steps = self.local_step - self._steps_at_merge
+        self._steps_at_merge = self.local_step
+        self.trainer.health.round_done(
+            step=self.local_step, loss=self.last_loss or 0.0, samples=steps * self.trainer.batch_size,
+            averaged=outcome, duration_s=engine.stats.last_round_s,
+        )  # fmt: skip
         self.trainer.report.group_size = len(outcome.group.members)
         logger.debug(f"merged version {self.state.version} in {time.monotonic() - started:.3f} s")

@@ -343,6 +343,7 @@ class Trainer:
                 step=step,
                 loss=loss,
                 group=len(outcome.group.members),
+                k=outcome.group.k,
                 round_s=round(result.duration_s, 4),
                 bytes_sent=self._bytes_sent(),
                 missing_parts=len(result.missing_parts),

@@ -104,6 +104,7 @@ class Verdict:
     banned: set[str] = field(default_factory=set)
     bad_parts: set[int] = field(default_factory=set)  # aggregates not to apply (their reducer is guilty)
     votes: list[Signed] = field(default_factory=list)  # every valid vote seen (to publish)
+    accusations: int = 0  # accusations made in the round (by anyone)
 
 
 class BtardService:
@@ -517,7 +518,9 @@ class VerifiedRound:
             sign_statement(self.identity, "ban", b"", BanVote(accused=p, offense=o, round_id=self.round_id, evidence=e))
             for p, (o, e) in guilty.items()
         ]
-        return await self._vote(votes, bad_parts)
+        verdict = await self._vote(votes, bad_parts)
+        verdict.accusations = sum(len(items) for items in accusations.values())
+        return verdict
 
     async def _judge_false_report(self, seed, output, accuser, acc: Accusation, reports) -> Optional[tuple[float, float]]:
         """The true report if `acc.accused` lied about part `acc.part`; None if the accusation is false."""

@@ -201,8 +201,8 @@ class Matchmaker:
 
     def _k(self) -> Optional[int]:
         """How many members the sync policy wants in this group (None: no policy)."""
-        if self.sync_policy is None:
-            return None
+        if self.sync_policy is None or self.sync_policy.name == "full":
+            return None  # everyone expected: the group closes when all of them joined (or at the deadline)
         return self.sync_policy.k(len(self._expected()), time.monotonic() - self._started, self.loss())
 
     async def _form_group(self) -> None:
@@ -213,7 +213,7 @@ class Matchmaker:
         window_end = None if self.config.window_s is None else first_join + self.config.window_s
         k = self._k()
         limits = [x for x in (self.config.target_group_size, k) if x]
-        target = min(limits) if limits else None
+        target = max(min(limits), self.config.min_group_size) if limits else None
         timed_out = False
         while True:
             self._arrived.clear()
@@ -291,7 +291,7 @@ class Matchmaker:
                 k=k,
             )
             if k:
-                logger.info(f"group of {len(members)} formed (sync policy K={k})")
+                logger.info(f"group of {len(members)} formed (sync policy {self.sync_policy.spec}: K={k})")
             self.stats.groups_formed += 1
             for peer in members:
                 _resolve(pending[peer].reply, JoinReply(kind="group", group=group))

@@ -40,8 +40,8 @@ def package_version() -> str:
 @dataclass
 class PeerMetrics:
     """Progress of one peer. Units: seconds, samples; `loss` is the last local minibatch loss,
-    `accuracy` the last test accuracy; `staleness_penalty` the last weight cut applied to a late
-    contribution (0 = none; modes with staleness corrections set it)."""
+    `accuracy` the last test accuracy; `staleness_penalty` the average divisor the last late
+    contribution was corrected by (0 = none yet; lasgd and gossip set it)."""
 
     role: Role
     clock: Callable[[], float] = time.monotonic  # for throughput
@@ -72,6 +72,8 @@ class PeerMetrics:
         self.step, self.loss, self.in_sync = step, loss, True
         self._count_samples(samples)
         self._round(averaged.group, "partial" if result.missing_parts or result.dropped_senders else "ok", duration_s)
+        if averaged.verdict is not None:
+            self.accusations_seen += averaged.verdict.accusations
 
     def round_failed(self) -> None:
         """A round raised (timeout, abort, misbehaving peer); the engine's stats count it."""
