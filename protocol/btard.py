@@ -78,6 +78,7 @@ class AccuseBody(WireModel):
     """Kind "accuse"."""
 
     accusations: Annotated[list[Accusation], Field(max_length=256)]
+    suspects: bool = False  # this member saw something wrong (silence, a failed check): everyone votes
 
 
 class EvidenceRequest(WireModel):
@@ -275,13 +276,34 @@ class VerifiedRound:
         aggregates must not be applied. `vector` is this member's contribution, `output` the gathered result."""
         own_part = self.me
         self.service.hold(self.round_id, _Held(own_part, dict(self.payloads)))
+        t0 = time.monotonic()
         seed, revealed = await self._reveal()
+        t1 = time.monotonic()
         reports = await self._report(seed, vector, output)
+        t2 = time.monotonic()
         if own_rows is not None:
             self._check_reports_as_reducer(seed, reports, output, own_rows, own_received)
         await self._validate(seed, recompute_fn)
-        accusations = await self._accuse()
+        suspects = self._suspects_anything(seed, reports, output, revealed)
+        t3 = time.monotonic()
+        accusations, anyone_suspects = await self._accuse(suspects)
+        logger.debug(
+            f"round {self.round_id.hex()[:8]} verify: reveal {t1 - t0:.3f} s, report {t2 - t1:.3f} s, "
+            f"checks {t3 - t2:.3f} s, accuse {time.monotonic() - t3:.3f} s"
+        )
+        if not anyone_suspects and not any(accusations.values()):
+            return Verdict()  # every member saw a clean round: nothing to judge, no vote phase
         return await self._judge(seed, reports, output, accusations, revealed, recompute_fn)
+
+    def _suspects_anything(self, seed, reports, output, revealed) -> bool:
+        """Whether this member will have a verdict to vote on even without accusations."""
+        if self.proofs or self.accusations:
+            return True
+        if any(p not in self.commits or p not in revealed or p not in reports for p in self.members):
+            return True
+        failing = []
+        self._check_aggregates(seed, reports, output, {}, {}, lambda peer, *_: failing.append(peer))
+        return bool(failing)
 
     async def _reveal(self) -> tuple[bytes, set[str]]:
         body = RevealBody(
@@ -458,23 +480,25 @@ class VerifiedRound:
                 return False
         return True
 
-    async def _accuse(self) -> dict[str, list[Accusation]]:
+    async def _accuse(self, suspects: bool) -> tuple[dict[str, list[Accusation]], bool]:
         for accused, (offense, evidence) in self.proofs.items():
             self.accusations.append(Accusation(accused=accused, offense=offense, part=-1, evidence=evidence))
-        body = AccuseBody(accusations=self.accusations)
+        body = AccuseBody(accusations=self.accusations, suspects=suspects)
         mine = sign_statement(self.identity, "accuse", self.round_id, body)
         received = await self.service.exchange.all_to_all(
             self.round_id, "accuse", pack(mine), deadline=self._deadline(), expect=self.committed
         )
         out: dict[str, list[Accusation]] = {}
+        anyone_suspects = len(received) < len(self.committed)  # a silent member is itself a reason to vote
         for peer, raw in received.items():
             try:
                 signed = unpack(raw, Signed, peer=peer)
                 _, body = open_statement(signed, AccuseBody, kind="accuse", round_id=self.round_id, sender=peer)
                 out[peer] = list(body.accusations)
+                anyone_suspects = anyone_suspects or body.suspects
             except PeerProtocolError:
-                continue
-        return out
+                anyone_suspects = True
+        return out, anyone_suspects
 
     async def _judge(self, seed, reports, output, accusations, revealed, recompute_fn) -> Verdict:
         guilty: dict[str, tuple[Offense, list[Signed]]] = {}

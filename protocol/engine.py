@@ -209,7 +209,9 @@ class RoundEngine:
                 config=self.config.verify,
                 behavior=self.behavior,
             )
+            t0 = time.monotonic()
             await vr.commit([encode(vector[a:b], spec.codec) for a, b in spec.bounds])
+            t_commit = time.monotonic() - t0
             skip = frozenset(i for i, p in enumerate(spec.members) if p not in vr.committed)
             # the data phase's deadline starts now: waiting for late commitments must not eat into it
             spec = dataclasses.replace(spec, deadline=time.monotonic() + self.config.allreduce_timeout_s)
@@ -220,7 +222,12 @@ class RoundEngine:
                 spec, sent, self.reducer, weight=1.0, call_timeout_s=self.config.allreduce_timeout_s + 10,
                 out=self._output, guard=vr, skip=skip,
             )  # fmt: skip
+            t1 = time.monotonic()
             verdict = await vr.verify(vector, result.vector, result.own_rows, result.own_received, recompute)
+            logger.debug(
+                f"round {spec.round_id.hex()[:8]}: commit {t_commit:.3f} s, data {result.duration_s:.3f} s, "
+                f"verify {time.monotonic() - t1:.3f} s"
+            )
         finally:
             exchange.close_round(spec.round_id)
         for part in verdict.bad_parts:  # aggregates of convicted reducers are not applied
