@@ -111,7 +111,7 @@ class PeerConfig(NetworkSettings):
     steps: Optional[int] = Field(None, ge=1, description="Stop after this many steps (default: run until stopped).")
     target_accuracy: Optional[float] = Field(None, gt=0, le=1, description="Stop once test accuracy reaches this.")
     eval_every: int = Field(25, ge=1, description="Evaluate on the test split every N steps.")
-    aggregator: str = Field("mean", description="Rule each reducer applies: mean, centered_clip, median, trimmed_mean, ...")
+    aggregator: str = Field("mean", description="Rule each reducer applies: mean, centered_clip, median, trimmed_mean, krum, multi_krum, geometric_median, bucketing; clipped_gossip (gossip/lasgd: each member gets its own clipped average).")
     tau: Optional[float] = Field(None, gt=0, description="Clipping radius for centered_clip (shorthand for --aggregator-params tau=…).")
     aggregator_params: str = Field("", description="Extra aggregator parameters as name=number pairs, e.g. 'tau=1,max_iter=100'.")
     compression: Literal["none", "fp16", "8bit"] = Field("none", description="Codec for tensors on the wire.")
@@ -153,6 +153,8 @@ class PeerConfig(NetworkSettings):
                 parse_slowdown(self.slowdown)
         except ConfigError as e:
             raise ValueError(f"--sync-policy / --slowdown: {e}") from None
+        if self.aggregator == "clipped_gossip" and self.mode == "sync":
+            raise ValueError("--aggregator clipped_gossip gives every member its own result: use it with --mode gossip (or lasgd)")
         if self.mode == "gossip" and self.target_group_size not in (None, 2):
             raise ValueError("--mode gossip averages with one peer at a time: drop --target-group-size")
         if self.attack is not None:

@@ -105,6 +105,7 @@ class _Reduction:
     complete: asyncio.Event = field(default_factory=asyncio.Event)
     result: Optional[asyncio.Future] = None
     encoded: Optional[tuple[bytes, bytes | memoryview]] = None
+    encoded_for: dict[int, tuple[bytes, bytes | memoryview]] = field(default_factory=dict)  # per-member results
     guard: Optional[PartGuard] = None
 
     def claim(self, index: int) -> None:
@@ -274,6 +275,11 @@ class AllReduceService:
             reduction.result.set_exception(RoundAbortedError(f"aggregation failed: {e}"))
             raise RoundAbortedError(f"aggregation failed: {e}") from e
         reduction.reduced_at = time.monotonic()
+        if value.dim() == 2:  # a per-member rule (ClippedGossip): row r is the result for member got[r]
+            for row, index in zip(value, got):
+                head = pack(AggregateHeader(contributors=len(got)))
+                reduction.encoded_for[index] = (head, encode(row, reduction.spec.codec))
+            value = value[got.index(reduction.my_index)]
         payload = encode(value, reduction.spec.codec)
         statement = b"" if reduction.guard is None else reduction.guard.sign_aggregate(reduction.my_index, payload, got)
         reduction.encoded = (pack(AggregateHeader(contributors=len(got), statement=statement)), payload)
@@ -320,7 +326,7 @@ class AllReduceService:
         await asyncio.shield(reduction.result)
         if reduction.guard is not None:
             return reduction.guard.reply_for(index, *reduction.encoded)
-        return reduction.encoded
+        return reduction.encoded_for.get(index, reduction.encoded)
 
     async def _wait_for_round(self, round_id: bytes, peer: str) -> _Reduction:
         reduction = self._rounds.get(round_id)

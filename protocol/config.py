@@ -95,6 +95,8 @@ class RoundConfig:
         from aggregation.registry import make_aggregator
 
         params = dict(self.aggregator_params)
+        if self.aggregator == CLIPPED_GOSSIP:
+            return clipped_gossip_reducer(params)
         if self.verify is not None and self.aggregator == "centered_clip":
             params.setdefault("max_iter", 100_000)  # the projection check assumes it ran to convergence
         aggregate = make_aggregator(self.aggregator, **params)
@@ -113,6 +115,35 @@ def parse_aggregator_params(text: str) -> tuple[tuple[str, float], ...]:
         if not sep or not key.strip():
             raise ConfigError(f"--aggregator-params takes name=number pairs like tau=1, not {item!r}")
     return tuple(sorted(params))
+
+
+CLIPPED_GOSSIP = "clipped_gossip"
+
+
+def clipped_gossip_reducer(params: dict):
+    """ClippedGossip for a gossip group: every member gets its own result,
+    x_i + Σ_{j≠i} (1/k)·clip(x_j − x_i, τ), clipped per part (each reducer sees one part).
+    A Byzantine member moves an honest one by at most τ/k per part; clipping is odd-symmetric,
+    so the group's sum (hence its average) is kept."""
+    import torch
+
+    from aggregation.gossip import clipped_gossip_update
+
+    unknown = set(params) - {"tau"}
+    if "tau" not in params or unknown:
+        raise ConfigError("--aggregator clipped_gossip takes exactly one parameter, tau (e.g. --tau 1)")
+    tau = float(params["tau"])
+
+    def reduce(rows, weights):  # (k, d) -> (k, d): row i is member i's result
+        k = rows.shape[0]
+        out = torch.empty_like(rows)
+        share = torch.full((k - 1,), 1.0 / k, dtype=torch.float64)
+        for i in range(k):  # a loop over members, never over coordinates
+            others = torch.cat([rows[:i], rows[i + 1 :]])
+            out[i] = rows[i] if k == 1 else clipped_gossip_update(rows[i], others, share, tau).value
+        return out
+
+    return reduce
 
 
 def verify_config_for(aggregator: str, params: tuple[tuple[str, float], ...], **options) -> VerifyConfig:

@@ -41,6 +41,9 @@ def test_lists_accept_commas_and_spaces_from_env(monkeypatch):
         ({"aggregator_params": "tau=abc"}, "--aggregator-params takes name=number pairs like tau=1, not 'tau=abc'"),
         ({"public_ip": "203.0.113.7"}, "--public-ip needs a fixed --port"),
         ({"device": "tpu"}, "--device: String should match pattern"),
+        ({"aggregator": "clipped_gossip", "tau": 1.0}, "use it with --mode gossip (or lasgd)"),
+        ({"aggregator": "clipped_gossip", "mode": "gossip"}, "takes exactly one parameter, tau"),
+        ({"sync_policy": "k:0"}, "--sync-policy / --slowdown"),
     ],
 )
 def test_errors_name_the_flag(overrides, message):

@@ -101,3 +101,35 @@ def test_stale_contribution_is_penalized_end_to_end_as_gap_aware_says():
             assert states[1].penalties[-1].gap_versions == 3 and states[1].penalties[-1].mean_divisor > 1
 
     asyncio.run(main())
+
+
+def test_clipped_gossip_pair_moves_each_member_at_most_tau_per_part():
+    from aggregation.gossip import clipped_gossip_update
+    from protocol.partition import partition_bounds
+
+    config = RoundConfig(
+        aggregator="clipped_gossip",
+        aggregator_params=(("tau", 0.5),),
+        matchmaking=MatchmakingConfig(min_group_size=2, target_group_size=2, lockstep=False, window_s=2.0, matchmaking_timeout_s=10.0),
+    )
+
+    async def main():
+        async with open_swarm(2, config) as peers:
+            xs = [torch.randn(4000, generator=torch.Generator().manual_seed(i)) for i in range(2)]
+            xs[1] = xs[1] * 100  # far away: clipping must act
+            outcomes = await asyncio.gather(*[p.engine.run_round(x) for p, x in zip(peers, xs)])
+            members = outcomes[0].group.members
+            by_member = {p.peer_id: x for p, x in zip(peers, xs)}
+            for peer, outcome in zip(peers, outcomes):
+                mine, other = by_member[peer.peer_id], by_member[[m for m in members if m != peer.peer_id][0]]
+                expected = torch.cat([
+                    clipped_gossip_update(mine[a:b], other[a:b].reshape(1, -1), torch.tensor([0.5], dtype=torch.float64), 0.5).value
+                    for a, b in partition_bounds(4000, 2)
+                ])
+                assert torch.allclose(outcome.result.vector, expected, atol=1e-5)
+                for a, b in partition_bounds(4000, 2):  # each part moved by at most tau / 2
+                    assert float((outcome.result.vector[a:b] - mine[a:b]).norm()) <= 0.25 + 1e-5
+            total = outcomes[0].result.vector + outcomes[1].result.vector
+            assert torch.allclose(total, xs[0] + xs[1], atol=1e-4)  # the pair's sum (and average) is kept
+
+    asyncio.run(main())
