@@ -247,7 +247,7 @@ class Matchmaker:
             if missing:
                 logger.info(f"group closed without {len(missing)} expected peer(s): {sorted(p[-8:] for p in missing)}")
         pending, self._pending = self._pending, {}
-        for peer in self._announce_groups(pending, k or 0):  # joiners that fit no group wait for the next one
+        for peer in self._announce_groups(pending, k or 0, target):  # joiners that fit no group wait for the next one
             self._pending[peer] = pending[peer]
         if self._pending:
             self._former = asyncio.create_task(self._form_group(), name="form-group")
@@ -258,7 +258,7 @@ class Matchmaker:
             if not entry.reply.done():
                 entry.reply.set_result(reply)
 
-    def _announce_groups(self, pending: dict[str, _Pending], k: int) -> list[str]:
+    def _announce_groups(self, pending: dict[str, _Pending], k: int, size: Optional[int] = None) -> list[str]:
         """Answer every joiner that fits a group; returns the ones left over (fewer than a group)."""
         counts = Counter((p.request.step, p.request.version) for p in pending.values())
         step, version = max(counts, key=lambda sv: (sv[0], counts[sv], sv[1]))
@@ -268,7 +268,7 @@ class Matchmaker:
             in_sync = sorted(pending)  # asynchronous modes: every version is welcome
         behind = sorted(peer for peer in pending if peer not in set(in_sync))
         self._rng.shuffle(in_sync)
-        size = self.config.target_group_size or len(in_sync)
+        size = size or len(in_sync)  # K (or the target size): the first K form a group, the rest wait
         chunks = [in_sync[i : i + size] for i in range(0, len(in_sync), size)]
         leftover: list[str] = []
         if len(chunks) > 1 and len(chunks[-1]) < max(self.config.min_group_size, size if not self.config.lockstep else 0):

@@ -113,8 +113,9 @@ def banned(votes: list[Vote]) -> set[str]:
     """Everyone a set of (verified) votes bans: self-contained proofs count alone, other offenses
     need votes from more than half of the round's members."""
     out: set[str] = set()
-    # votes only add up when they cite the same group (a leader cannot mix two member lists)
-    tallies: dict[tuple[str, bytes, Offense, tuple[str, ...]], set[str]] = defaultdict(set)
+    # votes add up per accused and round, whatever offense each judge saw first (judges may
+    # convict for different offenses of the same peer), and only when they cite the same group
+    tallies: dict[tuple[str, bytes, tuple[str, ...]], set[str]] = defaultdict(set)
     for vote in votes:
         body = vote.body
         if body.offense.self_contained:
@@ -124,8 +125,8 @@ def banned(votes: list[Vote]) -> set[str]:
         members = group_members(list(body.evidence), body.round_id)
         if members is None or vote.judge not in members or body.accused not in members:
             continue
-        tallies[(body.accused, body.round_id, body.offense, tuple(members))].add(vote.judge)
-    for (accused, _, _, members), judges in tallies.items():
+        tallies[(body.accused, body.round_id, tuple(members))].add(vote.judge)
+    for (accused, _, members), judges in tallies.items():
         if len(judges) > len(members) // 2:
             out.add(accused)
     return out

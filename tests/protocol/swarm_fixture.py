@@ -17,6 +17,7 @@ from protocol.bans import BanBook, BanVoteValidator
 from protocol.config import RoundConfig
 from protocol.engine import RoundEngine
 from protocol.membership import Membership
+from protocol.sync_policy import SyncPolicy
 from protocol.transport import Transport
 from security.identity import Identity
 
@@ -39,7 +40,12 @@ class TestPeer:
 
 
 async def open_peer(
-    initial_peers: list[str], config: RoundConfig, *, direct: bool = True, behavior: Optional[Behavior] = None
+    initial_peers: list[str],
+    config: RoundConfig,
+    *,
+    direct: bool = True,
+    behavior: Optional[Behavior] = None,
+    sync_policy: Optional[SyncPolicy] = None,
 ) -> TestPeer:
     loop = asyncio.get_running_loop()
     scratch = tempfile.TemporaryDirectory(prefix="phalanx-test-peer-")
@@ -59,7 +65,9 @@ async def open_peer(
     transport = await Transport.open(p2p, namespace=KEY, direct_host="127.0.0.1" if direct else None)
     membership = Membership(dht, KEY + ".peers", transport.peer_id, refresh_s=1.0, ttl_s=6.0)
     bans = BanBook(dht, KEY + ".bans", membership.banned)
-    engine = RoundEngine(transport, membership, config, RUN_HASH, identity=identity, bans=bans, behavior=behavior)
+    engine = RoundEngine(
+        transport, membership, config, RUN_HASH, identity=identity, bans=bans, behavior=behavior, sync_policy=sync_policy
+    )
     await membership.start()
     return TestPeer(dht, transport, membership, engine, scratch)
 
@@ -83,7 +91,10 @@ async def open_swarm(
     try:
         for i in range(n):
             behavior = behaviors[i] if behaviors is not None else None
-            peers.append(await open_peer(initial, config, behavior=behavior, **kwargs))
+            extra = dict(kwargs)
+            if "sync_policy" in extra:  # one policy object per peer: policies keep state
+                extra["sync_policy"] = extra["sync_policy"]()
+            peers.append(await open_peer(initial, config, behavior=behavior, **extra))
         for peer in peers:  # everyone sees everyone before the first round
             while len(peer.membership.peers()) < n:
                 await peer.membership.refresh()

@@ -133,3 +133,20 @@ def test_clipped_gossip_pair_moves_each_member_at_most_tau_per_part():
             assert torch.allclose(total, xs[0] + xs[1], atol=1e-4)  # the pair's sum (and average) is kept
 
     asyncio.run(main())
+
+
+def test_sync_policy_sets_the_group_size():
+    from protocol.sync_policy import parse_sync_policy
+
+    config = RoundConfig(
+        matchmaking=MatchmakingConfig(min_group_size=2, lockstep=False, window_s=5.0, matchmaking_timeout_s=20.0)
+    )
+
+    async def main():
+        async with open_swarm(4, config, sync_policy=lambda: parse_sync_policy("k:2")) as peers:
+            xs = [torch.randn(100, generator=torch.Generator().manual_seed(i)) for i in range(4)]
+            outcomes = await asyncio.gather(*[p.engine.run_round(x) for p, x in zip(peers, xs)])
+            for outcome in outcomes:
+                assert outcome.group.k == 2 and len(outcome.group.members) == 2  # K = 2: no one waits for more
+
+    asyncio.run(main())
