@@ -237,8 +237,11 @@ class Swarm:
 
     async def _stop_trainers(self, grace_s: float) -> None:
         procs = [v.process for v in self.views if v.process is not None and v.process.returncode is None]
-        for p in procs:
-            _signal_group(p, signal.SIGTERM)
+        for p in procs:  # the trainer alone: it shuts its DHT process and daemon down itself
+            try:
+                p.send_signal(signal.SIGTERM)
+            except ProcessLookupError:
+                pass
         if procs:
             await asyncio.wait([asyncio.create_task(p.wait()) for p in procs], timeout=grace_s)
 
