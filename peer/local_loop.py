@@ -173,13 +173,7 @@ class LocalLoop:
 
     async def run(self) -> None:
         trainer, config, engine = self.trainer, self.config, self.engine
-        joining = asyncio.ensure_future(self._join_late())
-        stop = asyncio.ensure_future(trainer.stop_requested.wait())
-        await asyncio.wait({joining, stop}, return_when=asyncio.FIRST_COMPLETED)
-        stop.cancel()
-        if not joining.done():
-            joining.cancel()
-            await asyncio.gather(joining, return_exceptions=True)
+        if await trainer.run_unless_stopped(self._join_late()) is None:
             return
         await self._publish()
         exchange: Optional[asyncio.Task] = None

@@ -272,6 +272,18 @@ class Trainer:
             return True
         return self.report.reached_target
 
+    async def run_unless_stopped(self, coro) -> Optional[asyncio.Future]:
+        """Run `coro` until it finishes (its finished future) or a stop is requested (it is cancelled: None)."""
+        task = asyncio.ensure_future(coro)
+        stop = asyncio.ensure_future(self.stop_requested.wait())
+        await asyncio.wait({task, stop}, return_when=asyncio.FIRST_COMPLETED)
+        stop.cancel()
+        if task.done():
+            return task
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        return None
+
     async def _sleep_or_stop(self, seconds: float) -> None:
         try:
             await asyncio.wait_for(self.stop_requested.wait(), timeout=seconds)
@@ -286,13 +298,8 @@ class Trainer:
                 raise PhalanxError("the swarm banned this peer (its ban votes are in the DHT and the log); stopping")
             step = engine.step
             loss, grad = await self._in_thread(self._contribution, node.peer_id, step)
-            round_task = asyncio.ensure_future(engine.run_round(grad.to("cpu"), recompute=self._recompute))
-            stop_task = asyncio.ensure_future(self.stop_requested.wait())
-            await asyncio.wait({round_task, stop_task}, return_when=asyncio.FIRST_COMPLETED)
-            stop_task.cancel()
-            if not round_task.done():
-                round_task.cancel()
-                await asyncio.gather(round_task, return_exceptions=True)
+            round_task = await self.run_unless_stopped(engine.run_round(grad.to("cpu"), recompute=self._recompute))
+            if round_task is None:
                 break
             try:
                 outcome = round_task.result()
