@@ -6,6 +6,7 @@ tracebacks appear only with --debug.
 
 from __future__ import annotations
 
+import math
 import sys
 from pathlib import Path
 from typing import Optional
@@ -52,7 +53,7 @@ def _root(
 
 
 @app.command("bootstrap")
-@settings_command(NetworkSettings, exclude=("direct", "direct_port"))
+@settings_command(NetworkSettings, exclude=("direct", "direct_port", "upload_limit_mbps"))
 def bootstrap(settings: NetworkSettings) -> None:
     """Start a DHT-only peer that others join through; prints the exact --initial-peers line to use.
 
@@ -153,7 +154,7 @@ def swarm(
 @app.command("health")
 @settings_command_with(
     NetworkSettings,
-    exclude=("direct", "direct_port", "http_port", "http_host", "client_mode", "port", "public_ip", "announce_maddrs"),
+    exclude=("direct", "direct_port", "upload_limit_mbps", "http_port", "http_host", "client_mode", "port", "public_ip", "announce_maddrs"),
     as_json=(bool, typer.Option(False, "--json", help="Print JSON (every record, with the problems found) instead of a table.")),
     watch=(bool, typer.Option(False, "--watch", help="Keep polling: a live table, or one JSON line per poll with --json.")),
     interval_s=(float, typer.Option(2.0, "--interval-s", min=0.2, help="Seconds between polls.")),
@@ -180,7 +181,7 @@ def health(settings: NetworkSettings, as_json: bool, watch: bool, interval_s: fl
 
 
 @app.command("monitor")
-@settings_command(MonitorSettings, exclude=("direct", "direct_port", "client_mode", "public_ip", "announce_maddrs"))
+@settings_command(MonitorSettings, exclude=("direct", "direct_port", "upload_limit_mbps", "client_mode", "public_ip", "announce_maddrs"))
 def monitor(settings: MonitorSettings) -> None:
     """Serve a swarm dashboard: the peer table and plots of loss, accuracy, throughput and peers by
     state over time, a JSON API (/api/v1/status) and aggregated Prometheus /metrics.
@@ -291,6 +292,7 @@ def bench_allreduce(
     rounds: int = typer.Option(5, "--rounds", min=1, help="Timed rounds after one warm-up (median reported)."),
     impls: str = typer.Option("phalanx,hivemind,gloo", "--impls", help="Which of phalanx, hivemind, gloo to run."),
     verify: bool = typer.Option(False, "--verify", help="Instead: plain mean vs CenteredClip vs CenteredClip with full verification (time and bytes per round)."),
+    upload_mbps: str = typer.Option("0", "--upload-mbps", help="With --verify: comma-separated per-peer upload caps in Mbit/s to repeat the comparison at (0: uncapped loopback)."),
 ) -> None:
     """All-reduce one vector per peer on loopback: Phalanx's round engine (mean), hivemind's
     DecentralizedAverager and torch.distributed gloo, each in N worker processes; prints medians and ratios.
@@ -302,12 +304,19 @@ def bench_allreduce(
       phalanx bench allreduce --peers 4 --numel 1000000 --impls phalanx,gloo
 
       phalanx bench allreduce --verify --peers 4 --numel 10000000
+
+      phalanx bench allreduce --verify --peers 4 --upload-mbps 0,1000,100
     """
     from peer.bench.allreduce import IMPLS, run_allreduce_bench, run_verify_bench
 
+    limits = _float_list(upload_mbps, "--upload-mbps")
+    if any(x < 0 for x in limits):
+        raise ConfigError("--upload-mbps: caps must be ≥ 0 (0: uncapped)")
     if verify:
-        run_verify_bench(_int_list(peers, "--peers"), numel, rounds)
+        run_verify_bench(_int_list(peers, "--peers"), numel, rounds, tuple(limits))
         return
+    if any(limits):
+        raise ConfigError("--upload-mbps applies to --verify only (hivemind and gloo cannot be capped the same way)")
     chosen = _str_list(impls)
     unknown = sorted(set(chosen) - set(IMPLS))
     if unknown:
@@ -375,6 +384,16 @@ def _int_list(text: str, flag: str) -> list[int]:
         raise ConfigError(f"{flag} takes comma-separated integers like 8,16, not {text!r}") from None
     if not values or min(values) <= 0:
         raise ConfigError(f"{flag} needs at least one positive integer, got {text!r}")
+    return values
+
+
+def _float_list(text: str, flag: str) -> list[float]:
+    try:
+        values = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ConfigError(f"{flag} takes comma-separated numbers like 0,1000, not {text!r}") from None
+    if not values or not all(math.isfinite(v) for v in values):
+        raise ConfigError(f"{flag} needs at least one finite number, got {text!r}")
     return values
 
 

@@ -43,6 +43,7 @@ class NetworkSettings(BaseSettings):
     client_mode: bool = Field(False, description="Do not accept incoming DHT connections (behind NAT without relays).")
     direct_port: int = Field(0, ge=0, le=65535, description="TCP port for the direct tensor path (0: any free port).")
     direct: bool = Field(True, description="Move bulk tensor bytes over direct TCP when reachable (libp2p streams otherwise).")
+    upload_limit_mbps: float = Field(0.0, ge=0.0, le=1e6, description="Cap this peer's bulk uploads (tensor parts, aggregates, state) at this many Mbit/s (0: no cap).")
     run_id: str = Field("phalanx", min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$", description="Swarm name; peers with another run id never meet.")
     http_port: int = Field(0, ge=0, le=65535, description="Serve /healthz, /readyz, /metrics and /api/v1/status on this TCP port (0: no HTTP server).")
     http_host: str = Field("127.0.0.1", min_length=1, max_length=253, description="Address the HTTP server binds (0.0.0.0 in containers).")

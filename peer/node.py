@@ -193,6 +193,7 @@ async def open_node(config: PeerConfig, *, loss: Callable[[], Optional[float]] =
             direct_host=listen if config.direct else None,
             direct_port=config.direct_port,
             announce_hosts=hosts,
+            upload_limit_bytes_per_s=config.upload_limit_mbps * 1e6 / 8,
         )
         membership = Membership(dht, key + ".peers", transport.peer_id)
         await loop.run_in_executor(None, dht.add_validators, [BanVoteValidator(key + ".bans")])

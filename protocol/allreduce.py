@@ -21,9 +21,10 @@ import torch
 from pydantic import Field
 
 from aggregation.errors import AggregationInputError, PeerProtocolError, RoundAbortedError
+from protocol.channel import Hasher
 from protocol.codec import Codec, decode, encode, encoded_size_bound
 from protocol.partition import partition_bounds
-from protocol.transport import Transport
+from protocol.transport import Landing, Transport
 from security.wire import RoundId, WireModel, pack, unpack
 
 logger = logging.getLogger(__name__)
@@ -49,13 +50,15 @@ class AggregateHeader(WireModel):
 
 class PartGuard(Protocol):
     """What a verified round (protocol.btard) checks and signs around the data phases.
-    Methods raise PeerProtocolError to refuse a part or an aggregate."""
+    Methods raise PeerProtocolError to refuse a part or an aggregate. `digest` is the
+    payload's hash from `hasher()`, computed by the transport as the bytes arrived."""
 
+    def hasher(self) -> Hasher: ...
     def sign_part(self, part: int, payload: bytes | memoryview, weight: float) -> bytes: ...
-    def accept_part(self, sender: int, part: int, payload: bytes | memoryview, header: PartHeader) -> None: ...
+    def accept_part(self, sender: int, part: int, payload: bytes | memoryview, header: PartHeader, digest: bytes) -> None: ...
     def sign_aggregate(self, part: int, payload: bytes | memoryview, contributors: list[int]) -> bytes: ...
     def reply_for(self, receiver: int, header: bytes, payload: bytes | memoryview) -> tuple[bytes, bytes | memoryview]: ...
-    def accept_aggregate(self, part: int, payload: bytes | memoryview, header: AggregateHeader) -> None: ...
+    def accept_aggregate(self, part: int, payload: bytes | memoryview, header: AggregateHeader, digest: bytes) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -85,6 +88,7 @@ class AllReduceResult:
     own_rows: Optional[torch.Tensor] = None  # (n, part) parts this peer reduced (rows of `own_received`)
     own_received: tuple[int, ...] = ()
     own_value: Optional[torch.Tensor] = None  # this peer's aggregate of its part, as the others decoded it
+    recycle_rows: Optional[Callable[[], None]] = None  # hands `own_rows` back for the next round once unneeded
 
 
 @dataclass
@@ -107,6 +111,7 @@ class _Reduction:
     encoded: Optional[tuple[bytes, bytes | memoryview]] = None
     encoded_for: dict[int, tuple[bytes, bytes | memoryview]] = field(default_factory=dict)  # per-member results
     guard: Optional[PartGuard] = None
+    hashers: dict[int, Hasher] = field(default_factory=dict)  # verified rounds: incoming parts' running hashes
 
     def claim(self, index: int) -> None:
         """Reserve row `index` for an incoming part (refuses late and repeated parts)."""
@@ -214,8 +219,8 @@ class AllReduceService:
         finally:
             # keep serving replies that are in flight, then forget the round
             asyncio.get_running_loop().call_later(5.0, self._forget, spec.round_id)
-            if guard is None and reduction.closed and not reduction.receiving:  # nobody still writes into the rows
-                self._spare_rows = {shape: reduction.rows}
+            if guard is None:
+                self._recycle(reduction)
         return AllReduceResult(
             vector=output,
             missing_parts=tuple(missing),
@@ -227,7 +232,13 @@ class AllReduceService:
             own_rows=reduction.rows if guard is not None else None,
             own_received=tuple(sorted(reduction.received)),
             own_value=output[lo:hi],
+            recycle_rows=(lambda: self._recycle(reduction)) if guard is not None else None,
         )
+
+    def _recycle(self, reduction: _Reduction) -> None:
+        """Keep the rows for the next round, unless a late part may still be landing in them."""
+        if reduction.closed and not reduction.receiving:
+            self._spare_rows = {tuple(reduction.rows.shape): reduction.rows}
 
     def _forget(self, round_id: bytes) -> None:
         self._rounds.pop(round_id, None)
@@ -240,6 +251,7 @@ class AllReduceService:
             round_id=spec.round_id, part=j, numel=part.numel(), codec=spec.codec.value, weight=weight, signature=signature
         )
         raw = spec.codec is Codec.NONE  # the reply's bytes can land in `out` directly
+        hasher = guard.hasher() if guard is not None else None
         reply_header, reply = await self.transport.call(
             spec.members[j],
             PART_METHOD,
@@ -248,10 +260,11 @@ class AllReduceService:
             max_reply_payload=encoded_size_bound(part.numel(), spec.codec),
             timeout_s=timeout_s,
             reply_into=_bytes_of(out) if raw else None,
+            reply_hasher=hasher,
         )
         head = unpack(reply_header, AggregateHeader, peer=spec.members[j])
         if guard is not None:
-            guard.accept_aggregate(j, reply, head)
+            guard.accept_aggregate(j, reply, head, hasher.digest())
         if not raw:
             out.copy_(decode(reply, spec.codec, part.numel(), peer=spec.members[j]))
 
@@ -303,19 +316,26 @@ class AllReduceService:
             )
         return head, reduction, spec.members.index(peer)
 
-    async def _part_sink(self, peer: str, header: bytes, payload_len: int) -> Optional[memoryview]:
-        """Check a part before its payload is read; raw float32 parts are received straight into their row."""
+    async def _part_sink(self, peer: str, header: bytes, payload_len: int) -> Landing:
+        """Check a part before its payload is read; raw float32 parts are received straight into their row
+        (and, in verified rounds, hashed record by record on the way)."""
         head, reduction, index = await self._checked_part(peer, header)
         if reduction.spec.codec is Codec.NONE and payload_len != 4 * head.numel:
             raise PeerProtocolError(f"expected {4 * head.numel} bytes of float32, got {payload_len}", peer=peer)
         reduction.claim(index)
-        return _bytes_of(reduction.rows[index]) if reduction.spec.codec is Codec.NONE else None
+        hasher = None
+        if reduction.guard is not None:
+            hasher = reduction.hashers[index] = reduction.guard.hasher()
+        return Landing(_bytes_of(reduction.rows[index]) if reduction.spec.codec is Codec.NONE else None, hasher)
 
     async def _serve_part(self, peer: str, header: bytes, payload) -> tuple[bytes, bytes | memoryview]:
         head, reduction, index = await self._checked_part(peer, header)
         if reduction.guard is not None:
             try:
-                reduction.guard.accept_part(index, reduction.my_index, payload, head)
+                hasher = reduction.hashers.pop(index, None)
+                if hasher is None:
+                    raise PeerProtocolError("part arrived without passing the sink", peer=peer)
+                reduction.guard.accept_part(index, reduction.my_index, payload, head, hasher.digest())
             except PeerProtocolError:
                 reduction.refuse(index)
                 raise

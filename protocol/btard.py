@@ -37,6 +37,7 @@ from security.commitments import (
     members_digest,
     new_share,
     part_hash,
+    part_hasher,
     public_seed,
     seeded_choice,
     share_commitment,
@@ -106,6 +107,7 @@ class Verdict:
     bad_parts: set[int] = field(default_factory=set)  # aggregates not to apply (their reducer is guilty)
     votes: list[Signed] = field(default_factory=list)  # every valid vote seen (to publish)
     accusations: int = 0  # accusations made in the round (by anyone)
+    clean: bool = False  # every member reported a clean round: the held parts were released
 
 
 class BtardService:
@@ -120,6 +122,9 @@ class BtardService:
         self._held[round_id] = held
         while len(self._held) > HELD_ROUNDS:
             self._held.pop(next(iter(self._held)))
+
+    def release(self, round_id: bytes) -> None:
+        self._held.pop(round_id, None)
 
     async def _serve_evidence(self, peer: str, header: bytes, payload) -> tuple[bytes, bytes]:
         request = unpack(header, EvidenceRequest, peer=peer)
@@ -219,7 +224,10 @@ class VerifiedRound:
         body = PartBody(part=part, hash=self.my_hashes[part], weight=self.behavior.claimed_weight(weight))
         return pack(sign_statement(self.identity, "part", self.round_id, body))
 
-    def accept_part(self, sender: int, part: int, payload: bytes | memoryview, header) -> None:
+    def hasher(self):
+        return part_hasher()
+
+    def accept_part(self, sender: int, part: int, payload: bytes | memoryview, header, digest: bytes) -> None:
         peer = self.members[sender]
         if peer not in self.commits:
             raise PeerProtocolError("sent a part without a commitment", peer=peer)
@@ -236,7 +244,7 @@ class VerifiedRound:
         if body.hash != commit.parts[part]:
             self._prove(peer, Offense.BAD_COMMITMENT, [commit_signed, signed])
             raise PeerProtocolError("part does not match its commitment", peer=peer)
-        if part_hash(payload) != body.hash:
+        if digest != body.hash:
             raise PeerProtocolError("part bytes do not match their signed hash", peer=peer)
         self.part_statements[peer] = signed
         # raw float32 parts live on in the reducer's rows (kept for the round): no copy needed
@@ -253,11 +261,11 @@ class VerifiedRound:
     def reply_for(self, receiver: int, header: bytes, payload: bytes | memoryview) -> tuple[bytes, bytes | memoryview]:
         return self.behavior.aggregate_reply(self, receiver, header, payload)
 
-    def accept_aggregate(self, part: int, payload: bytes | memoryview, header) -> None:
+    def accept_aggregate(self, part: int, payload: bytes | memoryview, header, digest: bytes) -> None:
         reducer = self.members[part]
         signed = unpack(header.statement, Signed, peer=reducer)
         _, body = open_statement(signed, AggregateBody, kind="aggregate", round_id=self.round_id, sender=reducer)
-        if body.part != part or part_hash(payload) != body.hash:
+        if body.part != part or digest != body.hash:
             raise PeerProtocolError("aggregate does not match its signed statement", peer=reducer)
         self.aggregates[part] = (signed, body)
         self.signed_aggregates.setdefault(part, {})[body.hash] = signed
@@ -292,7 +300,10 @@ class VerifiedRound:
             f"checks {t3 - t2:.3f} s, accuse {time.monotonic() - t3:.3f} s"
         )
         if not anyone_suspects and not any(accusations.values()):
-            return Verdict()  # every member saw a clean round: nothing to judge, no vote phase
+            # Every member saw a clean round: nothing to judge, no vote phase, and nobody will ask for the
+            # held parts (validators fetch them before they send their accusations, which we all have).
+            self.service.release(self.round_id)
+            return Verdict(clean=True)
         return await self._judge(seed, reports, output, accusations, revealed, recompute_fn)
 
     def _suspects_anything(self, seed, reports, output, revealed) -> bool:

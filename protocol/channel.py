@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import time
 from dataclasses import dataclass
 from typing import Optional, Protocol
 
@@ -40,6 +41,36 @@ class ChannelStats:
 
     bytes_sent: int = 0
     bytes_received: int = 0
+
+
+class UploadLimiter:
+    """Paces every bulk send of one peer to `bytes_per_s` (a volunteer's uplink is shared with its owner).
+
+    Each send takes its size from a token bucket that refills at the rate and holds a short burst;
+    a send that drives the bucket negative waits until the debt is repaid, so concurrent senders
+    share the rate between them.
+    """
+
+    def __init__(self, bytes_per_s: float, burst_s: float = 0.02) -> None:
+        if not bytes_per_s > 0:
+            raise ValueError("upload limit must be positive")
+        self.rate = float(bytes_per_s)
+        self.burst = max(self.rate * burst_s, float(RECORD_BYTES))
+        self.tokens = self.burst
+        self.updated = time.monotonic()
+
+    async def acquire(self, size: int) -> None:
+        now = time.monotonic()
+        self.tokens = min(self.burst, self.tokens + (now - self.updated) * self.rate) - size
+        self.updated = now
+        if self.tokens < 0:
+            await asyncio.sleep(-self.tokens / self.rate)
+
+
+class Hasher(Protocol):
+    """An incremental hash (blake3, hashlib): fed each record while it is still in cache."""
+
+    def update(self, data: memoryview, /) -> object: ...
 
 
 class Pipe(Protocol):
@@ -126,9 +157,16 @@ class Channel:
     """Records on a pipe. Every read has an idle timeout, so a peer that stops sending cannot hold us."""
 
     def __init__(
-        self, pipe: Pipe, stats: ChannelStats, key: Optional[bytes], *, initiator: bool, idle_timeout_s: float
+        self,
+        pipe: Pipe,
+        stats: ChannelStats,
+        key: Optional[bytes],
+        *,
+        initiator: bool,
+        idle_timeout_s: float,
+        limiter: Optional[UploadLimiter] = None,
     ) -> None:
-        self.pipe, self.stats, self.idle_timeout_s = pipe, stats, idle_timeout_s
+        self.pipe, self.stats, self.idle_timeout_s, self.limiter = pipe, stats, idle_timeout_s, limiter
         self.cipher = AESGCM(key) if key is not None else None
         # Distinct nonce spaces per direction, so the two sides never reuse a (key, nonce) pair.
         self._send_dir, self._recv_dir = (b"\x00", b"\x01") if initiator else (b"\x01", b"\x00")
@@ -151,6 +189,8 @@ class Channel:
             raise CallFailed(f"connection failed: {e!r}") from None
 
     async def _send(self, data: bytes | memoryview) -> None:
+        if self.limiter is not None:
+            await self.limiter.acquire(len(data))
         try:
             await self.pipe.send(data)
         except (ConnectionError, OSError) as e:
@@ -210,14 +250,20 @@ class Channel:
         for start in range(0, len(view), RECORD_BYTES):
             await self.send_record(view[start : start + RECORD_BYTES])
 
-    async def recv_payload(self, length: int, into: Optional[memoryview] = None) -> bytearray | memoryview:
-        """`length` payload bytes, written into `into` when given (it must be exactly that long)."""
+    async def recv_payload(
+        self, length: int, into: Optional[memoryview] = None, hasher: Optional[Hasher] = None
+    ) -> bytearray | memoryview:
+        """`length` payload bytes, written into `into` when given (it must be exactly that long).
+        `hasher` sees every record right after it is decrypted, instead of a second pass over memory later."""
         out = memoryview(bytearray(length)) if into is None else into
         if len(out) != length:
             raise PeerProtocolError(f"payload of {length} bytes where {len(out)} were agreed")
         pos = 0
         while pos < length:
-            pos += await self.recv_record_into(out[pos : min(length, pos + RECORD_BYTES)])
+            n = await self.recv_record_into(out[pos : min(length, pos + RECORD_BYTES)])
+            if hasher is not None:
+                hasher.update(out[pos : pos + n])
+            pos += n
         return out.obj if into is None else out
 
     def close(self) -> None:

@@ -224,6 +224,9 @@ class RoundEngine:
             )  # fmt: skip
             t1 = time.monotonic()
             verdict = await vr.verify(vector, result.vector, result.own_rows, result.own_received, recompute)
+            if verdict.clean and result.recycle_rows is not None:  # nobody needs the parts as evidence
+                result.own_rows = None
+                result.recycle_rows()
             logger.debug(
                 f"round {spec.round_id.hex()[:8]}: commit {t_commit:.3f} s, data {result.duration_s:.3f} s, "
                 f"verify {time.monotonic() - t1:.3f} s"

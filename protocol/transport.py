@@ -19,14 +19,23 @@ import secrets
 import socket
 import time
 from dataclasses import dataclass
-from typing import Awaitable, Callable, Optional
+from typing import Awaitable, Callable, NamedTuple, Optional
 
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from google.protobuf.wrappers_pb2 import BytesValue
 from hivemind.p2p import P2P, P2PContext, PeerID, ServicerBase
 
 from aggregation.errors import PeerProtocolError, RoundAbortedError
-from protocol.channel import CallFailed, Channel, ChannelAuthError, ChannelStats, SocketPipe, StreamPipe
+from protocol.channel import (
+    CallFailed,
+    Channel,
+    ChannelAuthError,
+    ChannelStats,
+    Hasher,
+    SocketPipe,
+    StreamPipe,
+    UploadLimiter,
+)
 from security.wire import MAX_MESSAGE_BYTES, Address, WireModel, pack, unpack
 
 logger = logging.getLogger(__name__)
@@ -48,9 +57,18 @@ class Status(enum.IntEnum):
 
 
 Handler = Callable[[str, bytes, bytearray | memoryview], Awaitable[tuple[bytes, bytes | memoryview]]]
-# (peer, header, payload length) -> where the payload should land, or None for a fresh buffer;
-# raising PeerProtocolError refuses the call before a byte of payload is read
-Sink = Callable[[str, bytes, int], Awaitable[Optional[memoryview]]]
+
+
+class Landing(NamedTuple):
+    """Where a payload lands (None: a fresh buffer) and what hashes it on the way in."""
+
+    into: Optional[memoryview] = None
+    hasher: Optional[Hasher] = None
+
+
+# (peer, header, payload length) -> its Landing; raising PeerProtocolError refuses the call before a byte
+# of payload is read
+Sink = Callable[[str, bytes, int], Awaitable[Landing]]
 
 
 @dataclass
@@ -126,6 +144,7 @@ class Transport(ServicerBase):
         announce_hosts: Optional[list[str]] = None,
         idle_timeout_s: float = 60.0,
         connect_timeout_s: float = 3.0,
+        upload_limit_bytes_per_s: float = 0.0,
     ) -> None:
         self.p2p, self.namespace = p2p, namespace
         self.peer_id: str = p2p.peer_id.to_base58()
@@ -133,6 +152,8 @@ class Transport(ServicerBase):
         default_hosts = [direct_host] if direct_host not in (None, "0.0.0.0", "") else ["127.0.0.1"]
         self._announce_hosts = announce_hosts or default_hosts
         self.idle_timeout_s, self.connect_timeout_s = idle_timeout_s, connect_timeout_s
+        # bulk bytes (direct TCP and libp2p streams) share one uplink budget; small unary calls are not paced
+        self.limiter = UploadLimiter(upload_limit_bytes_per_s) if upload_limit_bytes_per_s > 0 else None
         self._methods: dict[str, _Method] = {}
         self._tickets: dict[bytes, _IssuedTicket] = {}
         self._listener: Optional[socket.socket] = None
@@ -170,6 +191,16 @@ class Transport(ServicerBase):
             raise ValueError(f"method {method!r} is already registered")
         self._methods[method] = _Method(handler, max_payload, sink)
 
+    async def wait_idle(self, timeout_s: float) -> bool:
+        """Wait until no served call is in flight (replies still being sent count); False on timeout.
+        Benchmarks read the byte counters at round boundaries only after this."""
+        deadline = time.monotonic() + timeout_s
+        while self._connections:
+            if time.monotonic() >= deadline:
+                return False
+            await asyncio.wait(set(self._connections), timeout=deadline - time.monotonic())
+        return True
+
     async def aclose(self) -> None:
         if self._accepting is not None:
             self._accepting.cancel()
@@ -199,12 +230,15 @@ class Transport(ServicerBase):
         timeout_s: float,
         expect_large_reply: bool = False,
         reply_into: Optional[memoryview] = None,
+        reply_hasher: Optional[Hasher] = None,
     ) -> tuple[bytes, bytearray | memoryview]:
         """Call `method` on `peer`; returns the reply's header and payload or raises CallFailed.
-        With `reply_into`, the reply payload must have exactly its length and is written there."""
+        With `reply_into`, the reply payload must have exactly its length and is written there;
+        `reply_hasher` is fed the reply payload as it arrives."""
+        reply = Landing(reply_into, reply_hasher)
         try:
             async with asyncio.timeout(timeout_s):
-                return await self._call(peer, method, header, payload, max_reply_payload, expect_large_reply, reply_into)
+                return await self._call(peer, method, header, payload, max_reply_payload, expect_large_reply, reply)
         except TimeoutError:
             self.stats.failed_calls += 1
             raise CallFailed(f"{method} to {peer[-8:]} timed out after {timeout_s:.1f} s") from None
@@ -212,23 +246,25 @@ class Transport(ServicerBase):
             self.stats.failed_calls += 1
             raise
 
-    async def _call(self, peer, method, header, payload, max_reply_payload, expect_large_reply, reply_into):
+    async def _call(self, peer, method, header, payload, max_reply_payload, expect_large_reply, landing: Landing):
         small = len(payload) <= SMALL_CALL_BYTES and not expect_large_reply and max_reply_payload <= SMALL_CALL_BYTES
         if small:
             reply_header, reply = await self._call_unary(peer, method, header, payload)
-            if reply_into is None:
+            if landing.hasher is not None:
+                landing.hasher.update(memoryview(reply))
+            if landing.into is None:
                 return reply_header, reply
-            if len(reply) != len(reply_into):
-                raise PeerProtocolError(f"{method} reply of {len(reply)} bytes, expected {len(reply_into)}", peer=peer)
-            reply_into[:] = reply
-            return reply_header, reply_into
+            if len(reply) != len(landing.into):
+                raise PeerProtocolError(f"{method} reply of {len(reply)} bytes, expected {len(landing.into)}", peer=peer)
+            landing.into[:] = reply
+            return reply_header, landing.into
         channel = None
         if self.prefer_direct and self._direct_unreachable_until.get(peer, 0.0) < time.monotonic():
             channel = await self._open_direct(peer)
         if channel is None:
             channel = await self._open_stream(peer)
         try:
-            return await self._exchange(channel, peer, method, header, payload, max_reply_payload, reply_into)
+            return await self._exchange(channel, peer, method, header, payload, max_reply_payload, landing)
         finally:
             channel.close()
 
@@ -271,7 +307,7 @@ class Transport(ServicerBase):
                 pipe.close()
                 continue
             self.stats.direct_calls += 1
-            return Channel(pipe, self.stats, ticket.key, initiator=True, idle_timeout_s=self.idle_timeout_s)
+            return Channel(pipe, self.stats, ticket.key, initiator=True, idle_timeout_s=self.idle_timeout_s, limiter=self.limiter)
         self._direct_unreachable_until[peer] = time.monotonic() + 300.0
         logger.info(f"peer {peer[-8:]} is not reachable directly; using libp2p streams for 5 min")
         return None
@@ -282,16 +318,16 @@ class Transport(ServicerBase):
         except Exception as e:
             raise CallFailed(f"libp2p stream to {peer[-8:]} failed: {e!r}") from None
         self.stats.stream_calls += 1
-        return Channel(StreamPipe(reader, writer), self.stats, None, initiator=True, idle_timeout_s=self.idle_timeout_s)
+        return Channel(StreamPipe(reader, writer), self.stats, None, initiator=True, idle_timeout_s=self.idle_timeout_s, limiter=self.limiter)
 
-    async def _exchange(self, channel: Channel, peer, method, header, payload, max_reply_payload, reply_into):
+    async def _exchange(self, channel: Channel, peer, method, header, payload, max_reply_payload, landing: Landing):
         head = pack(_CallHeader(method=method, header=header, payload_len=len(payload)))
         await channel.send_message(head, payload)
         reply = unpack(await channel.recv_small(MAX_MESSAGE_BYTES), _ReplyHeader, peer=peer)
         _raise_for_status(reply.status, reply.reason, method, peer)
         if not 0 <= reply.payload_len <= max_reply_payload:
             raise PeerProtocolError(f"{method} reply of {reply.payload_len} bytes exceeds {max_reply_payload}", peer=peer)
-        return reply.header, await channel.recv_payload(reply.payload_len, into=reply_into)
+        return reply.header, await channel.recv_payload(reply.payload_len, landing.into, landing.hasher)
 
     # ---- serving ----------------------------------------------------------------------------
 
@@ -346,7 +382,7 @@ class Transport(ServicerBase):
             if ticket is None or ticket.expires_at < time.monotonic():
                 logger.debug("direct connection with an unknown or expired ticket refused")
                 return
-            channel = Channel(pipe, self.stats, ticket.key, initiator=False, idle_timeout_s=self.idle_timeout_s)
+            channel = Channel(pipe, self.stats, ticket.key, initiator=False, idle_timeout_s=self.idle_timeout_s, limiter=self.limiter)
             await self._serve_channel(ticket.peer, channel)
         except (CallFailed, TimeoutError, OSError):
             pass
@@ -357,7 +393,7 @@ class Transport(ServicerBase):
         task = asyncio.current_task()
         self._connections.add(task)
         try:
-            channel = Channel(StreamPipe(reader, writer), self.stats, None, initiator=False, idle_timeout_s=self.idle_timeout_s)
+            channel = Channel(StreamPipe(reader, writer), self.stats, None, initiator=False, idle_timeout_s=self.idle_timeout_s, limiter=self.limiter)
             await self._serve_channel(stream_info.peer_id.to_base58(), channel)
         finally:
             writer.close()
@@ -398,14 +434,17 @@ class Transport(ServicerBase):
         if not 0 <= payload_len <= entry.max_payload:
             raise PeerProtocolError(f"{method} payload of {payload_len} bytes exceeds {entry.max_payload}", peer=peer)
         try:
-            into = await entry.sink(peer, header, payload_len) if entry.sink is not None else None
+            into, hasher = await entry.sink(peer, header, payload_len) if entry.sink is not None else Landing()
             if channel is not None:
-                payload = await channel.recv_payload(payload_len, into=into)
-            elif into is not None:
-                into[:] = payload
-                payload = into
+                payload = await channel.recv_payload(payload_len, into, hasher)
             else:
-                payload = bytearray(payload)
+                if hasher is not None:
+                    hasher.update(memoryview(payload))
+                if into is not None:
+                    into[:] = payload
+                    payload = into
+                else:
+                    payload = bytearray(payload)
             reply_header, reply_payload = await entry.handler(peer, header, payload)
         except (PeerProtocolError, CallFailed):
             raise

@@ -30,6 +30,11 @@ def part_hash(data: bytes | bytearray | memoryview) -> bytes:
     return blake3.blake3(data).digest()
 
 
+def part_hasher() -> blake3.blake3:
+    """part_hash fed piece by piece (`update`, then `digest`): hashes received bytes while they are in cache."""
+    return blake3.blake3()
+
+
 def members_digest(members: list[str] | tuple[str, ...]) -> bytes:
     return hashlib.sha256("\n".join(members).encode()).digest()
 

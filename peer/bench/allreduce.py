@@ -115,6 +115,7 @@ def _run_phalanx(args) -> dict[str, Any]:
         direct=not args.no_direct,
         verify=args.verify,
         phase_timeout_s=60.0,
+        upload_limit_mbps=args.upload_mbps,
     )
 
     async def main() -> dict[str, Any]:
@@ -145,7 +146,8 @@ def _run_phalanx(args) -> dict[str, Any]:
                 vectors.update({r: _worker_tensor(r, args.numel) for r in range(args.world)})
             sent0, cpu0 = 0, 0.0
             for r in range(args.rounds + 1):
-                if r == 1:
+                if r == 1:  # the warm-up round's last replies are sent by now: count none of them
+                    await node.transport.wait_idle(30.0)
                     sent0, cpu0 = node.transport.stats.bytes_sent, time.process_time()
                 started = time.perf_counter()
                 outcome = await engine.run_round(base, recompute=recompute if args.verify else None)
@@ -155,13 +157,14 @@ def _run_phalanx(args) -> dict[str, Any]:
                 if r:
                     data.append(outcome.result.duration_s)
                     rounds.append(time.perf_counter() - started)
+            await node.transport.wait_idle(30.0)  # and every reply of the last round is counted
+            per_round = (node.transport.stats.bytes_sent - sent0) / args.rounds
+            cpu = (time.process_time() - cpu0) / args.rounds  # this process only (not its p2pd daemon)
             error = float("nan")
             if args.aggregator == "mean":
                 error = (outcome.result.vector - _expected_mean(args.world, args.numel)).abs().max().item()
             if args.verify and outcome.verdict.banned:
                 raise RuntimeError(f"an honest benchmark round banned {outcome.verdict.banned}")
-            per_round = (node.transport.stats.bytes_sent - sent0) / args.rounds
-            cpu = (time.process_time() - cpu0) / args.rounds
             return {"data_s": data, "round_s": rounds, "error": error, "bytes_sent": per_round, "cpu_s": cpu}
         finally:
             await node.aclose()
@@ -182,6 +185,7 @@ def worker_main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("--aggregator-params", default="")
     parser.add_argument("--no-direct", action="store_true")
     parser.add_argument("--verify", action="store_true")
+    parser.add_argument("--upload-mbps", type=float, default=0.0)
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     result = {"phalanx": _run_phalanx, "hivemind": _run_hivemind, "gloo": _run_gloo}[args.impl](args)
@@ -240,6 +244,7 @@ def run_case(impl: str, world: int, numel: int, rounds: int, *, extra: Optional[
     data = [max(r["data_s"][i] for r in results) for i in range(rounds)]  # the slowest worker finishes the round
     total = [max(r["round_s"][i] for r in results) for i in range(rounds)]
     sent = [r["bytes_sent"] for r in results if r["bytes_sent"] is not None]
+    cpu = [r["cpu_s"] for r in results if r.get("cpu_s") is not None]
     return {
         "impl": impl if not extra else f"{impl} {' '.join(extra)}",
         "peers": world,
@@ -248,6 +253,7 @@ def run_case(impl: str, world: int, numel: int, rounds: int, *, extra: Optional[
         "round_s": statistics.median(total),
         "max_error": max(r["error"] for r in results),
         "bytes_sent_per_peer": statistics.mean(sent) if sent else None,
+        "cpu_s_per_peer": statistics.mean(cpu) if cpu else None,
     }
 
 
@@ -288,43 +294,59 @@ def run_allreduce_bench(peers: list[int], numel: int, rounds: int, impls: list[s
     return rows
 
 
-VERIFY_CASES = (
-    ("plain mean", ["--aggregator", "mean"]),
-    ("CenteredClip", ["--aggregator", "centered_clip", "--aggregator-params", "tau=1"]),
-    ("CenteredClip + verification", ["--aggregator", "centered_clip", "--aggregator-params", "tau=1", "--verify"]),
+VERIFY_CASES = (  # (label, worker flags); "mean" is the reference of every ratio
+    ("mean", ["--aggregator", "mean"]),
+    ("CClip", ["--aggregator", "centered_clip", "--aggregator-params", "tau=1"]),
+    ("CClip+verify", ["--aggregator", "centered_clip", "--aggregator-params", "tau=1", "--verify"]),
 )
 
 
-def run_verify_bench(peers: list[int], numel: int, rounds: int, console=None) -> list[dict[str, Any]]:
-    """Plain mean vs CenteredClip vs CenteredClip with full BTARD verification, whole rounds."""
+def run_verify_bench(
+    peers: list[int], numel: int, rounds: int, upload_mbps: tuple[float, ...] = (0.0,), console=None
+) -> list[dict[str, Any]]:
+    """Plain mean vs CenteredClip vs CenteredClip with full BTARD verification, whole rounds.
+
+    `upload_mbps` repeats the comparison with every peer's uploads capped (0: loopback, uncapped).
+    On loopback moving 10M floats costs almost nothing, so the verification's fixed costs (hashing,
+    projections, four small all-to-all phases) weigh most there; "CPU s/peer" is each peer process's
+    own CPU time per round, which does not depend on how many peers share the machine's cores.
+    """
     from rich.console import Console
     from rich.table import Table
 
     console = console or Console()
     rows = []
-    for world in peers:
-        for label, extra in VERIFY_CASES:
-            console.print(f"running {label} with {world} peers × {numel:,} float32 ({rounds} timed rounds)…")
-            row = run_case("phalanx", world, numel, rounds, extra=extra)
-            row["label"] = label
-            rows.append(row)
+    for limit in upload_mbps:
+        for world in peers:
+            for label, extra in VERIFY_CASES:
+                link = f", uploads capped at {limit:g} Mbit/s" if limit else ""
+                console.print(f"running {label} with {world} peers × {numel:,} float32{link} ({rounds} timed rounds)…")
+                row = run_case("phalanx", world, numel, rounds, extra=extra + (["--upload-mbps", str(limit)] if limit else []))
+                row["label"], row["upload_mbps"] = label, limit
+                rows.append(row)
     table = Table(title=f"verification cost, {numel:,} float32 per peer on loopback (median of {rounds} rounds)")
-    for col in ("peers", "round", "round s", "× mean time", "MB sent/peer", "× mean bytes"):
-        table.add_column(col, justify="right")
-    for world in peers:
-        base = next(r for r in rows if r["peers"] == world and r["label"] == "plain mean")
-        for r in (x for x in rows if x["peers"] == world):
-            table.add_row(
-                str(world), r["label"], f"{r['round_s']:.3f}", f"{r['round_s'] / base['round_s']:.2f}",
-                f"{r['bytes_sent_per_peer'] / 1e6:.1f}", f"{r['bytes_sent_per_peer'] / base['bytes_sent_per_peer']:.3f}",
-            )  # fmt: skip
+    for col in ("uplink", "peers", "round", "s/round", "× mean", "CPU s/peer", "× mean", "MB/peer", "× mean"):
+        table.add_column(col, justify="right", no_wrap=True)
+    verdicts = []
+    for limit in upload_mbps:
+        for world in peers:
+            group = [r for r in rows if r["peers"] == world and r["upload_mbps"] == limit]
+            base = next(r for r in group if r["label"] == "mean")
+            for r in group:
+                table.add_row(
+                    f"{limit:g} Mbit/s" if limit else "∞", str(world), r["label"], f"{r['round_s']:.3f}",
+                    f"{r['round_s'] / base['round_s']:.2f}", f"{r['cpu_s_per_peer']:.3f}",
+                    f"{r['cpu_s_per_peer'] / base['cpu_s_per_peer']:.2f}", f"{r['bytes_sent_per_peer'] / 1e6:.1f}",
+                    f"{r['bytes_sent_per_peer'] / base['bytes_sent_per_peer']:.3f}",
+                )  # fmt: skip
+            full = next(r for r in group if r["label"].endswith("verify"))
+            t, b = full["round_s"] / base["round_s"], full["bytes_sent_per_peer"] / base["bytes_sent_per_peer"]
+            verdict = "met" if t <= 1.3 and b <= 1.05 else "NOT met"
+            link = f"uploads capped at {limit:g} Mbit/s" if limit else "uncapped loopback"
+            verdicts.append(f"goal at {world} peers, {link}: time ≤ 1.3× and bytes ≤ 1.05× plain mean — {t:.2f}× and {b:.3f}×: {verdict}")
     console.print(table)
-    for world in peers:
-        base = next(r for r in rows if r["peers"] == world and r["label"] == "plain mean")
-        full = next(r for r in rows if r["peers"] == world and r["label"].endswith("verification"))
-        t, b = full["round_s"] / base["round_s"], full["bytes_sent_per_peer"] / base["bytes_sent_per_peer"]
-        verdict = "met" if t <= 1.3 and b <= 1.05 else "NOT met"
-        console.print(f"goal at {world} peers: time ≤ 1.3× and bytes ≤ 1.05× plain mean — {t:.2f}× and {b:.3f}×: {verdict}")
+    for line in verdicts:
+        console.print(line)
     return rows
 
 

@@ -6,7 +6,6 @@ import dataclasses
 import gzip
 import importlib
 import sys
-import textwrap
 import types
 from collections.abc import Callable
 from pathlib import Path

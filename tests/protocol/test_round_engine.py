@@ -13,7 +13,7 @@ import torch
 from protocol.config import Codec, MatchmakingConfig, RoundConfig
 from protocol.engine import Averaged
 from protocol.partition import partition_bounds
-from swarm_fixture import open_peer, open_swarm
+from swarm_fixture import open_swarm
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 HERE = Path(__file__).parent

@@ -7,7 +7,9 @@ import pytest
 from hivemind.p2p import P2P
 
 from aggregation.errors import PeerProtocolError, RoundAbortedError
-from protocol.transport import HELLO_MAGIC, CallFailed, Status, Transport
+from protocol.channel import UploadLimiter
+from protocol.transport import HELLO_MAGIC, CallFailed, Landing, Status, Transport
+from security.commitments import part_hash, part_hasher
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -60,6 +62,99 @@ def test_every_path_delivers_the_same_bytes():
             tb.prefer_direct = False
             _, reply = await tb.call(ta.peer_id, "echo", b"h", big, max_reply_payload=4 << 20, timeout_s=30)
             assert bytes(reply) == big and tb.stats.stream_calls == 1
+        finally:
+            await _close(a, b, ta, tb)
+
+    asyncio.run(main())
+
+
+def test_payloads_are_hashed_on_the_way_in_on_every_path():
+    """Verified rounds check parts and aggregates against hashes the transport computes record by record."""
+
+    async def main():
+        a, b, ta, tb = await _pair()
+        seen: list = []
+
+        async def sink(peer, header, length):
+            seen.append(part_hasher())
+            return Landing(None, seen[-1])
+
+        async def handler(peer, header, payload):
+            return b"", bytes(reversed(payload))
+
+        ta.register("hashed", handler, max_payload=64 << 20, sink=sink)
+        try:
+            for size, direct in ((1000, True), (3 << 20, True), (3 << 20, False)):
+                tb.prefer_direct = direct
+                data = os.urandom(size)
+                reply_hasher = part_hasher()
+                _, reply = await tb.call(
+                    ta.peer_id, "hashed", b"", data, max_reply_payload=size, timeout_s=30, reply_hasher=reply_hasher
+                )
+                assert seen[-1].digest() == part_hash(data)
+                assert reply_hasher.digest() == part_hash(bytes(reversed(data))) == part_hash(reply)
+            assert (tb.stats.unary_calls, tb.stats.direct_calls, tb.stats.stream_calls) == (1, 1, 1)
+        finally:
+            await _close(a, b, ta, tb)
+
+    asyncio.run(main())
+
+
+def test_upload_limiter_paces_sends_to_its_rate(monkeypatch):
+    """A fake clock: the limiter asks to sleep exactly as long as the bytes beyond its burst take at its rate."""
+    clock = [100.0]
+    slept: list[float] = []
+
+    async def fake_sleep(seconds):
+        slept.append(seconds)
+        clock[0] += seconds
+
+    monkeypatch.setattr("protocol.channel.time.monotonic", lambda: clock[0])
+    monkeypatch.setattr("protocol.channel.asyncio.sleep", fake_sleep)
+    limiter = UploadLimiter(10e6)  # 10 MB/s
+
+    async def main():
+        for _ in range(30):
+            await limiter.acquire(1 << 20)
+
+    asyncio.run(main())
+    total = 30 * (1 << 20)
+    assert sum(slept) == pytest.approx((total - limiter.burst) / 10e6, rel=1e-9)
+    clock[0] += 60.0  # an idle minute refills only the burst, not a minute's worth
+    slept.clear()
+    asyncio.run(limiter.acquire(int(limiter.burst)))
+    assert slept == []
+    asyncio.run(limiter.acquire(1 << 20))
+    assert sum(slept) == pytest.approx((1 << 20) / 10e6, rel=1e-9)
+    with pytest.raises(ValueError):
+        UploadLimiter(0)
+
+
+def test_upload_cap_covers_every_bulk_byte_sent():
+    async def main():
+        a = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+        b = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=await a.get_visible_maddrs())
+        ta = await Transport.open(a, namespace="t", direct_host="127.0.0.1")
+        tb = await Transport.open(b, namespace="t", direct_host="127.0.0.1", upload_limit_bytes_per_s=200e6)
+        paced = [0]
+        acquire = tb.limiter.acquire
+
+        async def counting(size):
+            paced[0] += size
+            await acquire(size)
+
+        tb.limiter.acquire = counting
+
+        async def sink_hole(peer, header, payload):
+            return b"", b""
+
+        ta.register("hole", sink_hole, max_payload=64 << 20)
+        try:
+            for direct in (True, False):
+                tb.prefer_direct = direct
+                before, paced[0] = tb.stats.bytes_sent, 0
+                await tb.call(ta.peer_id, "hole", b"", os.urandom(3 << 20), max_reply_payload=0, timeout_s=30)
+                assert paced[0] == tb.stats.bytes_sent - before >= 3 << 20
         finally:
             await _close(a, b, ta, tb)
 
