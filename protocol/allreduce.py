@@ -59,6 +59,8 @@ class PartGuard(Protocol):
     def sign_aggregate(self, part: int, payload: bytes | memoryview, contributors: list[int]) -> bytes: ...
     def reply_for(self, receiver: int, header: bytes, payload: bytes | memoryview) -> tuple[bytes, bytes | memoryview]: ...
     def accept_aggregate(self, part: int, payload: bytes | memoryview, header: AggregateHeader, digest: bytes) -> None: ...
+    def landed(self, part: int, value: torch.Tensor, rows: Optional[torch.Tensor] = None, received: list[int] = ...) -> None:
+        """`value` is part `part`'s final aggregate; for this peer's own part also the rows it came from."""
 
 
 @dataclass(frozen=True)
@@ -267,6 +269,8 @@ class AllReduceService:
             guard.accept_aggregate(j, reply, head, hasher.digest())
         if not raw:
             out.copy_(decode(reply, spec.codec, part.numel(), peer=spec.members[j]))
+        if guard is not None:
+            guard.landed(j, out)
 
     async def _reduce(self, reduction: _Reduction) -> torch.Tensor:
         remaining = reduction.spec.deadline - time.monotonic()
@@ -300,6 +304,8 @@ class AllReduceService:
         # what we send is what the others decode: keep our own part bit-identical to theirs
         if reduction.spec.codec is not Codec.NONE:
             value = decode(reduction.encoded[1], reduction.spec.codec, value.numel())
+        if reduction.guard is not None:
+            reduction.guard.landed(reduction.my_index, value, rows, got)
         return value
 
     async def _checked_part(self, peer: str, header: bytes) -> tuple[PartHeader, _Reduction, int]:

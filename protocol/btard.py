@@ -15,6 +15,7 @@ same verdicts and keep the same state version.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 import time
@@ -44,7 +45,16 @@ from security.commitments import (
 )
 from security.evidence import BanVote, Offense, RevealBody, Vote, banned, check_self_contained
 from security.identity import Identity
-from security.projection import direction, fixed_point_holds, recompute, report, report_matches
+from security.projection import (
+    clipped_reports,
+    differences,
+    direction,
+    fixed_point_holds,
+    project_differences,
+    recompute,
+    report,
+    report_matches,
+)
 from security.statements import Signed, Statement, open_statement, sign_statement
 from security.wire import PeerIdStr, RoundId, WireModel, pack, unpack
 
@@ -116,7 +126,16 @@ class BtardService:
     def __init__(self, transport: Transport, exchange: ExchangeService, identity: Identity) -> None:
         self.transport, self.exchange, self.identity = transport, exchange, identity
         self._held: dict[bytes, _Held] = {}
+        self._scratch: dict[tuple[int, ...], torch.Tensor] = {}  # fresh memory costs page faults every round
         transport.register(EVIDENCE_METHOD, self._serve_evidence, max_payload=0)
+
+    def scratch(self, *shape: int) -> torch.Tensor:
+        """A float32 work buffer of `shape`; hand it back with `return_scratch` when no thread uses it."""
+        buf = self._scratch.pop(shape, None)
+        return torch.empty(shape) if buf is None else buf
+
+    def return_scratch(self, buf: torch.Tensor) -> None:
+        self._scratch[tuple(buf.shape)] = buf
 
     def hold(self, round_id: bytes, held: _Held) -> None:
         self._held[round_id] = held
@@ -164,8 +183,10 @@ class VerifiedRound:
         codec: Codec,
         config: VerifyConfig,
         behavior: Behavior,
+        vector: torch.Tensor,
     ) -> None:
         self.service, self.identity = service, service.identity
+        self.vector = vector  # this member's committed contribution (flat, CPU float32)
         self.round_id, self.members, self.group_statement = round_id, members, group_statement
         self.bounds, self.codec, self.config, self.behavior = bounds, codec, config, behavior
         self.me = members.index(self.identity.peer_id)
@@ -179,6 +200,11 @@ class VerifiedRound:
         self.accusations: list[Accusation] = []
         self.signed_aggregates: dict[int, dict[bytes, Signed]] = {}  # part -> hash -> the reducer's statement
         self.proofs: dict[str, tuple[Offense, list[Signed]]] = {}  # self-contained proofs found locally
+        # seed-independent halves of the projections, computed as aggregates land (x − v and ‖x − v‖)
+        self._diffs: Optional[torch.Tensor] = None  # (numel,): this member's part minus each aggregate
+        self._norms: dict[int, asyncio.Future] = {}  # part -> ‖x − v‖ of this member's contribution
+        self._row_diffs: Optional[torch.Tensor] = None  # (k, part): every received row minus our aggregate
+        self._row_norms: Optional[asyncio.Future] = None
 
     @property
     def committed(self) -> set[str]:
@@ -195,7 +221,8 @@ class VerifiedRound:
 
     async def commit(self, payloads: list[bytes | memoryview]) -> None:
         """Commit to the exact bytes of every part; afterwards `committed` lists who may take part."""
-        self.my_hashes = [part_hash(p) for p in payloads]
+        loop = asyncio.get_running_loop()  # BLAKE3 releases the GIL: hash the parts side by side, off the loop
+        self.my_hashes = list(await asyncio.gather(*(loop.run_in_executor(None, part_hash, p) for p in payloads)))
         self.payloads[self.identity.peer_id] = payloads[self.me]  # a view of the vector, which outlives the round
         body = CommitBody(
             members=members_digest(self.members),
@@ -270,6 +297,21 @@ class VerifiedRound:
         self.aggregates[part] = (signed, body)
         self.signed_aggregates.setdefault(part, {})[body.hash] = signed
 
+    def landed(self, part: int, value: torch.Tensor, rows: Optional[torch.Tensor] = None, received=()) -> None:
+        """Aggregate `part` is final (as this member will apply it): start the seed-independent work
+        off the event loop while other parts are still moving."""
+        loop = asyncio.get_running_loop()
+        if self.me in self.aggregates_contributors(part):
+            if self._diffs is None:
+                self._diffs = self.service.scratch(self.vector.numel())
+            a, b = self.bounds[part]
+            self._norms[part] = loop.run_in_executor(
+                None, differences, self._as_sent(self.vector, part).view(1, -1), value, self._diffs[a:b].view(1, -1)
+            )
+        if rows is not None:
+            self._row_diffs = self.service.scratch(*rows.shape)
+            self._row_norms = loop.run_in_executor(None, differences, rows, value, self._row_diffs)
+
     # ---- phase 6: verify and judge ------------------------------------------------------------
 
     async def verify(
@@ -282,16 +324,40 @@ class VerifiedRound:
     ) -> Verdict:
         """Run reveal, report, validation, accusation and voting; returns who is banned and which
         aggregates must not be applied. `vector` is this member's contribution, `output` the gathered result."""
+        try:
+            return await self._verify(vector, output, own_rows, own_received, recompute_fn)
+        finally:
+            pending = list(self._norms.values()) + ([self._row_norms] if self._row_norms is not None else [])
+            await asyncio.gather(*pending, return_exceptions=True)  # no thread may still write the buffers
+            for buf in (self._diffs, self._row_diffs):
+                if buf is not None:
+                    self.service.return_scratch(buf)
+            self._diffs = self._row_diffs = None
+
+    async def _verify(self, vector, output, own_rows, own_received, recompute_fn) -> Verdict:
         own_part = self.me
         self.service.hold(self.round_id, _Held(own_part, dict(self.payloads)))
         t0 = time.monotonic()
         seed, revealed = await self._reveal()
         t1 = time.monotonic()
-        reports = await self._report(seed, vector, output)
-        t2 = time.monotonic()
+        # What needs only the seed runs while the reports travel: the reducer's own projections of
+        # every part it received (off the event loop) and the validator's recomputation.
+        loop = asyncio.get_running_loop()
+        truth = None
         if own_rows is not None:
-            self._check_reports_as_reducer(seed, reports, output, own_rows, own_received)
-        await self._validate(seed, recompute_fn)
+            norms = await self._row_norms if self._row_norms is not None else None
+            truth = loop.run_in_executor(None, self._reducer_truth, seed, output, own_rows, own_received, norms)
+        validating = asyncio.ensure_future(self._validate(seed, recompute_fn))
+        try:
+            reports = await self._report(seed, vector, output)
+            t2 = time.monotonic()
+            if truth is not None:
+                self._check_reports_as_reducer(reports, own_received, await truth)
+            await validating
+        finally:
+            validating.cancel()
+            if truth is not None:
+                await asyncio.gather(truth, return_exceptions=True)  # never leave a thread reading the rows
         suspects = self._suspects_anything(seed, reports, output, revealed)
         t3 = time.monotonic()
         accusations, anyone_suspects = await self._accuse(suspects)
@@ -371,13 +437,26 @@ class VerifiedRound:
         a, b = self.bounds[part]
         return decode(bytearray(data), self.codec, b - a, peer=peer).clone()
 
-    async def _report(self, seed: bytes, vector: torch.Tensor, output: torch.Tensor) -> dict[str, tuple[Signed, ReportBody]]:
-        entries = []
+    def _own_reports(self, seed, vector, output, norms: dict[int, torch.Tensor]) -> list[tuple[int, float, float]]:
+        """(part, s, norm) of this member's contribution to every aggregate that counted it."""
+        out = []
         for part in range(len(self.members)):
             if self.me not in self.aggregates_contributors(part):
                 continue
             a, b = self.bounds[part]
-            s, norm = report(self._as_sent(vector, part), output[a:b], direction(seed, part, b - a), self.config.tau)
+            z = direction(seed, part, b - a)
+            if part in norms:  # x − v was formed as the aggregate landed
+                s = clipped_reports(project_differences(self._diffs[a:b].view(1, -1), z), norms[part], self.config.tau)
+                out.append((part, float(s[0]), float(norms[part][0])))
+            else:
+                out.append((part, *report(self._as_sent(vector, part), output[a:b], z, self.config.tau)))
+        return out
+
+    async def _report(self, seed: bytes, vector: torch.Tensor, output: torch.Tensor) -> dict[str, tuple[Signed, ReportBody]]:
+        entries = []
+        norms = {part: await future for part, future in self._norms.items()}
+        own = await asyncio.get_running_loop().run_in_executor(None, self._own_reports, seed, vector, output, norms)
+        for part, s, norm in own:
             s, norm = self.behavior.reported(s, norm)
             entries.append(ReportEntry(part=part, aggregate=self.aggregates[part][1].hash, s=s, norm=norm))
         mine_signed = sign_statement(self.identity, "report", self.round_id, ReportBody(entries=entries))
@@ -425,14 +504,20 @@ class VerifiedRound:
             return list(self.aggregates[part][1].contributors)
         return []
 
-    def _check_reports_as_reducer(self, seed, reports, output, own_rows, own_received) -> None:
-        part = self.me
-        a, b = self.bounds[part]
-        z = direction(seed, part, b - a)
+    def _reducer_truth(self, seed, output, own_rows, own_received, norms) -> tuple[torch.Tensor, torch.Tensor]:
+        """(s, norm) of every part this reducer received, from the exact rows it aggregated."""
+        a, b = self.bounds[self.me]
+        z = direction(seed, self.me, b - a)
+        if norms is not None and self._row_diffs is not None and len(norms) == len(own_received):
+            return clipped_reports(project_differences(self._row_diffs, z), norms, self.config.tau), norms
         received = list(own_received)
         rows = own_rows if len(received) == own_rows.shape[0] else own_rows[received]  # no copy when all arrived
-        s_true, n_true = recompute(rows, output[a:b], z, self.config.tau)
-        for k, i in enumerate(received):
+        return recompute(rows, output[a:b], z, self.config.tau)
+
+    def _check_reports_as_reducer(self, reports, own_received, truth) -> None:
+        part = self.me
+        s_true, n_true = truth
+        for k, i in enumerate(own_received):
             peer = self.members[i]
             if peer == self.identity.peer_id:
                 continue
@@ -471,9 +556,10 @@ class VerifiedRound:
         """Recompute `target`'s gradient; parts whose hash differs are fetched and compared within tolerance."""
         honest = (await recompute_fn(target)).detach().float().cpu()
         _, commit = self.commits[target]
+        loop = asyncio.get_running_loop()
         for part, (a, b) in enumerate(self.bounds):
             mine = encode(honest[a:b], self.codec)
-            if part_hash(mine) == commit.parts[part]:
+            if await loop.run_in_executor(None, part_hash, mine) == commit.parts[part]:
                 continue  # bit-identical recomputation
             try:
                 data = await self.service.fetch_part(

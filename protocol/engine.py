@@ -208,6 +208,7 @@ class RoundEngine:
                 codec=spec.codec,
                 config=self.config.verify,
                 behavior=self.behavior,
+                vector=vector,
             )
             t0 = time.monotonic()
             await vr.commit([encode(vector[a:b], spec.codec) for a, b in spec.bounds])

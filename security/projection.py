@@ -39,7 +39,8 @@ class Direction:
         single = diff.dim() == 1
         rows = diff.reshape(1, -1) if single else diff
         full = (self.numel // BLOCK) * BLOCK
-        per_block = rows[:, :full].reshape(rows.shape[0], -1, BLOCK) @ self.u  # (k, full blocks) float32
+        # row by row: a (k, blocks, BLOCK) batch with a tail between rows would be copied by matmul
+        per_block = torch.stack([row[:full].view(-1, BLOCK) @ self.u for row in rows])  # (k, full blocks) float32
         total = per_block.double() @ self.signs[: per_block.shape[1]]
         if full < self.numel:
             tail = rows[:, full:] @ self.u[: self.numel - full]
@@ -66,50 +67,46 @@ def clip_factor(norm: Tensor | float, tau: float) -> Tensor | float:
     return 1.0 if norm <= 0 else min(1.0, tau / norm)
 
 
-CHUNK_BLOCKS = 64  # blocks per pass of the fused loop: the difference x − v stays in cache
+def differences(rows: Tensor, v: Tensor, out: Tensor) -> Tensor:
+    """The half of a report that needs no seed: writes x_i − v into `out` (k, numel) float32 and returns
+    ‖x_i − v‖ (k,) float64. Reducers and reporters run it while the data phase still moves bytes.
 
-
-def _projections_and_norms(rows: Tensor, v: Tensor, z: Direction) -> tuple[Tensor, Tensor]:
-    """(⟨z, x_i − v⟩, ‖x_i − v‖) for every row x_i of rows (k, numel), float64 (k,) each.
-
-    One fused pass in chunks: x − v is formed a chunk at a time (never the whole (k, numel)
-    difference), dotted with u block by block and its per-block norms taken in float32, then
-    the per-block results are combined in float64 — the same code for reporters and reducers,
-    so their numbers agree to rounding.
+    Norms are taken per block in float32 and summed in float64, so that reporters, reducers and
+    judges get the same numbers up to rounding. Whole-tensor ops, not a Python loop over chunks:
+    this runs in worker threads, and every op is a round trip through the GIL.
     """
     k, numel = rows.shape
-    v = v.float()
-    proj = torch.zeros(k, dtype=torch.float64, device=rows.device)
+    torch.sub(rows.float(), v.float(), out=out)
+    full = numel // BLOCK * BLOCK
     sumsq = torch.zeros(k, dtype=torch.float64, device=rows.device)
-    step = CHUNK_BLOCKS * BLOCK
-    buf = torch.empty(k, min(step, max(numel, 1)), dtype=torch.float32, device=rows.device)
-    for start in range(0, numel, step):
-        end = min(numel, start + step)
-        diff = buf[:, : end - start]
-        torch.sub(rows[:, start:end].float(), v[start:end], out=diff)
-        full = (end - start) // BLOCK * BLOCK
-        first = start // BLOCK
-        if full:
-            blocks = diff[:, :full].reshape(k, -1, BLOCK)  # (k, nb, BLOCK)
-            proj += (blocks @ z.u).double() @ z.signs[first : first + blocks.shape[1]]
-            sumsq += torch.linalg.vector_norm(blocks, dim=-1).double().square().sum(-1)
-        if full < end - start:  # the part's last, partial block
-            tail = diff[:, full:]
-            proj += (tail @ z.u[: tail.shape[1]]).double() * z.signs[first + full // BLOCK]
-            sumsq += torch.linalg.vector_norm(tail, dim=-1).double().square()
-    return proj / math.sqrt(z.signs.numel()), sumsq.sqrt()
+    if full:
+        sumsq += torch.linalg.vector_norm(out[:, :full].reshape(k, -1, BLOCK), dim=-1).double().square().sum(-1)
+    if full < numel:  # the part's last, partial block
+        sumsq += torch.linalg.vector_norm(out[:, full:], dim=-1).double().square()
+    return sumsq.sqrt()
+
+
+def project_differences(diff: Tensor, z: Direction) -> Tensor:
+    """⟨z, d_i⟩ (k,) float64 for every row d_i of `diff` (k, numel): one read, once the seed is known."""
+    return z.project(diff)
+
+
+def clipped_reports(proj: Tensor, norms: Tensor, tau: float) -> Tensor:
+    """s_i = min(1, τ/‖x_i − v‖)·⟨z, x_i − v⟩, float64 (k,)."""
+    return clip_factor(norms, tau) * proj
 
 
 def report(x: Tensor, v: Tensor, z: Direction, tau: float) -> tuple[float, float]:
     """A contributor's (s, ‖x − v‖) for its part x (numel,) against the aggregate v."""
-    proj, norm = _projections_and_norms(x.reshape(1, -1), v, z)
-    return float(clip_factor(norm, tau)[0] * proj[0]), float(norm[0])
+    s, norms = recompute(x.reshape(1, -1), v, z, tau)
+    return float(s[0]), float(norms[0])
 
 
 def recompute(rows: Tensor, v: Tensor, z: Direction, tau: float) -> tuple[Tensor, Tensor]:
-    """The reducer's (s, norms) for every row (k, numel) it received: float64 (k,) each."""
-    proj, norms = _projections_and_norms(rows, v, z)
-    return clip_factor(norms, tau) * proj, norms
+    """(s, norms) float64 (k,) each for every row (k, numel), in one go (judges; tests)."""
+    diff = torch.empty(rows.shape, dtype=torch.float32, device=rows.device)
+    norms = differences(rows, v, diff)
+    return clipped_reports(project_differences(diff, z), norms, tau), norms
 
 
 def report_matches(reported: tuple[float, float], true: tuple[float, float], tau: float) -> bool:
