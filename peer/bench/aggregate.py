@@ -25,6 +25,7 @@ from rich.table import Table
 
 from aggregation.errors import ConfigError
 from aggregation.registry import AGGREGATORS, make_aggregator
+from peer.bench import bench_console
 
 TAU = 1.0  # CenteredClip radius, in units where honest noise norms lie in [0.5, 2]
 CELL_MEMORY_FACTOR = 2.5  # input + the largest temporaries (a mean-sized copy, sort chunks) must fit
@@ -124,7 +125,7 @@ def run_aggregate_bench(
     names = list(AGGREGATORS) if names is None else names
     for name in names:
         AGGREGATORS[name]  # unknown names fail before any work, listing the valid ones
-    console = console or Console()
+    console = console or bench_console()
     if not console.is_terminal:
         console.width = max(console.width, 120)  # piped or captured: do not wrap the table
     rows: list[dict[str, Any]] = []

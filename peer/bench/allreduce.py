@@ -21,6 +21,8 @@ from typing import Any, Optional
 
 import torch
 
+from peer.bench import bench_console
+
 IMPLS = ("phalanx", "hivemind", "gloo")
 
 
@@ -258,10 +260,9 @@ def run_case(impl: str, world: int, numel: int, rounds: int, *, extra: Optional[
 
 
 def run_allreduce_bench(peers: list[int], numel: int, rounds: int, impls: list[str], console=None) -> list[dict[str, Any]]:
-    from rich.console import Console
     from rich.table import Table
 
-    console = console or Console()
+    console = console or bench_console()
     rows = []
     for world in peers:
         for impl in impls:
@@ -311,10 +312,9 @@ def run_verify_bench(
     projections, four small all-to-all phases) weigh most there; "CPU s/peer" is each peer process's
     own CPU time per round, which does not depend on how many peers share the machine's cores.
     """
-    from rich.console import Console
     from rich.table import Table
 
-    console = console or Console()
+    console = console or bench_console()
     rows = []
     for limit in upload_mbps:
         for world in peers:

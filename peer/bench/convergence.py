@@ -14,6 +14,7 @@ from typing import Any, Optional
 
 import uvloop
 
+from peer.bench import bench_console
 from peer.swarm import Swarm
 
 CASES = (
@@ -34,10 +35,9 @@ def _time_to_target(result, target: float) -> Optional[float]:
 def run_convergence_bench(
     peers: int, target: float, repeats: int, *, base_step_s: float, straggler: str, max_steps: int, console=None
 ) -> list[dict[str, Any]]:
-    from rich.console import Console
     from rich.table import Table
 
-    console = console or Console()
+    console = console or bench_console()
     rows = []
     for label, case in CASES:
         times = []

@@ -18,6 +18,8 @@ from typing import Any, Optional
 
 import torch
 
+from peer.bench import bench_console
+
 EVAL_EVERY = 10
 SEED = 0
 IMPLS = ("phalanx", "hivemind", "ddp")
@@ -213,10 +215,9 @@ def _run_phalanx(world: int, target: float, extra_args: list[str]) -> dict[str, 
 def run_swarm_bench(
     peers: int, target: float, impls: list[str], *, repeats: int = 1, time_limit_s: float = 300, console=None
 ) -> list[dict[str, Any]]:
-    from rich.console import Console
     from rich.table import Table
 
-    console = console or Console()
+    console = console or bench_console()
     rows = []
     for impl in impls:
         runs = []
