@@ -145,6 +145,10 @@ class BtardService:
     def release(self, round_id: bytes) -> None:
         self._held.pop(round_id, None)
 
+    def holds(self, round_id: bytes) -> bool:
+        """Whether this peer still keeps the round's parts as evidence."""
+        return round_id in self._held
+
     async def _serve_evidence(self, peer: str, header: bytes, payload) -> tuple[bytes, bytes]:
         request = unpack(header, EvidenceRequest, peer=peer)
         held = self._held.get(request.round_id)

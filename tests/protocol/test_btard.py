@@ -49,10 +49,13 @@ def test_honest_verified_round_equals_centered_clip_per_part():
             expected = torch.cat(
                 [centered_clip(stacked[:, a:b], tau=1.0, max_iter=100_000).value for a, b in partition_bounds(NUMEL, 4)]
             )
-            for outcome in outcomes:
+            for peer, outcome in zip(peers, outcomes):
                 assert isinstance(outcome, Averaged)
                 assert outcome.verdict.banned == set() and outcome.verdict.bad_parts == set()
                 assert torch.allclose(outcome.result.vector, expected, atol=1e-6)
+                # a round every member called clean needs no evidence: the parts are let go for the next round
+                assert outcome.verdict.clean and not peer.engine.btard.holds(outcome.group.round_id)
+                assert outcome.result.own_rows is None
             assert all(not p.membership.banned for p in peers)
 
     asyncio.run(main())
@@ -70,6 +73,8 @@ def test_each_protocol_attack_bans_exactly_the_attacker(attack):
                 assert isinstance(outcome, Averaged), outcome
                 assert outcome.verdict.banned == {attacker}
                 assert peer.membership.banned == {attacker}
+                # a contested round keeps its parts as evidence for judges that are still at it
+                assert not outcome.verdict.clean and peer.engine.btard.holds(outcome.group.round_id)
             # honest members agree on what they apply, so they keep one state version
             first = honest[0][1]
             for _, outcome in honest[1:]:
