@@ -28,7 +28,7 @@ from pydantic import Field
 from aggregation.errors import PeerProtocolError, RoundAbortedError
 from protocol.adversary import Behavior
 from protocol.config import VerifyConfig
-from protocol.codec import Codec, decode, encode, encoded_size_bound
+from protocol.codec import Codec, decode, encode, encoded_size_bound, rounding_bound
 from protocol.exchange import ExchangeService
 from protocol.transport import CallFailed, Transport
 from security.commitments import (
@@ -703,7 +703,9 @@ class VerifiedRound:
             if len(values) != len(contributors) or not values:
                 continue  # someone's report is missing: they are judged for silence instead
             a, b = self.bounds[part]
-            if not fixed_point_holds(values, [1.0] * len(values), self.config.tau, self.config.eps, float(output[a:b].norm()), b - a):
+            v = output[a:b]
+            slack = rounding_bound(v, self.codec)  # what the codec may have moved the reducer's aggregate
+            if not fixed_point_holds(values, [1.0] * len(values), self.config.tau, self.config.eps, float(v.norm()), b - a, slack):
                 convict(reducer, Offense.WRONG_AGGREGATE, [self.group_statement])
                 bad.add(part)
         return bad

@@ -6,6 +6,8 @@ what the round agreed on, so a bad payload is a PeerProtocolError, never a crash
 
 from __future__ import annotations
 
+import math
+
 import torch
 from hivemind.compression import deserialize_torch_tensor, serialize_torch_tensor
 from hivemind.proto.runtime_pb2 import CompressionType, Tensor as TensorProto
@@ -23,6 +25,24 @@ def encode(vector: torch.Tensor, codec: Codec) -> bytes | memoryview:
     if codec is Codec.NONE:
         return memoryview(vector.numpy()).cast("B")
     return serialize_torch_tensor(vector, _HIVEMIND[codec]).SerializeToString()
+
+
+FP16_UNIT_ROUNDOFF = 2.0**-11  # round to nearest, normal range
+FP16_SUBNORMAL_HALF_STEP = 2.0**-25
+
+
+def rounding_bound(decoded: torch.Tensor, codec: Codec) -> float:
+    """A bound on ‖v − decoded‖ for any float32 v (within the codec's range) whose encoding decodes to
+    `decoded`: what a reducer's honest aggregate may lose on the way to the others. Verified rounds
+    widen their fixed-point tolerance by it. 8-bit codebooks have no such bound (outliers land in the
+    edge buckets), so verified rounds refuse them."""
+    if codec is Codec.NONE:
+        return 0.0
+    if codec is Codec.FP16:
+        norm = float(torch.linalg.vector_norm(decoded.double()))
+        slack = FP16_UNIT_ROUNDOFF * norm + FP16_SUBNORMAL_HALF_STEP * math.sqrt(decoded.numel())
+        return slack / (1.0 - FP16_UNIT_ROUNDOFF)
+    raise ValueError(f"no rounding bound for the {codec.value} codec")
 
 
 def encoded_size_bound(numel: int, codec: Codec) -> int:

@@ -26,7 +26,7 @@ from protocol.allreduce import AllReduceResult, AllReduceService, RoundSpec
 from protocol.bans import BanBook, refresh_forever
 from protocol.btard import BtardService, Recompute, Verdict, VerifiedRound
 from protocol.codec import encode
-from protocol.config import RoundConfig
+from protocol.config import Codec, RoundConfig
 from protocol.exchange import ExchangeService
 from protocol.matchmaking import GroupSpec, Matchmaker
 from protocol.membership import Membership
@@ -116,6 +116,8 @@ class RoundEngine:
         if config.verify is not None:
             if identity is None:
                 raise ValueError("verified rounds need the peer's identity to sign")
+            if config.compression is Codec.UINT8:
+                raise ValueError("verified rounds need compression none or fp16 (8-bit aggregates have no error bound)")
             self.exchange = ExchangeService(transport, wait_for_round_s=config.verify.phase_timeout_s)
             self.btard = BtardService(transport, self.exchange, identity)
         self._output: Optional[torch.Tensor] = None  # reused by every round: see run_round

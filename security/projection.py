@@ -120,26 +120,42 @@ def report_matches(reported: tuple[float, float], true: tuple[float, float], tau
 
 
 def tolerance(
-    reports: list[tuple[float, float]], weights: list[float], tau: float, eps: float, v_norm: float, numel: int
+    reports: list[tuple[float, float]],
+    weights: list[float],
+    tau: float,
+    eps: float,
+    v_norm: float,
+    numel: int,
+    v_error: float = 0.0,
 ) -> float:
     """How far |Σ w_i s_i| may be from 0 for an honest aggregate of a part of `numel` values.
 
     CenteredClip stops once a step moves v by ≤ ε, so the residual R at the returned point has
     ‖R‖ ≤ ~3ε·Σw (the clipped map is 2-Lipschitz), plus up to 2·eps32·‖v‖·Σw from rounding v to
     float32. A random unit z sees ⟨z, R⟩ ~ N(0, ‖R‖²/numel): 6 standard deviations bound it for
-    any honest run (false alarm < 1e-8). Each s_i also carries float32 rounding of about 1e-5 of
+    any honest run (false alarm < 1e-8). A lossy codec moves the sent aggregate by up to `v_error`
+    (L2); near v each term w_i·c_i·(x_i − v) moves by at most 2·w_i·c_i·v_error, with c_i taken from the
+    reported distance less v_error. Each s_i also carries float32 rounding of about 1e-5 of
     its size over the blocks. A wrong aggregate shifted by δ is caught once ‖δ‖ exceeds roughly
     1e-5·sqrt(BLOCK) ≈ 6e-4 of the typical clipped distance.
     """
     w_sum = sum(weights)
     blocks = max(1, math.ceil(numel / BLOCK))
     residual = w_sum * (3 * eps + 2 * FLOAT32_EPS * v_norm)
+    if v_error > 0:
+        residual += 2 * v_error * sum(w * float(clip_factor(max(n - v_error, 0.0), tau)) for (_, n), w in zip(reports, weights))
     clipped = sum(w * float(clip_factor(n, tau)) * n for (_, n), w in zip(reports, weights))
     return 6 * residual / math.sqrt(max(numel, 1)) + 1e-5 * clipped / math.sqrt(blocks) + 1e-12
 
 
 def fixed_point_holds(
-    reports: list[tuple[float, float]], weights: list[float], tau: float, eps: float, v_norm: float, numel: int
+    reports: list[tuple[float, float]],
+    weights: list[float],
+    tau: float,
+    eps: float,
+    v_norm: float,
+    numel: int,
+    v_error: float = 0.0,
 ) -> bool:
     total = sum(w * s for (s, _), w in zip(reports, weights))
-    return math.isfinite(total) and abs(total) <= tolerance(reports, weights, tau, eps, v_norm, numel)
+    return math.isfinite(total) and abs(total) <= tolerance(reports, weights, tau, eps, v_norm, numel, v_error)
