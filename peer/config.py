@@ -127,7 +127,7 @@ class PeerConfig(NetworkSettings):
     wait_for_peers: int = Field(1, ge=1, description="Before the first step, wait (up to a minute) until this many trainers are announced; avoids a ragged start.")
     torch_threads: Optional[int] = Field(None, ge=1, description="Threads torch may use in this process.")
     events: bool = Field(False, description="Print one JSON progress event per line on stdout (used by `phalanx swarm`).")
-    verify: bool = Field(False, description="Byzantine-tolerant rounds (BTARD): commitments, MPRNG, projection checks, validators, bans. Needs --aggregator centered_clip or mean, and --compression none or fp16.")
+    verify: bool = Field(False, description="Byzantine-tolerant rounds (BTARD): commitments, MPRNG, projection checks, validators, bans. Needs --mode sync, --aggregator centered_clip or mean, and --compression none or fp16.")
     validators: int = Field(1, ge=0, le=8, description="With --verify: members per round that recompute another member's gradient.")
     phase_timeout_s: float = Field(10.0, gt=0, description="With --verify: how long each verification phase waits for the others.")
     admission: Optional[Path] = Field(None, description="Private swarm: the owner's public key (from `phalanx keygen --owner`); peers without a valid certificate are refused.")
@@ -154,6 +154,11 @@ class PeerConfig(NetworkSettings):
                 parse_slowdown(self.slowdown)
         except ConfigError as e:
             raise ValueError(f"--sync-policy / --slowdown: {e}") from None
+        if self.verify and self.mode != "sync":
+            raise ValueError(
+                "--verify runs BTARD-SGD and needs --mode sync: asynchronous exchanges weight stale "
+                "contributions, which the fixed-point check cannot tell from tampering"
+            )
         if self.verify and self.compression == Codec.UINT8.value:
             raise ValueError(
                 "--verify needs --compression none or fp16: 8-bit codebooks can move an honest aggregate "

@@ -183,6 +183,8 @@ class RoundEngine:
                 spec, vector, self.reducer, weight=weight, call_timeout_s=self.config.allreduce_timeout_s + 10, out=self._output
             )
         else:
+            if weight != 1.0:  # the fixed-point check and the reports assume every member counts once
+                raise ValueError("verified rounds weight every member 1 (BTARD-SGD); got a weighted contribution")
             result, verdict = await self._verified_round(group, spec, vector, recompute)
         if result.missing_parts or result.dropped_senders:
             self.stats.rounds_partial += 1

@@ -45,6 +45,7 @@ def test_lists_accept_commas_and_spaces_from_env(monkeypatch):
         ({"aggregator": "clipped_gossip", "mode": "gossip"}, "takes exactly one parameter, tau"),
         ({"sync_policy": "k:0"}, "--sync-policy / --slowdown"),
         ({"verify": True, "aggregator": "centered_clip", "tau": 1.0, "compression": "8bit"}, "--verify needs --compression none or fp16"),
+        ({"verify": True, "aggregator": "centered_clip", "tau": 1.0, "mode": "lasgd"}, "--verify runs BTARD-SGD and needs --mode sync"),
         ({"upload_limit_mbps": -1}, "--upload-limit-mbps: Input should be greater than or equal to 0"),
     ],
 )
