@@ -62,6 +62,25 @@ def test_honest_verified_round_equals_centered_clip_per_part():
     asyncio.run(main())
 
 
+def test_honest_verified_round_with_the_plain_mean_is_clean():
+    """--aggregator mean --verify checks the mean as CenteredClip with τ = ∞."""
+
+    async def main():
+        config = dataclasses.replace(
+            CONFIG, aggregator="mean", aggregator_params=(), verify=verify_config_for("mean", (), phase_timeout_s=3.0)
+        )
+        async with open_swarm(4, config) as peers:
+            xs = _inputs(4)
+            outcomes = await _round(peers, xs)
+            expected = torch.stack(xs).mean(0)
+            for outcome in outcomes:
+                assert isinstance(outcome, Averaged), outcome
+                assert outcome.verdict.clean and outcome.verdict.banned == set()
+                assert (outcome.result.vector - expected).abs().max() < 1e-5
+
+    asyncio.run(main())
+
+
 def test_honest_verified_round_with_fp16_is_clean():
     """Commitments cover the compressed bytes, reports are taken on what the reducers decoded, and the
     fixed-point tolerance allows for the aggregate's fp16 rounding (not more)."""

@@ -94,6 +94,7 @@ def test_member_killed_mid_round_is_dropped_and_the_next_round_proceeds():
             initial = [str(m) for m in peers[0].dht.get_visible_maddrs()]
             proc = subprocess.Popen(
                 [sys.executable, str(HERE / "stalling_peer.py"), *initial],
+                stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 text=True,
                 cwd=HERE,
@@ -111,6 +112,8 @@ def test_member_killed_mid_round_is_dropped_and_the_next_round_proceeds():
                 for peer in peers:
                     peer.engine.set_state(b"v0", 0)
                 round1 = [asyncio.create_task(p.engine.run_round(x)) for p, x in zip(peers, xs)]
+                proc.stdin.write("join\n")  # it joins with them: a join seconds early could close a group of one
+                proc.stdin.flush()
                 line = await asyncio.to_thread(proc.stdout.readline)  # the group formed with all three
                 assert line.startswith("IN_GROUP "), line
                 os.killpg(proc.pid, signal.SIGKILL)  # SIGKILL mid-round: it never sends its parts
