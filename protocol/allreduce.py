@@ -237,6 +237,10 @@ class AllReduceService:
             recycle_rows=(lambda: self._recycle(reduction)) if guard is not None else None,
         )
 
+    def has_round(self, round_id: bytes) -> bool:
+        """Whether this peer has started (and not yet forgotten) the data phase of `round_id`."""
+        return round_id in self._rounds
+
     def _recycle(self, reduction: _Reduction) -> None:
         """Keep the rows for the next round, unless a late part may still be landing in them."""
         if reduction.closed and not reduction.receiving:

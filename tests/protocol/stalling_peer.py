@@ -1,8 +1,8 @@
 """A peer process for fault tests: joins one group, announces it, then stalls until killed.
 
 Run as `python stalling_peer.py <initial peer>...`; prints `READY <peer id>` once announced,
-joins matchmaking when a line arrives on stdin (so that it joins together with the test's peers,
-not seconds before them under load), and prints `IN_GROUP <round id hex> <members,...>` once the
+joins matchmaking when a line with the number of other peers arrives on stdin and it sees them
+(so that it joins together with the test's peers, not alone or seconds before them), and prints `IN_GROUP <round id hex> <members,...>` once the
 leader put it in a group.
 """
 
@@ -20,7 +20,9 @@ async def main(initial_peers: list[str]) -> None:
     peer = await open_peer(initial_peers, config)
     peer.engine.set_state(b"v0", 0)
     print("READY", peer.peer_id, flush=True)
-    await asyncio.to_thread(sys.stdin.readline)
+    others = int(await asyncio.to_thread(sys.stdin.readline))  # how many other peers to see before joining
+    while len(set(peer.membership.peers()) - {peer.peer_id}) < others:
+        await peer.membership.refresh()  # a peer that sees nobody else leads a group of one
     reply = await peer.engine.matchmaker.join(version=b"v0", step=0)
     print("IN_GROUP", reply.group.round_id.hex(), ",".join(reply.group.members), flush=True)
     await asyncio.sleep(3600)  # never sends its parts: the others must drop it

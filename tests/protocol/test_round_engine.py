@@ -112,10 +112,15 @@ def test_member_killed_mid_round_is_dropped_and_the_next_round_proceeds():
                 for peer in peers:
                     peer.engine.set_state(b"v0", 0)
                 round1 = [asyncio.create_task(p.engine.run_round(x)) for p, x in zip(peers, xs)]
-                proc.stdin.write("join\n")  # it joins with them: a join seconds early could close a group of one
+                proc.stdin.write(f"{len(peers)}\n")  # it joins with them, once it sees them
                 proc.stdin.flush()
                 line = await asyncio.to_thread(proc.stdout.readline)  # the group formed with all three
                 assert line.startswith("IN_GROUP "), line
+                round_id = bytes.fromhex(line.split()[1])
+                # it may be the leader: kill it only once both others got the group and started the data phase
+                async with asyncio.timeout(60):  # a group without them would never start here: fail, not hang
+                    while not all(p.engine.allreduce.has_round(round_id) for p in peers):
+                        await asyncio.sleep(0.01)
                 os.killpg(proc.pid, signal.SIGKILL)  # SIGKILL mid-round: it never sends its parts
                 outcomes = await asyncio.gather(*round1)
                 members = outcomes[0].group.members
