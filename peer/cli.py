@@ -377,21 +377,22 @@ def bench_convergence(
     )
 
 
-def _int_list(text: str, flag: str) -> list[int]:
+def _split_numbers(text: str, flag: str, convert, kind: str) -> list:
     try:
-        values = [int(float(x)) for x in text.split(",") if x.strip()]
+        return [convert(x) for x in text.split(",") if x.strip()]
     except ValueError:
-        raise ConfigError(f"{flag} takes comma-separated integers like 8,16, not {text!r}") from None
+        raise ConfigError(f"{flag} takes comma-separated {kind}, not {text!r}") from None
+
+
+def _int_list(text: str, flag: str) -> list[int]:
+    values = _split_numbers(text, flag, lambda x: int(float(x)), "integers like 8,16")
     if not values or min(values) <= 0:
         raise ConfigError(f"{flag} needs at least one positive integer, got {text!r}")
     return values
 
 
 def _float_list(text: str, flag: str) -> list[float]:
-    try:
-        values = [float(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise ConfigError(f"{flag} takes comma-separated numbers like 0,1000, not {text!r}") from None
+    values = _split_numbers(text, flag, float, "numbers like 0,1000")
     if not values or not all(math.isfinite(v) for v in values):
         raise ConfigError(f"{flag} needs at least one finite number, got {text!r}")
     return values

@@ -310,7 +310,7 @@ class VerifiedRound:
                 self._diffs = self.service.scratch(self.vector.numel())
             a, b = self.bounds[part]
             self._norms[part] = loop.run_in_executor(
-                None, differences, self._as_sent(self.vector, part).view(1, -1), value, self._diffs[a:b].view(1, -1)
+                None, differences, self._as_sent(part).view(1, -1), value, self._diffs[a:b].view(1, -1)
             )
         if rows is not None:
             self._row_diffs = self.service.scratch(*rows.shape)
@@ -320,16 +320,15 @@ class VerifiedRound:
 
     async def verify(
         self,
-        vector: torch.Tensor,
         output: torch.Tensor,
         own_rows: Optional[torch.Tensor],
         own_received: tuple[int, ...],
         recompute_fn: Optional[Recompute],
     ) -> Verdict:
         """Run reveal, report, validation, accusation and voting; returns who is banned and which
-        aggregates must not be applied. `vector` is this member's contribution, `output` the gathered result."""
+        aggregates must not be applied. `output` is the gathered result (this member's contribution is `self.vector`)."""
         try:
-            return await self._verify(vector, output, own_rows, own_received, recompute_fn)
+            return await self._verify(output, own_rows, own_received, recompute_fn)
         finally:
             pending = list(self._norms.values()) + ([self._row_norms] if self._row_norms is not None else [])
             await asyncio.gather(*pending, return_exceptions=True)  # no thread may still write the buffers
@@ -338,7 +337,7 @@ class VerifiedRound:
                     self.service.return_scratch(buf)
             self._diffs = self._row_diffs = None
 
-    async def _verify(self, vector, output, own_rows, own_received, recompute_fn) -> Verdict:
+    async def _verify(self, output, own_rows, own_received, recompute_fn) -> Verdict:
         own_part = self.me
         self.service.hold(self.round_id, _Held(own_part, dict(self.payloads)))
         t0 = time.monotonic()
@@ -353,7 +352,7 @@ class VerifiedRound:
             truth = loop.run_in_executor(None, self._reducer_truth, seed, output, own_rows, own_received, norms)
         validating = asyncio.ensure_future(self._validate(seed, recompute_fn))
         try:
-            reports = await self._report(seed, vector, output)
+            reports = await self._report(seed, output)
             t2 = time.monotonic()
             if truth is not None:
                 self._check_reports_as_reducer(reports, own_received, await truth)
@@ -441,7 +440,7 @@ class VerifiedRound:
         a, b = self.bounds[part]
         return decode(bytearray(data), self.codec, b - a, peer=peer).clone()
 
-    def _own_reports(self, seed, vector, output, norms: dict[int, torch.Tensor]) -> list[tuple[int, float, float]]:
+    def _own_reports(self, seed, output, norms: dict[int, torch.Tensor]) -> list[tuple[int, float, float]]:
         """(part, s, norm) of this member's contribution to every aggregate that counted it."""
         out = []
         for part in range(len(self.members)):
@@ -453,13 +452,13 @@ class VerifiedRound:
                 s = clipped_reports(project_differences(self._diffs[a:b].view(1, -1), z), norms[part], self.config.tau)
                 out.append((part, float(s[0]), float(norms[part][0])))
             else:
-                out.append((part, *report(self._as_sent(vector, part), output[a:b], z, self.config.tau)))
+                out.append((part, *report(self._as_sent(part), output[a:b], z, self.config.tau)))
         return out
 
-    async def _report(self, seed: bytes, vector: torch.Tensor, output: torch.Tensor) -> dict[str, tuple[Signed, ReportBody]]:
+    async def _report(self, seed: bytes, output: torch.Tensor) -> dict[str, tuple[Signed, ReportBody]]:
         entries = []
         norms = {part: await future for part, future in self._norms.items()}
-        own = await asyncio.get_running_loop().run_in_executor(None, self._own_reports, seed, vector, output, norms)
+        own = await asyncio.get_running_loop().run_in_executor(None, self._own_reports, seed, output, norms)
         for part, s, norm in own:
             s, norm = self.behavior.reported(s, norm)
             entries.append(ReportEntry(part=part, aggregate=self.aggregates[part][1].hash, s=s, norm=norm))
@@ -480,10 +479,10 @@ class VerifiedRound:
                 logger.info(f"bad report from {peer[-8:]}: {e}")
         return reports
 
-    def _as_sent(self, vector: torch.Tensor, part: int) -> torch.Tensor:
+    def _as_sent(self, part: int) -> torch.Tensor:
         """This member's part as its reducer decoded it (lossy codecs change it)."""
         a, b = self.bounds[part]
-        values = vector[a:b].detach().float().cpu()
+        values = self.vector[a:b].detach().float().cpu()
         if self.codec is Codec.NONE:
             return values
         return decode(bytearray(encode(values, self.codec)), self.codec, b - a)

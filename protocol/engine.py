@@ -228,7 +228,7 @@ class RoundEngine:
                 out=self._output, guard=vr, skip=skip,
             )  # fmt: skip
             t1 = time.monotonic()
-            verdict = await vr.verify(vector, result.vector, result.own_rows, result.own_received, recompute)
+            verdict = await vr.verify(result.vector, result.own_rows, result.own_received, recompute)
             if verdict.clean and result.recycle_rows is not None:  # nobody needs the parts as evidence
                 result.own_rows = None
                 result.recycle_rows()
