@@ -12,15 +12,16 @@ from aggregation.coordinatewise import coordinate_median
 from aggregation.errors import AggregationInputError
 
 
-def naive_centered_clip(x, w, tau, eps, max_iter, v):
-    """The iteration as written in ALGORITHMS.md, on materialized differences (float64)."""
+def naive_centered_clip(x, w, tau, eps, max_iter, v, reweighted=True):
+    """On materialized differences (float64): the reweighted step v ← Σ ω_i x_i / Σ ω_i centered_clip
+    takes, or (reweighted=False) the paper's step v ← v + Σ ω_i (x_i − v) as written in ALGORITHMS.md."""
     w = w / w.sum()
     it = 0
     while it < max_iter:
         it += 1
         diff = x - v
-        c = torch.clamp(tau / diff.norm(dim=1), max=1.0)
-        new = v + (w * c) @ diff
+        omega = w * torch.clamp(tau / diff.norm(dim=1), max=1.0)
+        new = v + omega @ diff / (omega.sum() if reweighted else 1.0)
         moved, v = (new - v).norm(), new
         if moved <= eps:
             break
@@ -45,6 +46,29 @@ def test_matches_naive_iteration(tau, weighted, device):
     ref, iters = naive_centered_clip(x, w if weighted else torch.ones(12, dtype=torch.float64), tau, 1e-6, 500, start)
     assert result.iterations == iters
     torch.testing.assert_close(result.value.cpu(), ref, rtol=0, atol=1e-9)
+
+
+@pytest.mark.parametrize("tau", [0.5, 3.0, 30.0])
+def test_same_fixed_point_as_the_papers_step(tau):
+    x, w = _data(9)
+    start = coordinate_median(x).value
+    papers, iters = naive_centered_clip(x, w, tau, 1e-12, 200_000, start, reweighted=False)
+    assert iters < 200_000  # it did converge, slowly
+    result = centered_clip(x, w, tau=tau, eps=1e-12, max_iter=10_000)
+    assert result.iterations <= iters
+    torch.testing.assert_close(result.value, papers, rtol=0, atol=1e-8)
+
+
+@pytest.mark.parametrize("n", [4, 16])
+def test_converges_when_rows_are_far_apart_in_units_of_tau(n):
+    # BTARD's tau = 1 against gradient parts thousands of units apart: the paper's step moves v by
+    # about tau per step, and 500 steps stop far from the fixed point the projection check assumes.
+    g = torch.Generator().manual_seed(n)
+    x = torch.randn(n, 100_000, generator=g) * 10.0
+    x[0] *= 50.0
+    result = centered_clip(x, tau=1.0)
+    assert result.iterations <= 100
+    assert fixed_point_residual(x, result.value, 1.0) <= 1e-6 + 4 * 2**-24 * float(result.value.norm())
 
 
 def test_given_start_is_used():

@@ -29,6 +29,17 @@ def test_honest_aggregate_passes_and_reports_match(tau, d):
     assert fixed_point_holds(reports, [1.0] * len(x), tau, eps, float(v.norm()), d)
 
 
+def test_honest_aggregate_of_far_apart_rows_passes_with_default_settings():
+    # rows ~1400 units apart against tau = 1: CenteredClip must reach its fixed point within its
+    # default iteration cap, or every seed's check convicts the honest reducer
+    x = torch.randn(4, 250_000, generator=torch.Generator().manual_seed(1))
+    v = centered_clip(x, tau=1.0).value
+    for k in range(10):
+        z = direction(k.to_bytes(2, "little"), 0, x.shape[1])
+        s, norms = recompute(x, v, z, 1.0)
+        assert fixed_point_holds(list(zip(s.tolist(), norms.tolist())), [1.0] * 4, 1.0, 1e-6, float(v.norm()), x.shape[1])
+
+
 @pytest.mark.parametrize("tau", [0.1, math.inf])
 def test_wrong_aggregate_fails(tau):
     x = _rows()
