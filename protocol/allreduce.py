@@ -58,6 +58,8 @@ class PartGuard(Protocol):
     def accept_part(self, sender: int, part: int, payload: bytes | memoryview, header: PartHeader, digest: bytes) -> None: ...
     def sign_aggregate(self, part: int, payload: bytes | memoryview, contributors: list[int]) -> bytes: ...
     def reply_for(self, receiver: int, header: bytes, payload: bytes | memoryview) -> tuple[bytes, bytes | memoryview]: ...
+    def announced(self, part: int, header: AggregateHeader) -> None:
+        """The reply header of part `part` arrived; its payload follows (and goes to `accept_aggregate`)."""
     def accept_aggregate(self, part: int, payload: bytes | memoryview, header: AggregateHeader, digest: bytes) -> None: ...
     def landed(self, part: int, value: torch.Tensor, rows: Optional[torch.Tensor] = None, received: list[int] = ...) -> None:
         """`value` is part `part`'s final aggregate; for this peer's own part also the rows it came from."""
@@ -258,6 +260,10 @@ class AllReduceService:
         )
         raw = spec.codec is Codec.NONE  # the reply's bytes can land in `out` directly
         hasher = guard.hasher() if guard is not None else None
+
+        def announced(raw: bytes) -> None:  # verified rounds: the reducer's signed statement precedes the bytes
+            guard.announced(j, unpack(raw, AggregateHeader, peer=spec.members[j]))
+
         reply_header, reply = await self.transport.call(
             spec.members[j],
             PART_METHOD,
@@ -267,6 +273,7 @@ class AllReduceService:
             timeout_s=timeout_s,
             reply_into=_bytes_of(out) if raw else None,
             reply_hasher=hasher,
+            on_reply_header=announced if guard is not None else None,
         )
         head = unpack(reply_header, AggregateHeader, peer=spec.members[j])
         if guard is not None:

@@ -3,7 +3,10 @@
     commit     every member signs the hashes of the parts it will send + an MPRNG commitment;
                nobody sends data before all commitments are in (late members are left out)
     data       parts and aggregates travel with signed statements (protocol.allreduce hooks)
-    reveal     MPRNG shares + an echo of the commitments and aggregates each member got
+    reveal     MPRNG shares + an echo of the commitments and aggregates each member got; a member
+               reveals once it holds every reducer's signed aggregate statement, which heads the
+               aggregate's bytes: every aggregate is fixed before anyone can know the seed, and the
+               reveal and the projections overlap the rest of the gather
     report     each contributor's projection of its part against each aggregate
     validate   a validator chosen by the public seed recomputes one member's gradient
     accuse     accusations with evidence; every member judges every accusation itself
@@ -204,11 +207,14 @@ class VerifiedRound:
         self.accusations: list[Accusation] = []
         self.signed_aggregates: dict[int, dict[bytes, Signed]] = {}  # part -> hash -> the reducer's statement
         self.proofs: dict[str, tuple[Offense, list[Signed]]] = {}  # self-contained proofs found locally
-        # seed-independent halves of the projections, computed as aggregates land (x − v and ‖x − v‖)
+        self._expected: Optional[set[int]] = None  # parts whose aggregate statement we wait for (committed reducers)
+        self._reveal_task: Optional[asyncio.Task] = None
+        self._seed: Optional[asyncio.Future] = None  # the public seed, once the reveal is done
+        # projections, formed as aggregates land: x − v and ‖x − v‖ at once, ⟨z, x − v⟩ once the seed is public
         self._diffs: Optional[torch.Tensor] = None  # (numel,): this member's part minus each aggregate
-        self._norms: dict[int, asyncio.Future] = {}  # part -> ‖x − v‖ of this member's contribution
+        self._own: dict[int, asyncio.Task] = {}  # part -> (s, ‖x − v‖) (1,) each of this member's contribution
         self._row_diffs: Optional[torch.Tensor] = None  # (k, part): every received row minus our aggregate
-        self._row_norms: Optional[asyncio.Future] = None
+        self._rows: Optional[asyncio.Task] = None  # (s, norms) (k,) each of every row our aggregate came from
 
     @property
     def committed(self) -> set[str]:
@@ -248,6 +254,7 @@ class VerifiedRound:
                 logger.info(f"dropping {peer[-8:]} from round {self.round_id.hex()[:8]}: {e}")
                 continue
             self.commits[peer] = (signed, commit)
+        self._expected = {self.members.index(peer) for peer in self.commits}
 
     # ---- phases 3-5: PartGuard hooks ----------------------------------------------------------
 
@@ -285,36 +292,73 @@ class VerifiedRound:
         self.my_contributors = list(contributors)
         body = AggregateBody(part=part, hash=part_hash(payload), contributors=list(contributors))
         signed = sign_statement(self.identity, "aggregate", self.round_id, body)
-        self.aggregates[part] = (signed, body)
-        self.signed_aggregates.setdefault(part, {})[body.hash] = signed
+        self._record_aggregate(part, signed, body)
         return pack(signed)
 
     def reply_for(self, receiver: int, header: bytes, payload: bytes | memoryview) -> tuple[bytes, bytes | memoryview]:
         return self.behavior.aggregate_reply(self, receiver, header, payload)
 
-    def accept_aggregate(self, part: int, payload: bytes | memoryview, header, digest: bytes) -> None:
+    def announced(self, part: int, header) -> None:
+        """The reducer of `part` signed the aggregate whose bytes now follow."""
         reducer = self.members[part]
         signed = unpack(header.statement, Signed, peer=reducer)
         _, body = open_statement(signed, AggregateBody, kind="aggregate", round_id=self.round_id, sender=reducer)
-        if body.part != part or digest != body.hash:
-            raise PeerProtocolError("aggregate does not match its signed statement", peer=reducer)
+        if body.part != part:
+            raise PeerProtocolError("signed an aggregate statement for another part", peer=reducer)
+        self._record_aggregate(part, signed, body)
+
+    def accept_aggregate(self, part: int, payload: bytes | memoryview, header, digest: bytes) -> None:
+        signed, body = self.aggregates.get(part, (None, None))
+        if signed is None or signed.statement != unpack(header.statement, Signed, peer=self.members[part]).statement:
+            raise PeerProtocolError("aggregate arrived without the statement that announced it", peer=self.members[part])
+        if digest != body.hash:
+            raise PeerProtocolError("aggregate does not match its signed statement", peer=self.members[part])
+
+    def _record_aggregate(self, part: int, signed: Signed, body: AggregateBody) -> None:
         self.aggregates[part] = (signed, body)
         self.signed_aggregates.setdefault(part, {})[body.hash] = signed
+        if self._reveal_task is None and self._expected is not None and self._expected <= set(self.aggregates):
+            self._reveal_task = asyncio.ensure_future(self._reveal())  # every aggregate is fixed now
 
     def landed(self, part: int, value: torch.Tensor, rows: Optional[torch.Tensor] = None, received=()) -> None:
-        """Aggregate `part` is final (as this member will apply it): start the seed-independent work
-        off the event loop while other parts are still moving."""
-        loop = asyncio.get_running_loop()
+        """Aggregate `part` is final (as this member will apply it): start its projections off the
+        event loop while other parts are still moving."""
         if self.me in self.aggregates_contributors(part):
             if self._diffs is None:
                 self._diffs = self.service.scratch(self.vector.numel())
             a, b = self.bounds[part]
-            self._norms[part] = loop.run_in_executor(
-                None, differences, self._as_sent(part).view(1, -1), value, self._diffs[a:b].view(1, -1)
-            )
+            own = self._as_sent(part).view(1, -1)
+            self._own[part] = asyncio.ensure_future(self._project(part, own, value, self._diffs[a:b].view(1, -1)))
         if rows is not None:
             self._row_diffs = self.service.scratch(*rows.shape)
-            self._row_norms = loop.run_in_executor(None, differences, rows, value, self._row_diffs)
+            self._rows = asyncio.ensure_future(self._project(part, rows, value, self._row_diffs))
+
+    def _seed_future(self) -> asyncio.Future:
+        if self._seed is None:
+            self._seed = asyncio.get_running_loop().create_future()
+        return self._seed
+
+    async def _project(self, part: int, rows: torch.Tensor, value: torch.Tensor, out: torch.Tensor):
+        """(s, ‖x − v‖) (k,) each for `rows` against aggregate `value`: x − v and its norms now,
+        ⟨z, x − v⟩ once the seed is public. Cancelled only while it waits for the seed."""
+        loop = asyncio.get_running_loop()
+        norms = await loop.run_in_executor(None, differences, rows, value, out)
+        seed = await asyncio.shield(self._seed_future())
+        z = direction(seed, part, out.shape[1])
+        return clipped_reports(await loop.run_in_executor(None, project_differences, out, z), norms, self.config.tau), norms
+
+    async def close(self) -> None:
+        """Stop the round's background work and hand its buffers back (no thread may still write them)."""
+        if self._reveal_task is not None and not self._reveal_task.done():
+            self._reveal_task.cancel()
+        if not self._seed_future().done():
+            self._seed_future().cancel()
+        pending = list(self._own.values()) + ([self._rows] if self._rows is not None else [])
+        await asyncio.gather(*pending, *filter(None, [self._reveal_task]), return_exceptions=True)
+        for buf in (self._diffs, self._row_diffs):
+            if buf is not None:
+                self.service.return_scratch(buf)
+        self._diffs = self._row_diffs = None
 
     # ---- phase 6: verify and judge ------------------------------------------------------------
 
@@ -330,26 +374,22 @@ class VerifiedRound:
         try:
             return await self._verify(output, own_rows, own_received, recompute_fn)
         finally:
-            pending = list(self._norms.values()) + ([self._row_norms] if self._row_norms is not None else [])
-            await asyncio.gather(*pending, return_exceptions=True)  # no thread may still write the buffers
-            for buf in (self._diffs, self._row_diffs):
-                if buf is not None:
-                    self.service.return_scratch(buf)
-            self._diffs = self._row_diffs = None
+            await self.close()
 
     async def _verify(self, output, own_rows, own_received, recompute_fn) -> Verdict:
         own_part = self.me
         self.service.hold(self.round_id, _Held(own_part, dict(self.payloads)))
         t0 = time.monotonic()
-        seed, revealed = await self._reveal()
+        early = self._reveal_task is not None
+        if self._reveal_task is None:  # some reducer's statement never came: reveal now
+            self._reveal_task = asyncio.ensure_future(self._reveal())
+        seed, revealed = await self._reveal_task
         t1 = time.monotonic()
         # What needs only the seed runs while the reports travel: the reducer's own projections of
         # every part it received (off the event loop) and the validator's recomputation.
-        loop = asyncio.get_running_loop()
         truth = None
         if own_rows is not None:
-            norms = await self._row_norms if self._row_norms is not None else None
-            truth = loop.run_in_executor(None, self._reducer_truth, seed, output, own_rows, own_received, norms)
+            truth = asyncio.ensure_future(self._reducer_truth(seed, output, own_rows, own_received))
         validating = asyncio.ensure_future(self._validate(seed, recompute_fn))
         try:
             reports = await self._report(seed, output)
@@ -365,7 +405,7 @@ class VerifiedRound:
         t3 = time.monotonic()
         accusations, anyone_suspects = await self._accuse(suspects)
         logger.debug(
-            f"round {self.round_id.hex()[:8]} verify: reveal {t1 - t0:.3f} s, report {t2 - t1:.3f} s, "
+            f"round {self.round_id.hex()[:8]} verify: reveal {t1 - t0:.3f} s{' (started in the data phase)' if early else ''}, report {t2 - t1:.3f} s, "
             f"checks {t3 - t2:.3f} s, accuse {time.monotonic() - t3:.3f} s"
         )
         if not anyone_suspects and not any(accusations.values()):
@@ -412,7 +452,9 @@ class VerifiedRound:
                 continue
             shares[peer] = reveal.share
             self._compare_echoes(reveal)
-        return public_seed(self.round_id, shares), set(shares)
+        seed = public_seed(self.round_id, shares)
+        self._seed_future().set_result(seed)
+        return seed, set(shares)
 
     def _compare_echoes(self, reveal: RevealBody) -> None:
         """Two different signed commitments or aggregates for one slot prove equivocation."""
@@ -440,25 +482,24 @@ class VerifiedRound:
         a, b = self.bounds[part]
         return decode(bytearray(data), self.codec, b - a, peer=peer).clone()
 
-    def _own_reports(self, seed, output, norms: dict[int, torch.Tensor]) -> list[tuple[int, float, float]]:
+    def _own_reports(self, seed, output, done: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> list[tuple[int, float, float]]:
         """(part, s, norm) of this member's contribution to every aggregate that counted it."""
         out = []
         for part in range(len(self.members)):
             if self.me not in self.aggregates_contributors(part):
                 continue
-            a, b = self.bounds[part]
-            z = direction(seed, part, b - a)
-            if part in norms:  # x − v was formed as the aggregate landed
-                s = clipped_reports(project_differences(self._diffs[a:b].view(1, -1), z), norms[part], self.config.tau)
-                out.append((part, float(s[0]), float(norms[part][0])))
+            if part in done:  # projected as the aggregate landed
+                s, norms = done[part]
+                out.append((part, float(s[0]), float(norms[0])))
             else:
-                out.append((part, *report(self._as_sent(part), output[a:b], z, self.config.tau)))
+                a, b = self.bounds[part]
+                out.append((part, *report(self._as_sent(part), output[a:b], direction(seed, part, b - a), self.config.tau)))
         return out
 
     async def _report(self, seed: bytes, output: torch.Tensor) -> dict[str, tuple[Signed, ReportBody]]:
         entries = []
-        norms = {part: await future for part, future in self._norms.items()}
-        own = await asyncio.get_running_loop().run_in_executor(None, self._own_reports, seed, output, norms)
+        done = {part: await task for part, task in self._own.items()}
+        own = await asyncio.get_running_loop().run_in_executor(None, self._own_reports, seed, output, done)
         for part, s, norm in own:
             s, norm = self.behavior.reported(s, norm)
             entries.append(ReportEntry(part=part, aggregate=self.aggregates[part][1].hash, s=s, norm=norm))
@@ -507,15 +548,17 @@ class VerifiedRound:
             return list(self.aggregates[part][1].contributors)
         return []
 
-    def _reducer_truth(self, seed, output, own_rows, own_received, norms) -> tuple[torch.Tensor, torch.Tensor]:
+    async def _reducer_truth(self, seed, output, own_rows, own_received) -> tuple[torch.Tensor, torch.Tensor]:
         """(s, norm) of every part this reducer received, from the exact rows it aggregated."""
+        if self._rows is not None:
+            s, norms = await self._rows
+            if len(norms) == len(own_received):
+                return s, norms
         a, b = self.bounds[self.me]
-        z = direction(seed, self.me, b - a)
-        if norms is not None and self._row_diffs is not None and len(norms) == len(own_received):
-            return clipped_reports(project_differences(self._row_diffs, z), norms, self.config.tau), norms
         received = list(own_received)
         rows = own_rows if len(received) == own_rows.shape[0] else own_rows[received]  # no copy when all arrived
-        return recompute(rows, output[a:b], z, self.config.tau)
+        z = direction(seed, self.me, b - a)
+        return await asyncio.get_running_loop().run_in_executor(None, recompute, rows, output[a:b], z, self.config.tau)
 
     def _check_reports_as_reducer(self, reports, own_received, truth) -> None:
         part = self.me

@@ -202,6 +202,7 @@ class RoundEngine:
         vector = vector.detach().to("cpu", torch.float32).contiguous().view(-1)
         exchange = self.exchange
         exchange.open_round(spec.round_id, spec.members)
+        vr = None
         try:
             vr = VerifiedRound(
                 self.btard,
@@ -237,6 +238,8 @@ class RoundEngine:
                 f"verify {time.monotonic() - t1:.3f} s"
             )
         finally:
+            if vr is not None:
+                await vr.close()  # a failed data phase leaves projections waiting for a seed
             exchange.close_round(spec.round_id)
         for part in verdict.bad_parts:  # aggregates of convicted reducers are not applied
             a, b = spec.bounds[part]

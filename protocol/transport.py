@@ -231,14 +231,18 @@ class Transport(ServicerBase):
         expect_large_reply: bool = False,
         reply_into: Optional[memoryview] = None,
         reply_hasher: Optional[Hasher] = None,
+        on_reply_header: Optional[Callable[[bytes], None]] = None,
     ) -> tuple[bytes, bytearray | memoryview]:
         """Call `method` on `peer`; returns the reply's header and payload or raises CallFailed.
         With `reply_into`, the reply payload must have exactly its length and is written there;
-        `reply_hasher` is fed the reply payload as it arrives."""
+        `reply_hasher` is fed the reply payload as it arrives. `on_reply_header` sees the reply's
+        header before its payload is read (a bulk reply takes a while); raising from it fails the call."""
         reply = Landing(reply_into, reply_hasher)
         try:
             async with asyncio.timeout(timeout_s):
-                return await self._call(peer, method, header, payload, max_reply_payload, expect_large_reply, reply)
+                return await self._call(
+                    peer, method, header, payload, max_reply_payload, expect_large_reply, reply, on_reply_header
+                )
         except TimeoutError:
             self.stats.failed_calls += 1
             raise CallFailed(f"{method} to {peer[-8:]} timed out after {timeout_s:.1f} s") from None
@@ -246,10 +250,12 @@ class Transport(ServicerBase):
             self.stats.failed_calls += 1
             raise
 
-    async def _call(self, peer, method, header, payload, max_reply_payload, expect_large_reply, landing: Landing):
+    async def _call(self, peer, method, header, payload, max_reply_payload, expect_large_reply, landing: Landing, on_header):
         small = len(payload) <= SMALL_CALL_BYTES and not expect_large_reply and max_reply_payload <= SMALL_CALL_BYTES
         if small:
             reply_header, reply = await self._call_unary(peer, method, header, payload)
+            if on_header is not None:
+                on_header(reply_header)
             if landing.hasher is not None:
                 landing.hasher.update(memoryview(reply))
             if landing.into is None:
@@ -264,7 +270,7 @@ class Transport(ServicerBase):
         if channel is None:
             channel = await self._open_stream(peer)
         try:
-            return await self._exchange(channel, peer, method, header, payload, max_reply_payload, landing)
+            return await self._exchange(channel, peer, method, header, payload, max_reply_payload, landing, on_header)
         finally:
             channel.close()
 
@@ -320,13 +326,15 @@ class Transport(ServicerBase):
         self.stats.stream_calls += 1
         return Channel(StreamPipe(reader, writer), self.stats, None, initiator=True, idle_timeout_s=self.idle_timeout_s, limiter=self.limiter)
 
-    async def _exchange(self, channel: Channel, peer, method, header, payload, max_reply_payload, landing: Landing):
+    async def _exchange(self, channel: Channel, peer, method, header, payload, max_reply_payload, landing: Landing, on_header):
         head = pack(_CallHeader(method=method, header=header, payload_len=len(payload)))
         await channel.send_message(head, payload)
         reply = unpack(await channel.recv_small(MAX_MESSAGE_BYTES), _ReplyHeader, peer=peer)
         _raise_for_status(reply.status, reply.reason, method, peer)
         if not 0 <= reply.payload_len <= max_reply_payload:
             raise PeerProtocolError(f"{method} reply of {reply.payload_len} bytes exceeds {max_reply_payload}", peer=peer)
+        if on_header is not None:
+            on_header(reply.header)
         return reply.header, await channel.recv_payload(reply.payload_len, landing.into, landing.hasher)
 
     # ---- serving ----------------------------------------------------------------------------

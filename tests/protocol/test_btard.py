@@ -62,6 +62,32 @@ def test_honest_verified_round_equals_centered_clip_per_part():
     asyncio.run(main())
 
 
+def test_no_member_reveals_before_it_holds_every_aggregate_statement(monkeypatch):
+    """The reveal overlaps the gather (it starts on the aggregates' signed headers, before their bytes),
+    but the seed must stay unknown until every reducer is bound to its aggregate."""
+    from protocol.btard import VerifiedRound
+
+    seen = []
+    reveal = VerifiedRound._reveal
+
+    async def recording(self):
+        seen.append((self.identity.peer_id, self._expected is not None and self._expected <= set(self.aggregates)))
+        return await reveal(self)
+
+    monkeypatch.setattr(VerifiedRound, "_reveal", recording)
+
+    async def main():
+        async with open_swarm(4, CONFIG) as peers:
+            numel = 2_000_000  # 2 MB parts: the aggregates take the direct path, header first
+            xs = [torch.full((numel,), float(i)) + torch.randn(numel) for i in range(4)]
+            outcomes = await _round(peers, xs)
+            assert all(isinstance(o, Averaged) and o.verdict.clean for o in outcomes), outcomes
+            assert all(p.transport.stats.direct_calls > 0 for p in peers)
+        assert sorted(seen) == sorted((p.peer_id, True) for p in peers)
+
+    asyncio.run(main())
+
+
 def test_honest_verified_round_with_the_plain_mean_is_clean():
     """--aggregator mean --verify checks the mean as CenteredClip with τ = ∞."""
 

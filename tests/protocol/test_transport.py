@@ -100,6 +100,50 @@ def test_payloads_are_hashed_on_the_way_in_on_every_path():
     asyncio.run(main())
 
 
+def test_reply_header_is_seen_before_the_payload_and_can_refuse_it():
+    """Verified rounds start the MPRNG reveal on the aggregates' signed headers while the bytes still travel."""
+
+    class Counting:
+        def __init__(self):
+            self.fed = 0
+
+        def update(self, data):
+            self.fed += len(data)
+
+        def digest(self):
+            return b""
+
+    async def main():
+        a, b, ta, tb = await _pair()
+
+        async def handler(peer, header, payload):
+            return b"head:" + header, bytes(payload)
+
+        ta.register("echo_head", handler, max_payload=64 << 20)
+        try:
+            for size, direct in ((1000, True), (3 << 20, True), (3 << 20, False)):
+                tb.prefer_direct = direct
+                counting, seen = Counting(), []
+                data = os.urandom(size)
+                _, reply = await tb.call(
+                    ta.peer_id, "echo_head", b"x", data, max_reply_payload=size, timeout_s=30, reply_hasher=counting,
+                    on_reply_header=lambda h: seen.append((h, counting.fed)),
+                )  # fmt: skip
+                assert seen == [(b"head:x", 0)] and bytes(reply) == data and counting.fed == size
+
+                def refuse(header):
+                    raise PeerProtocolError("unsigned", peer=ta.peer_id)
+
+                with pytest.raises(PeerProtocolError, match="unsigned"):
+                    await tb.call(ta.peer_id, "echo_head", b"x", data, max_reply_payload=size, timeout_s=30, on_reply_header=refuse)
+            _, reply = await tb.call(ta.peer_id, "echo_head", b"x", b"still", max_reply_payload=100, timeout_s=30)
+            assert bytes(reply) == b"still"  # the callee keeps serving
+        finally:
+            await _close(a, b, ta, tb)
+
+    asyncio.run(main())
+
+
 def test_upload_limiter_paces_sends_to_its_rate(monkeypatch):
     """A fake clock: the limiter asks to sleep exactly as long as the bytes beyond its burst take at its rate."""
     clock = [100.0]
