@@ -191,8 +191,10 @@ class VerifiedRound:
         config: VerifyConfig,
         behavior: Behavior,
         vector: torch.Tensor,
+        recompute: Optional[Recompute] = None,
     ) -> None:
         self.service, self.identity = service, service.identity
+        self.recompute = recompute  # a validator's recomputation of another member's contribution
         self.vector = vector  # this member's committed contribution (flat, CPU float32)
         self.round_id, self.members, self.group_statement = round_id, members, group_statement
         self.bounds, self.codec, self.config, self.behavior = bounds, codec, config, behavior
@@ -210,6 +212,8 @@ class VerifiedRound:
         self._expected: Optional[set[int]] = None  # parts whose aggregate statement we wait for (committed reducers)
         self._reveal_task: Optional[asyncio.Task] = None
         self._seed: Optional[asyncio.Future] = None  # the public seed, once the reveal is done
+        self._validating: Optional[asyncio.Task] = None  # starts with the seed, while the gather may still run
+        self._verifying = False  # once verification began, the held parts stay for the judges
         # projections, formed as aggregates land: x − v and ‖x − v‖ at once, ⟨z, x − v⟩ once the seed is public
         self._diffs: Optional[torch.Tensor] = None  # (numel,): this member's part minus each aggregate
         self._own: dict[int, asyncio.Task] = {}  # part -> (s, ‖x − v‖) (1,) each of this member's contribution
@@ -292,6 +296,8 @@ class VerifiedRound:
         self.my_contributors = list(contributors)
         body = AggregateBody(part=part, hash=part_hash(payload), contributors=list(contributors))
         signed = sign_statement(self.identity, "aggregate", self.round_id, body)
+        # held from now on: a validator may fetch a part as soon as the seed is public
+        self.service.hold(self.round_id, _Held(part, dict(self.payloads)))
         self._record_aggregate(part, signed, body)
         return pack(signed)
 
@@ -349,12 +355,15 @@ class VerifiedRound:
 
     async def close(self) -> None:
         """Stop the round's background work and hand its buffers back (no thread may still write them)."""
-        if self._reveal_task is not None and not self._reveal_task.done():
-            self._reveal_task.cancel()
+        for task in (self._reveal_task, self._validating):
+            if task is not None and not task.done():
+                task.cancel()
         if not self._seed_future().done():
             self._seed_future().cancel()
         pending = list(self._own.values()) + ([self._rows] if self._rows is not None else [])
-        await asyncio.gather(*pending, *filter(None, [self._reveal_task]), return_exceptions=True)
+        await asyncio.gather(*pending, *filter(None, [self._reveal_task, self._validating]), return_exceptions=True)
+        if not self._verifying:  # the data phase failed: nobody will judge this round
+            self.service.release(self.round_id)
         for buf in (self._diffs, self._row_diffs):
             if buf is not None:
                 self.service.return_scratch(buf)
@@ -367,18 +376,18 @@ class VerifiedRound:
         output: torch.Tensor,
         own_rows: Optional[torch.Tensor],
         own_received: tuple[int, ...],
-        recompute_fn: Optional[Recompute],
     ) -> Verdict:
         """Run reveal, report, validation, accusation and voting; returns who is banned and which
         aggregates must not be applied. `output` is the gathered result (this member's contribution is `self.vector`)."""
         try:
-            return await self._verify(output, own_rows, own_received, recompute_fn)
+            return await self._verify(output, own_rows, own_received)
         finally:
             await self.close()
 
-    async def _verify(self, output, own_rows, own_received, recompute_fn) -> Verdict:
-        own_part = self.me
-        self.service.hold(self.round_id, _Held(own_part, dict(self.payloads)))
+    async def _verify(self, output, own_rows, own_received) -> Verdict:
+        self._verifying = True
+        if not self.service.holds(self.round_id):  # a round where this member reduced nothing
+            self.service.hold(self.round_id, _Held(self.me, dict(self.payloads)))
         t0 = time.monotonic()
         early = self._reveal_task is not None
         if self._reveal_task is None:  # some reducer's statement never came: reveal now
@@ -386,11 +395,11 @@ class VerifiedRound:
         seed, revealed = await self._reveal_task
         t1 = time.monotonic()
         # What needs only the seed runs while the reports travel: the reducer's own projections of
-        # every part it received (off the event loop) and the validator's recomputation.
+        # every part it received (off the event loop) and the validator's recomputation (started with the seed).
         truth = None
         if own_rows is not None:
             truth = asyncio.ensure_future(self._reducer_truth(seed, output, own_rows, own_received))
-        validating = asyncio.ensure_future(self._validate(seed, recompute_fn))
+        validating = self._validating
         try:
             reports = await self._report(seed, output)
             t2 = time.monotonic()
@@ -413,7 +422,7 @@ class VerifiedRound:
             # held parts (validators fetch them before they send their accusations, which we all have).
             self.service.release(self.round_id)
             return Verdict(clean=True)
-        return await self._judge(seed, reports, output, accusations, revealed, recompute_fn)
+        return await self._judge(seed, reports, output, accusations, revealed)
 
     def _suspects_anything(self, seed, reports, output, revealed) -> bool:
         """Whether this member will have a verdict to vote on even without accusations."""
@@ -454,6 +463,7 @@ class VerifiedRound:
             self._compare_echoes(reveal)
         seed = public_seed(self.round_id, shares)
         self._seed_future().set_result(seed)
+        self._validating = asyncio.ensure_future(self._validate(seed))
         return seed, set(shares)
 
     def _compare_echoes(self, reveal: RevealBody) -> None:
@@ -590,12 +600,12 @@ class VerifiedRound:
         target = seeded_choice(seed, "target", [p for p in candidates if p != validator])
         return validator, target
 
-    async def _validate(self, seed: bytes, recompute_fn: Optional[Recompute]) -> None:
+    async def _validate(self, seed: bytes) -> None:
         validator, target = self._validator_and_target(seed)
-        if validator != self.identity.peer_id or recompute_fn is None:
+        if validator != self.identity.peer_id or self.recompute is None:
             return
         logger.debug(f"round {self.round_id.hex()[:8]}: validating {target[-8:]}")
-        if not await self._contribution_holds(target, recompute_fn):
+        if not await self._contribution_holds(target, self.recompute):
             self.accusations.append(Accusation(accused=target, offense=Offense.BAD_CONTRIBUTION, part=-1, evidence=[]))
 
     async def _contribution_holds(self, target: str, recompute_fn: Recompute) -> bool:
@@ -643,7 +653,7 @@ class VerifiedRound:
                 anyone_suspects = True
         return out, anyone_suspects
 
-    async def _judge(self, seed, reports, output, accusations, revealed, recompute_fn) -> Verdict:
+    async def _judge(self, seed, reports, output, accusations, revealed) -> Verdict:
         guilty: dict[str, tuple[Offense, list[Signed]]] = {}
         corrected: dict[tuple[str, int], tuple[float, float]] = {}  # (peer, part) -> true report, where one was false
 
@@ -670,9 +680,9 @@ class VerifiedRound:
                         convict(acc.accused, Offense.FALSE_REPORT, [self.group_statement])
                 elif acc.offense is Offense.BAD_CONTRIBUTION:
                     validator, target = self._validator_and_target(seed)
-                    if accuser != validator or acc.accused != target or recompute_fn is None:
+                    if accuser != validator or acc.accused != target or self.recompute is None:
                         convict(accuser, Offense.FALSE_ACCUSATION, [self.group_statement])
-                    elif await self._contribution_holds(acc.accused, recompute_fn):
+                    elif await self._contribution_holds(acc.accused, self.recompute):
                         convict(accuser, Offense.FALSE_ACCUSATION, [self.group_statement])
                     else:
                         convict(acc.accused, Offense.BAD_CONTRIBUTION, [self.group_statement])

@@ -214,6 +214,7 @@ class RoundEngine:
                 config=self.config.verify,
                 behavior=self.behavior,
                 vector=vector,
+                recompute=recompute,
             )
             t0 = time.monotonic()
             await vr.commit([encode(vector[a:b], spec.codec) for a, b in spec.bounds])
@@ -229,7 +230,7 @@ class RoundEngine:
                 out=self._output, guard=vr, skip=skip,
             )  # fmt: skip
             t1 = time.monotonic()
-            verdict = await vr.verify(result.vector, result.own_rows, result.own_received, recompute)
+            verdict = await vr.verify(result.vector, result.own_rows, result.own_received)
             if verdict.clean and result.recycle_rows is not None:  # nobody needs the parts as evidence
                 result.own_rows = None
                 result.recycle_rows()

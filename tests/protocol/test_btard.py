@@ -64,14 +64,16 @@ def test_honest_verified_round_equals_centered_clip_per_part():
 
 def test_no_member_reveals_before_it_holds_every_aggregate_statement(monkeypatch):
     """The reveal overlaps the gather (it starts on the aggregates' signed headers, before their bytes),
-    but the seed must stay unknown until every reducer is bound to its aggregate."""
+    but the seed must stay unknown until every reducer is bound to its aggregate, and every reducer
+    must hold its parts by then (the validator, who starts with the seed, may ask for them)."""
     from protocol.btard import VerifiedRound
 
     seen = []
     reveal = VerifiedRound._reveal
 
     async def recording(self):
-        seen.append((self.identity.peer_id, self._expected is not None and self._expected <= set(self.aggregates)))
+        bound = self._expected is not None and self._expected <= set(self.aggregates)
+        seen.append((self.identity.peer_id, bound, self.service.holds(self.round_id)))
         return await reveal(self)
 
     monkeypatch.setattr(VerifiedRound, "_reveal", recording)
@@ -83,7 +85,7 @@ def test_no_member_reveals_before_it_holds_every_aggregate_statement(monkeypatch
             outcomes = await _round(peers, xs)
             assert all(isinstance(o, Averaged) and o.verdict.clean for o in outcomes), outcomes
             assert all(p.transport.stats.direct_calls > 0 for p in peers)
-        assert sorted(seen) == sorted((p.peer_id, True) for p in peers)
+        assert sorted(seen) == sorted((p.peer_id, True, True) for p in peers)
 
     asyncio.run(main())
 
@@ -167,6 +169,40 @@ def test_each_protocol_attack_bans_exactly_the_attacker(attack):
                 assert outcome.verdict.bad_parts == first.verdict.bad_parts
                 assert torch.equal(outcome.result.vector, first.result.vector)
             assert math.isfinite(float(first.result.vector.abs().sum()))
+
+    asyncio.run(main())
+
+
+def test_validator_checks_its_target_while_the_gather_runs(monkeypatch):
+    """The validator starts as soon as the seed is public (mid-gather): a recomputation that is not
+    bit-identical fetches the target's parts from reducers, who hold them from the moment they signed
+    their aggregate; an honest target passes, a target that sent another gradient is banned."""
+    from protocol.btard import VerifiedRound
+
+    async def main():
+        async with open_swarm(4, CONFIG) as peers:
+            ids = [p.peer_id for p in peers]
+            target = [ids[1]]
+            monkeypatch.setattr(VerifiedRound, "_validator_and_target", lambda self, seed: (ids[0], target[0]))
+            numel = 2_000_000  # 2 MB parts: the aggregates take the direct path, so the seed is out before they land
+            xs = [torch.randn(numel, generator=torch.Generator().manual_seed(i)) for i in range(4)]
+            honest = {p: x for p, x in zip(ids, xs)}
+
+            async def recompute(peer):  # the same gradient up to float noise from other hardware
+                return honest[peer] * (1 + 1e-7)
+
+            async def verified_round(sent):
+                for peer in peers:
+                    peer.engine.set_state(b"v0", 0)
+                return await asyncio.gather(*[p.engine.run_round(x, recompute=recompute) for p, x in zip(peers, sent)])
+
+            outcomes = await verified_round(xs)
+            assert all(o.verdict.clean and o.verdict.banned == set() for o in outcomes), [o.verdict for o in outcomes]
+
+            target[0] = ids[3]
+            outcomes = await verified_round(xs[:3] + [-xs[3]])  # peer 3 commits to and sends a flipped gradient
+            for peer, outcome in zip(peers[:3], outcomes[:3]):
+                assert outcome.verdict.banned == {ids[3]} and peer.membership.banned == {ids[3]}
 
     asyncio.run(main())
 
