@@ -61,6 +61,8 @@ class PartGuard(Protocol):
     def announced(self, part: int, header: AggregateHeader) -> None:
         """The reply header of part `part` arrived; its payload follows (and goes to `accept_aggregate`)."""
     def accept_aggregate(self, part: int, payload: bytes | memoryview, header: AggregateHeader, digest: bytes) -> None: ...
+    def given_up(self, part: int) -> asyncio.Future:
+        """Done once the member stopped waiting for part `part`'s aggregate: the call is dropped."""
     def landed(self, part: int, value: torch.Tensor, rows: Optional[torch.Tensor] = None, received: list[int] = ...) -> None:
         """`value` is part `part`'s final aggregate; for this peer's own part also the rows it came from."""
 
@@ -264,7 +266,7 @@ class AllReduceService:
         def announced(raw: bytes) -> None:  # verified rounds: the reducer's signed statement precedes the bytes
             guard.announced(j, unpack(raw, AggregateHeader, peer=spec.members[j]))
 
-        reply_header, reply = await self.transport.call(
+        call = self.transport.call(
             spec.members[j],
             PART_METHOD,
             pack(header),
@@ -275,6 +277,10 @@ class AllReduceService:
             reply_hasher=hasher,
             on_reply_header=announced if guard is not None else None,
         )
+        if guard is None:
+            reply_header, reply = await call
+        else:
+            reply_header, reply = await _unless_given_up(call, guard.given_up(j))
         head = unpack(reply_header, AggregateHeader, peer=spec.members[j])
         if guard is not None:
             guard.accept_aggregate(j, reply, head, hasher.digest())
@@ -384,6 +390,20 @@ class AllReduceService:
         if reduction is None:
             raise RoundAbortedError("round already finished")
         return reduction
+
+
+async def _unless_given_up(call, given_up: asyncio.Future):
+    """The call's result, or RoundAbortedError once `given_up` is done first (the call is cancelled)."""
+    task = asyncio.ensure_future(call)
+    try:
+        await asyncio.wait({task, given_up}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)  # nothing may still write into the output
+    if task.cancelled():
+        raise RoundAbortedError("stopped waiting for this aggregate")
+    return task.result()
 
 
 def _bytes_of(tensor: torch.Tensor) -> memoryview:

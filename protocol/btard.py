@@ -7,6 +7,13 @@
                reveals once it holds every reducer's signed aggregate statement, which heads the
                aggregate's bytes: every aggregate is fixed before anyone can know the seed, and the
                reveal and the projections overlap the rest of the gather
+    patience   a reducer that answers one member late (or never) must not get that member convicted
+               for being late in its turn. A statement it holds back reaches the member anyway, echoed
+               in the others' reveals; for an aggregate's bytes the member waits half a phase timeout
+               after another member's report arrived, then its report lists the part as undelivered.
+               Nobody can tell which side lied, so every member drops those parts and nobody is
+               convicted for one such dispute; a member that disputes two or more parts of reducers
+               that did not fall silent is banned (else a liar could void every round for free)
     report     each contributor's projection of its part against each aggregate
     validate   a validator chosen by the public seed recomputes one member's gradient
     accuse     accusations with evidence; every member judges every accusation itself
@@ -79,6 +86,7 @@ class ReportBody(WireModel):
     """Kind "report"."""
 
     entries: Annotated[list[ReportEntry], Field(max_length=256)]
+    undelivered: Annotated[list[Annotated[int, Field(ge=0, lt=256)]], Field(max_length=256)] = []  # parts never received
 
 
 class Accusation(WireModel):
@@ -103,6 +111,7 @@ class EvidenceRequest(WireModel):
 
 class VoteList(WireModel):
     votes: Annotated[list[Signed], Field(max_length=256)]
+    disputes: Annotated[list[Signed], Field(max_length=256)] = []  # signed reports that list undelivered parts
 
 
 @dataclass
@@ -214,6 +223,9 @@ class VerifiedRound:
         self._seed: Optional[asyncio.Future] = None  # the public seed, once the reveal is done
         self._validating: Optional[asyncio.Task] = None  # starts with the seed, while the gather may still run
         self._verifying = False  # once verification began, the held parts stay for the judges
+        self._landed: set[int] = set()  # parts whose aggregate arrived whole
+        self._given_up: dict[int, asyncio.Future] = {}  # part -> done once we stopped waiting for its aggregate
+        self._patience: list[asyncio.Handle | asyncio.Task] = []
         # projections, formed as aggregates land: x − v and ‖x − v‖ at once, ⟨z, x − v⟩ once the seed is public
         self._diffs: Optional[torch.Tensor] = None  # (numel,): this member's part minus each aggregate
         self._own: dict[int, asyncio.Task] = {}  # part -> (s, ‖x − v‖) (1,) each of this member's contribution
@@ -259,6 +271,7 @@ class VerifiedRound:
                 continue
             self.commits[peer] = (signed, commit)
         self._expected = {self.members.index(peer) for peer in self.commits}
+        self._patience.append(asyncio.ensure_future(self._statements_from_reveals()))
 
     # ---- phases 3-5: PartGuard hooks ----------------------------------------------------------
 
@@ -299,7 +312,53 @@ class VerifiedRound:
         # held from now on: a validator may fetch a part as soon as the seed is public
         self.service.hold(self.round_id, _Held(part, dict(self.payloads)))
         self._record_aggregate(part, signed, body)
+        self._patience.append(asyncio.ensure_future(self._stop_waiting_for_bytes()))
         return pack(signed)
+
+    def given_up(self, part: int) -> asyncio.Future:
+        """Done once this member stopped waiting for the aggregate of `part` (the call is then dropped)."""
+        if part not in self._given_up:
+            self._given_up[part] = asyncio.get_running_loop().create_future()
+        return self._given_up[part]
+
+    def _give_up(self, parts: set[int]) -> None:
+        for part in sorted(parts):
+            future = self.given_up(part)
+            if not future.done():
+                logger.info(f"round {self.round_id.hex()[:8]}: stopped waiting for the aggregate of {self.members[part][-8:]}")
+                future.set_result(None)
+
+    async def _statements_from_reveals(self) -> None:
+        """Take the aggregate statements others echo in early reveals: a reducer that holds its statement
+        back from us cannot keep us from revealing in time (each one is signed by its reducer)."""
+        seen: set[str] = set()
+        while self._reveal_task is None:
+            arrived = await self.service.exchange.arrivals(self.round_id, "reveal", seen)
+            seen |= set(arrived)
+            for peer, raw in arrived.items():
+                reveal = self._open_reveal(peer, raw)
+                for echoed in reveal.aggregates if reveal is not None else []:
+                    try:
+                        statement, body = open_statement(echoed, AggregateBody, kind="aggregate", round_id=self.round_id)
+                    except PeerProtocolError:
+                        continue
+                    part = body.part
+                    if part in (self._expected or set()) and statement.sender == self.members[part] and part not in self.aggregates:
+                        if self._reveal_task is None and part not in self.undelivered:
+                            self._record_aggregate(part, echoed, body)
+
+    async def _stop_waiting_for_bytes(self) -> None:
+        await self.service.exchange.arrivals(self.round_id, "report", set())
+        await asyncio.sleep(self.config.phase_timeout_s / 2)
+        self._give_up(self._missing_parts())
+
+    @property
+    def undelivered(self) -> set[int]:
+        """Parts we stopped waiting for; once the data phase is over, every part that did not land whole."""
+        return {part for part, future in self._given_up.items() if future.done()}
+
+    def _missing_parts(self) -> set[int]:
+        return (self._expected or set()) - self._landed - {self.me}
 
     def reply_for(self, receiver: int, header: bytes, payload: bytes | memoryview) -> tuple[bytes, bytes | memoryview]:
         return self.behavior.aggregate_reply(self, receiver, header, payload)
@@ -307,13 +366,20 @@ class VerifiedRound:
     def announced(self, part: int, header) -> None:
         """The reducer of `part` signed the aggregate whose bytes now follow."""
         reducer = self.members[part]
+        if part in self.undelivered:
+            raise PeerProtocolError("aggregate statement came after we stopped waiting for it", peer=reducer)
         signed = unpack(header.statement, Signed, peer=reducer)
         _, body = open_statement(signed, AggregateBody, kind="aggregate", round_id=self.round_id, sender=reducer)
         if body.part != part:
             raise PeerProtocolError("signed an aggregate statement for another part", peer=reducer)
+        if part in self.aggregates and self.aggregates[part][0].statement != signed.statement:  # known from an echo
+            self._prove(reducer, Offense.EQUIVOCATION, [self.aggregates[part][0], signed])
+            raise PeerProtocolError("sent us another aggregate than the one it signed for the others", peer=reducer)
         self._record_aggregate(part, signed, body)
 
     def accept_aggregate(self, part: int, payload: bytes | memoryview, header, digest: bytes) -> None:
+        if part in self.undelivered:
+            raise PeerProtocolError("aggregate came after we stopped waiting for it", peer=self.members[part])
         signed, body = self.aggregates.get(part, (None, None))
         if signed is None or signed.statement != unpack(header.statement, Signed, peer=self.members[part]).statement:
             raise PeerProtocolError("aggregate arrived without the statement that announced it", peer=self.members[part])
@@ -329,6 +395,7 @@ class VerifiedRound:
     def landed(self, part: int, value: torch.Tensor, rows: Optional[torch.Tensor] = None, received=()) -> None:
         """Aggregate `part` is final (as this member will apply it): start its projections off the
         event loop while other parts are still moving."""
+        self._landed.add(part)
         if self.me in self.aggregates_contributors(part):
             if self._diffs is None:
                 self._diffs = self.service.scratch(self.vector.numel())
@@ -355,8 +422,8 @@ class VerifiedRound:
 
     async def close(self) -> None:
         """Stop the round's background work and hand its buffers back (no thread may still write them)."""
-        for task in (self._reveal_task, self._validating):
-            if task is not None and not task.done():
+        for task in (self._reveal_task, self._validating, *self._patience):
+            if task is not None and not (isinstance(task, asyncio.Task) and task.done()):
                 task.cancel()
         if not self._seed_future().done():
             self._seed_future().cancel()
@@ -430,6 +497,8 @@ class VerifiedRound:
             return True
         if any(p not in self.commits or p not in revealed or p not in reports for p in self.members):
             return True
+        if self._disputed(reports):
+            return True  # the disputed parts are dropped by a verdict everyone computes alike
         failing = []
         self._check_aggregates(seed, reports, output, {}, {}, lambda peer, *_: failing.append(peer))
         return bool(failing)
@@ -449,12 +518,10 @@ class VerifiedRound:
         for peer, raw in received.items():
             if peer not in self.commits:
                 continue
-            try:
-                signed = unpack(raw, Signed, peer=peer)
-                _, reveal = open_statement(signed, RevealBody, kind="reveal", round_id=self.round_id, sender=peer)
-            except PeerProtocolError as e:
-                logger.info(f"bad reveal from {peer[-8:]}: {e}")
+            reveal = self._open_reveal(peer, raw)
+            if reveal is None:
                 continue
+            signed = unpack(raw, Signed, peer=peer)
             commit_signed, commit = self.commits[peer]
             if share_commitment(self.round_id, peer, reveal.share) != commit.mprng:
                 self._prove(peer, Offense.BAD_REVEAL, [commit_signed, signed])
@@ -465,6 +532,14 @@ class VerifiedRound:
         self._seed_future().set_result(seed)
         self._validating = asyncio.ensure_future(self._validate(seed))
         return seed, set(shares)
+
+    def _open_reveal(self, peer: str, raw: bytes) -> Optional[RevealBody]:
+        try:
+            signed = unpack(raw, Signed, peer=peer)
+            return open_statement(signed, RevealBody, kind="reveal", round_id=self.round_id, sender=peer)[1]
+        except PeerProtocolError as e:
+            logger.info(f"bad reveal from {peer[-8:]}: {e}")
+            return None
 
     def _compare_echoes(self, reveal: RevealBody) -> None:
         """Two different signed commitments or aggregates for one slot prove equivocation."""
@@ -496,7 +571,7 @@ class VerifiedRound:
         """(part, s, norm) of this member's contribution to every aggregate that counted it."""
         out = []
         for part in range(len(self.members)):
-            if self.me not in self.aggregates_contributors(part):
+            if self.me not in self.aggregates_contributors(part) or part not in self._landed:
                 continue
             if part in done:  # projected as the aggregate landed
                 s, norms = done[part]
@@ -508,12 +583,14 @@ class VerifiedRound:
 
     async def _report(self, seed: bytes, output: torch.Tensor) -> dict[str, tuple[Signed, ReportBody]]:
         entries = []
+        self._give_up(self._missing_parts())  # the data phase is over: what did not land never will
         done = {part: await task for part, task in self._own.items()}
         own = await asyncio.get_running_loop().run_in_executor(None, self._own_reports, seed, output, done)
         for part, s, norm in own:
             s, norm = self.behavior.reported(s, norm)
             entries.append(ReportEntry(part=part, aggregate=self.aggregates[part][1].hash, s=s, norm=norm))
-        mine_signed = sign_statement(self.identity, "report", self.round_id, ReportBody(entries=entries))
+        body = ReportBody(entries=entries, undelivered=sorted(self.undelivered))
+        mine_signed = sign_statement(self.identity, "report", self.round_id, body)
         received = await self.service.exchange.all_to_all(
             self.round_id, "report", pack(mine_signed), deadline=self._deadline(), send=self.behavior.speaks("report"),
             expect=self.committed,
@@ -537,6 +614,16 @@ class VerifiedRound:
         if self.codec is Codec.NONE:
             return values
         return decode(bytearray(encode(values, self.codec)), self.codec, b - a)
+
+    def _disputed(self, reports) -> set[int]:
+        """Parts some member says it never received (not counting its own part): unverifiable, so
+        nobody applies them, and nobody is convicted over one of them (either side may be the liar)."""
+        return {
+            part
+            for peer, (_, body) in reports.items()
+            for part in body.undelivered
+            if part < len(self.members) and self.members[part] != peer
+        }
 
     def _aggregate_reports(self, part: int, reports) -> tuple[list[str], list[Optional[tuple[float, float]]]]:
         """Contributors of `part` (as its reducer signed them) and their reports for it (None if missing)."""
@@ -581,6 +668,8 @@ class VerifiedRound:
             if peer not in reports:  # a contributor that does not report: judges take the true value from us
                 self.accusations.append(Accusation(accused=peer, offense=Offense.FALSE_REPORT, part=part, evidence=[]))
                 continue
+            if part in reports[peer][1].undelivered:
+                continue  # it says our aggregate never reached it: a dispute nobody can settle, the part is dropped
             entry = next((e for e in reports[peer][1].entries if e.part == part), None)
             mine = self.aggregates[part][1].hash
             if entry is None or entry.aggregate != mine or not report_matches((entry.s, entry.norm), true, self.config.tau):
@@ -690,14 +779,37 @@ class VerifiedRound:
         for peer in self.members:
             if peer not in self.commits or peer not in revealed or peer not in reports:
                 convict(peer, Offense.WITHHELD, [self.group_statement])
+        # one dispute a round is free, more are a ban; parts of reducers found guilty (a crashed one is
+        # silent) do not count: every member misses those
+        settled = {i for i, peer in enumerate(self.members) if peer in guilty}
+        for peer, item in reports.items():
+            if len(self._disputed({peer: item}) - settled) > 1:
+                convict(peer, Offense.WITHHELD, [self.group_statement])
         bad_parts = self._check_aggregates(seed, reports, output, corrected, guilty, convict)
         votes = [
             sign_statement(self.identity, "ban", b"", BanVote(accused=p, offense=o, round_id=self.round_id, evidence=e))
             for p, (o, e) in guilty.items()
         ]
-        verdict = await self._vote(votes, bad_parts)
+        disputes = [signed for signed, body in reports.values() if body.undelivered]
+        verdict = await self._vote(votes, bad_parts, disputes)
         verdict.accusations = sum(len(items) for items in accusations.values())
         return verdict
+
+    def _forwarded_disputes(self, raw: bytes, peer: str) -> set[int]:
+        """Disputed parts in the signed reports `peer` forwarded with its votes (each checked)."""
+        parts: set[int] = set()
+        try:
+            forwarded = unpack(raw, VoteList, peer=peer).disputes
+        except PeerProtocolError:
+            return parts
+        for signed in forwarded:
+            try:
+                statement, body = open_statement(signed, ReportBody, kind="report", round_id=self.round_id)
+            except PeerProtocolError:
+                continue
+            if statement.sender in self.commits:
+                parts |= self._disputed({statement.sender: (signed, body)})
+        return parts
 
     async def _judge_false_report(self, seed, output, accuser, acc: Accusation, reports) -> Optional[tuple[float, float]]:
         """The true report if `acc.accused` lied about part `acc.part`; None if the accusation is false."""
@@ -712,6 +824,8 @@ class VerifiedRound:
                 )
             except PeerProtocolError:
                 return None
+            if part in claimed.undelivered:
+                return None  # it said the aggregate never reached it: a dispute, not a lie about a report
             entry = next((e for e in claimed.entries if e.part == part), None)
         elif acc.accused in reports:
             return None  # we did get its report: judge by that one
@@ -737,11 +851,14 @@ class VerifiedRound:
         return true
 
     def _check_aggregates(self, seed, reports, output, corrected, guilty, convict) -> set[int]:
-        bad: set[int] = set()
+        disputed = self._disputed(reports)
+        bad: set[int] = set(disputed)
         for part in range(len(self.members)):
             reducer = self.members[part]
             if reducer in guilty:
                 bad.add(part)
+                continue
+            if part in disputed:
                 continue
             if part not in self.aggregates and part != self.me:
                 continue  # not received: already a missing part
@@ -762,10 +879,13 @@ class VerifiedRound:
                 bad.add(part)
         return bad
 
-    async def _vote(self, votes: list[Signed], bad_parts: set[int]) -> Verdict:
+    async def _vote(self, votes: list[Signed], bad_parts: set[int], disputes: list[Signed]) -> Verdict:
+        """Exchange ban votes, and the disputes each member saw, so that a report sent to only some
+        members still makes every member drop the same parts."""
         received = await self.service.exchange.all_to_all(
-            self.round_id, "vote", pack(VoteList(votes=votes)), deadline=self._deadline(), expect=self.committed
-        )
+            self.round_id, "vote", pack(VoteList(votes=votes, disputes=disputes)), deadline=self._deadline(),
+            expect=self.committed,
+        )  # fmt: skip
         valid: list[Vote] = []
         signed_votes: list[Signed] = []
         for peer, raw in received.items():
@@ -777,6 +897,7 @@ class VerifiedRound:
                         signed_votes.append(signed)
             except PeerProtocolError:
                 continue
+            bad_parts |= self._forwarded_disputes(raw, peer)
         out = banned(valid)
         for part, reducer in enumerate(self.members):
             if reducer in out:

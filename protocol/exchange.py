@@ -94,6 +94,19 @@ class ExchangeService:
         box.arrived.set()
         return b"", b""
 
+    async def arrivals(self, round_id: bytes, phase: str, seen: set[str]) -> dict[str, bytes]:
+        """The `phase` messages of the round from members not in `seen`, once there is at least one
+        (they stay for `all_to_all` to collect): a member may act on early messages of a later phase."""
+        box = self._rounds.get(round_id)
+        if box is None:
+            raise RoundAbortedError("round is not open for exchange")
+        while True:
+            new = {p: m for (ph, p), m in box.messages.items() if ph == phase and p not in seen}
+            if new:
+                return new
+            box.arrived.clear()
+            await box.arrived.wait()
+
     async def all_to_all(
         self,
         round_id: bytes,

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from aggregation.centered_clip import centered_clip
+from aggregation.errors import RoundAbortedError
 from protocol.adversary import PROTOCOL_ATTACKS
 from protocol.config import Codec, MatchmakingConfig, RoundConfig, verify_config_for
 from protocol.engine import Averaged
@@ -203,6 +204,141 @@ def test_validator_checks_its_target_while_the_gather_runs(monkeypatch):
             outcomes = await verified_round(xs[:3] + [-xs[3]])  # peer 3 commits to and sends a flipped gradient
             for peer, outcome in zip(peers[:3], outcomes[:3]):
                 assert outcome.verdict.banned == {ids[3]} and peer.membership.banned == {ids[3]}
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("stalled", ["statement", "bytes"])
+def test_reducer_that_answers_one_member_late_gets_nobody_banned(monkeypatch, stalled):
+    """A reducer holds back its aggregate from one member (its signed statement, or the bytes after it)
+    past the others' phase deadlines. The victim stops waiting in time and reports the part undelivered;
+    nobody can tell which side lies, so nobody is banned (before, the victim was, for being late), and
+    every member drops that part alike."""
+    from protocol.adversary import Behavior
+    from protocol.allreduce import AllReduceService
+    from protocol.channel import Channel
+
+    held_back: set[int] = set()
+    victim: list[str] = []
+
+    class HoldBack(Behavior):
+        name = "hold_back"
+
+        def aggregate_reply(self, vr, receiver, header, payload):
+            if vr.members[receiver] != victim[0]:
+                return header, payload
+            if stalled == "statement":
+                raise _Stall()
+            copy = bytearray(payload)  # marks this one reply for the channel below
+            held_back.add(id(copy))
+            return header, copy
+
+    class _Stall(Exception):
+        pass
+
+    serve = AllReduceService._serve_part
+
+    async def serve_part(self, peer, header, payload):
+        try:
+            return await serve(self, peer, header, payload)
+        except _Stall:
+            await asyncio.sleep(8.0)  # CONFIG's phases wait 3 s; the caller's timeout is 15 s
+            raise RoundAbortedError("gave up")
+
+    send_message = Channel.send_message
+
+    async def send_late(self, head, payload):
+        if id(payload) in held_back:
+            await self.send_record(head)  # the signed statement goes out on time, the bytes do not
+            await asyncio.sleep(8.0)
+        await send_message(self, head, payload)
+
+    monkeypatch.setattr(AllReduceService, "_serve_part", serve_part)
+    monkeypatch.setattr(Channel, "send_message", send_late)
+
+    async def main():
+        async with open_swarm(4, CONFIG, behaviors=[None, None, None, HoldBack()]) as peers:
+            victim.append(peers[0].peer_id)
+            numel = 2_000_000  # 2 MB parts: the aggregates take the direct path, statement first
+            xs = [torch.randn(numel, generator=torch.Generator().manual_seed(i)) for i in range(4)]
+            outcomes = await _round(peers, xs)
+            assert all(isinstance(o, Averaged) for o in outcomes), outcomes
+            dropped = {outcomes[0].group.members.index(peers[3].peer_id)}
+            for peer, outcome in zip(peers, outcomes):
+                assert outcome.verdict.banned == set() and not peer.membership.banned
+                assert outcome.verdict.bad_parts == dropped and dropped <= set(outcome.result.missing_parts)
+            for outcome in outcomes[1:]:
+                assert torch.equal(outcome.result.vector, outcomes[0].result.vector)
+
+    asyncio.run(main())
+
+
+def test_two_reducers_dying_after_commit_get_only_themselves_banned(monkeypatch):
+    """Every other member misses both their aggregates, i.e. disputes two parts: that is no offense when
+    the reducers themselves fell silent."""
+    from protocol.adversary import Behavior
+    from protocol.allreduce import AllReduceService
+
+    class Dies(Behavior):
+        name = "dies_after_commit"
+
+        def speaks(self, phase):
+            return phase == "commit"
+
+        def aggregate_reply(self, vr, receiver, header, payload):
+            raise _Dead()
+
+    class _Dead(Exception):
+        pass
+
+    serve = AllReduceService._serve_part
+
+    async def serve_part(self, peer, header, payload):
+        try:
+            return await serve(self, peer, header, payload)
+        except _Dead:
+            await asyncio.sleep(20.0)
+            raise RoundAbortedError("dead")
+
+    monkeypatch.setattr(AllReduceService, "_serve_part", serve_part)
+
+    async def main():
+        async with open_swarm(5, CONFIG, behaviors=[None, None, None, Dies(), Dies()]) as peers:
+            dead = {peers[3].peer_id, peers[4].peer_id}
+            for peer in peers:
+                peer.engine.set_state(b"v0", 0)
+            xs = [torch.randn(NUMEL, generator=torch.Generator().manual_seed(i)) for i in range(5)]
+            outcomes = await asyncio.gather(*[p.engine.run_round(x) for p, x in zip(peers, xs)], return_exceptions=True)
+            for peer, outcome in zip(peers[:3], outcomes[:3]):
+                assert isinstance(outcome, Averaged), outcome
+                assert outcome.verdict.banned == dead and peer.membership.banned == dead
+
+    asyncio.run(main())
+
+
+def test_member_that_disputes_two_parts_is_banned(monkeypatch):
+    """Undelivered parts are dropped without proof of who lied; more than one dispute a round costs the
+    disputer its place (or one member could void every part of every round for free)."""
+    from protocol.btard import VerifiedRound
+
+    liar: list[str] = []
+    undelivered = VerifiedRound.undelivered
+
+    def claimed(self):
+        if self.identity.peer_id == liar[0]:
+            return {i for i in range(len(self.members)) if i != self.me}
+        return undelivered.fget(self)
+
+    monkeypatch.setattr(VerifiedRound, "undelivered", property(claimed))
+
+    async def main():
+        async with open_swarm(4, CONFIG) as peers:
+            liar.append(peers[3].peer_id)
+            outcomes = await _round(peers, _inputs(4))
+            others = set(range(4)) - {outcomes[0].group.members.index(liar[0])}
+            for peer, outcome in zip(peers[:3], outcomes[:3]):
+                assert outcome.verdict.banned == {liar[0]} and peer.membership.banned == {liar[0]}
+                assert outcome.verdict.bad_parts >= others
 
     asyncio.run(main())
 
