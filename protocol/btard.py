@@ -338,14 +338,16 @@ class VerifiedRound:
             for peer, raw in arrived.items():
                 reveal = self._open_reveal(peer, raw)
                 for echoed in reveal.aggregates if reveal is not None else []:
-                    try:
-                        statement, body = open_statement(echoed, AggregateBody, kind="aggregate", round_id=self.round_id)
+                    try:  # the signature is checked only for statements we lack
+                        sender = unpack(echoed.statement, Statement).sender
+                        part = self.members.index(sender) if sender in self.members else -1
+                        if part not in (self._expected or set()) or part in self.aggregates or part in self.undelivered:
+                            continue
+                        _, body = open_statement(echoed, AggregateBody, kind="aggregate", round_id=self.round_id, sender=sender)
                     except PeerProtocolError:
                         continue
-                    part = body.part
-                    if part in (self._expected or set()) and statement.sender == self.members[part] and part not in self.aggregates:
-                        if self._reveal_task is None and part not in self.undelivered:
-                            self._record_aggregate(part, echoed, body)
+                    if body.part == part and self._reveal_task is None:
+                        self._record_aggregate(part, echoed, body)
 
     async def _stop_waiting_for_bytes(self) -> None:
         await self.service.exchange.arrivals(self.round_id, "report", set())
