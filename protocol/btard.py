@@ -9,7 +9,7 @@
                reveal and the projections overlap the rest of the gather
     patience   a reducer that answers one member late (or never) must not get that member convicted
                for being late in its turn. A statement it holds back reaches the member anyway, echoed
-               in the others' reveals; for an aggregate's bytes the member waits half a phase timeout
+               in the others' reveals; for an aggregate's bytes the member waits ¾ of a phase timeout
                after another member's report arrived, then its report lists the part as undelivered.
                Nobody can tell which side lied, so every member drops those parts and nobody is
                convicted for one such dispute; a member that disputes two or more parts of reducers
@@ -72,6 +72,7 @@ logger = logging.getLogger(__name__)
 
 EVIDENCE_METHOD = "evidence"
 HELD_ROUNDS = 8
+BYTES_PATIENCE = 0.75  # of a phase timeout: how long a member waits for aggregates once reports began
 Recompute = Callable[[str], Awaitable[torch.Tensor]]  # peer ID -> its honest flat gradient at this round's state
 
 
@@ -351,7 +352,8 @@ class VerifiedRound:
 
     async def _stop_waiting_for_bytes(self) -> None:
         await self.service.exchange.arrivals(self.round_id, "report", set())
-        await asyncio.sleep(self.config.phase_timeout_s / 2)
+        # the others wait a whole phase timeout for our report, counted from about then
+        await asyncio.sleep(self.config.phase_timeout_s * BYTES_PATIENCE)
         self._give_up(self._missing_parts())
 
     @property
