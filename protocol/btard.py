@@ -130,6 +130,7 @@ class Verdict:
     bad_parts: set[int] = field(default_factory=set)  # aggregates not to apply (their reducer is guilty)
     votes: list[Signed] = field(default_factory=list)  # every valid vote seen (to publish)
     accusations: int = 0  # accusations made in the round (by anyone)
+    disputed: set[int] = field(default_factory=set)  # parts dropped because a member said it never got them
     clean: bool = False  # every member reported a clean round: the held parts were released
 
 
@@ -795,7 +796,7 @@ class VerifiedRound:
             for p, (o, e) in guilty.items()
         ]
         disputes = [signed for signed, body in reports.values() if body.undelivered]
-        verdict = await self._vote(votes, bad_parts, disputes)
+        verdict = await self._vote(votes, bad_parts, disputes, self._disputed(reports))
         verdict.accusations = sum(len(items) for items in accusations.values())
         return verdict
 
@@ -883,13 +884,15 @@ class VerifiedRound:
                 bad.add(part)
         return bad
 
-    async def _vote(self, votes: list[Signed], bad_parts: set[int], disputes: list[Signed]) -> Verdict:
-        """Exchange ban votes, and the disputes each member saw, so that a report sent to only some
-        members still makes every member drop the same parts."""
+    async def _vote(self, votes: list[Signed], bad_parts: set[int], disputes: list[Signed], disputed: set[int]) -> Verdict:
+        """Exchange ban votes, and the disputes each member saw (`disputes`: the signed reports behind our
+        `disputed` parts), so that a report sent to only some members still makes every member drop the
+        same parts."""
         received = await self.service.exchange.all_to_all(
             self.round_id, "vote", pack(VoteList(votes=votes, disputes=disputes)), deadline=self._deadline(),
             expect=self.committed,
         )  # fmt: skip
+        disputed = set(disputed)
         valid: list[Vote] = []
         signed_votes: list[Signed] = []
         for peer, raw in received.items():
@@ -901,9 +904,9 @@ class VerifiedRound:
                         signed_votes.append(signed)
             except PeerProtocolError:
                 continue
-            bad_parts |= self._forwarded_disputes(raw, peer)
+            disputed |= self._forwarded_disputes(raw, peer)
         out = banned(valid)
         for part, reducer in enumerate(self.members):
             if reducer in out:
                 bad_parts.add(part)
-        return Verdict(banned=out, bad_parts=bad_parts, votes=signed_votes)
+        return Verdict(banned=out, bad_parts=bad_parts | disputed, votes=signed_votes, disputed=disputed)

@@ -52,6 +52,7 @@ class PeerMetrics:
     samples_per_s: float = 0.0
     staleness_penalty: float = 0.0
     accusations_seen: int = 0
+    disputed_parts: int = 0  # aggregates dropped because a member said they never reached it
     in_sync: bool = False  # completed a round since start or since the last resync
     last_round: Optional[LastRound] = None
     registry: CollectorRegistry = field(default_factory=CollectorRegistry)
@@ -74,6 +75,7 @@ class PeerMetrics:
         self._round(averaged.group, "partial" if result.missing_parts or result.dropped_senders else "ok", duration_s)
         if averaged.verdict is not None:
             self.accusations_seen += averaged.verdict.accusations
+            self.disputed_parts += len(averaged.verdict.disputed)
 
     def round_failed(self) -> None:
         """A round raised (timeout, abort, misbehaving peer); the engine's stats count it."""
@@ -177,6 +179,9 @@ class NodeCollector(Collector):
         )
         yield _gauge("phalanx_bans", "Peers this peer has banned.", len(s.bans()))
         yield _counter("phalanx_accusations_seen", "Accusations this peer has seen.", m.accusations_seen)
+        yield _counter(
+            "phalanx_disputed_parts", "Aggregates dropped because a member said they never reached it.", m.disputed_parts
+        )
         yield _gauge("phalanx_legality_violations", "Violations found by the local legality check.", len(s.violations))
 
 

@@ -299,6 +299,7 @@ class HealthService:
             ),
             "bans": sorted(self.bans()),
             "accusations_seen": m.accusations_seen,
+            "disputed_parts": m.disputed_parts,
             "legality": {"legal": not self.violations, "violations": self.violations},
             "health_records": {
                 p: {

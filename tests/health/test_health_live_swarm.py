@@ -49,6 +49,7 @@ def test_trainer_serves_healthz_readyz_metrics_and_status(live_swarm):
         "phalanx_staleness_penalty",
         "phalanx_bans",
         "phalanx_accusations_seen",
+        "phalanx_disputed_parts",
     ):
         assert name in families, name
     build = families["phalanx_build_info"][0].labels

@@ -266,7 +266,8 @@ def test_reducer_that_answers_one_member_late_gets_nobody_banned(monkeypatch, st
             dropped = {outcomes[0].group.members.index(peers[3].peer_id)}
             for peer, outcome in zip(peers, outcomes):
                 assert outcome.verdict.banned == set() and not peer.membership.banned
-                assert outcome.verdict.bad_parts == dropped and dropped <= set(outcome.result.missing_parts)
+                assert outcome.verdict.bad_parts == outcome.verdict.disputed == dropped
+                assert dropped <= set(outcome.result.missing_parts)
             for outcome in outcomes[1:]:
                 assert torch.equal(outcome.result.vector, outcomes[0].result.vector)
 
