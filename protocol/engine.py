@@ -242,7 +242,7 @@ class RoundEngine:
             if vr is not None:
                 await vr.close()  # a failed data phase leaves projections waiting for a seed
             exchange.close_round(spec.round_id)
-        for part in verdict.bad_parts:  # aggregates of convicted reducers are not applied
+        for part in verdict.bad_parts:  # aggregates of convicted reducers, or disputed ones, are not applied
             a, b = spec.bounds[part]
             result.vector[a:b] = 0.0
         result.missing_parts = tuple(sorted(set(result.missing_parts) | verdict.bad_parts))
