@@ -5,6 +5,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -89,22 +90,24 @@ def test_member_killed_mid_round_is_dropped_and_the_next_round_proceeds():
         matchmaking=MatchmakingConfig(matchmaking_timeout_s=3.0, join_timeout_s=120.0), allreduce_timeout_s=4.0
     )
 
-    async def main():
+    async def main(scratch: str):
         async with open_swarm(2, config) as peers:
             initial = [str(m) for m in peers[0].dht.get_visible_maddrs()]
+            sockets: list[str] = []
             proc = subprocess.Popen(
                 [sys.executable, str(HERE / "stalling_peer.py"), *initial],
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 text=True,
                 cwd=HERE,
-                env={**os.environ, "PYTHONPATH": f"{HERE}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"},
+                # killed, it cannot remove its temporary files: they go where the test removes them
+                env={**os.environ, "PYTHONPATH": f"{HERE}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", "TMPDIR": scratch},
                 start_new_session=True,
             )
             try:
                 ready = await asyncio.to_thread(proc.stdout.readline)
                 assert ready.startswith("READY "), ready
-                stalled = ready.split()[1]
+                stalled, sockets = ready.split()[1], ready.split()[2:]
                 for peer in peers:
                     while stalled not in peer.membership.peers():
                         await peer.membership.refresh()
@@ -147,5 +150,8 @@ def test_member_killed_mid_round_is_dropped_and_the_next_round_proceeds():
                 if proc.poll() is None:
                     os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
+                for path in sockets:
+                    Path(path).unlink(missing_ok=True)
 
-    asyncio.run(main())
+    with tempfile.TemporaryDirectory(prefix="phalanx-test-stalled-") as scratch:
+        asyncio.run(main(scratch))
