@@ -227,7 +227,7 @@ class VerifiedRound:
         self._verifying = False  # once verification began, the held parts stay for the judges
         self._landed: set[int] = set()  # parts whose aggregate arrived whole
         self._given_up: dict[int, asyncio.Future] = {}  # part -> done once we stopped waiting for its aggregate
-        self._patience: list[asyncio.Handle | asyncio.Task] = []
+        self._patience: list[asyncio.Task] = []
         # projections, formed as aggregates land: x − v and ‖x − v‖ at once, ⟨z, x − v⟩ once the seed is public
         self._diffs: Optional[torch.Tensor] = None  # (numel,): this member's part minus each aggregate
         self._own: dict[int, asyncio.Task] = {}  # part -> (s, ‖x − v‖) (1,) each of this member's contribution
@@ -338,18 +338,22 @@ class VerifiedRound:
             arrived = await self.service.exchange.arrivals(self.round_id, "reveal", seen)
             seen |= set(arrived)
             for peer, raw in arrived.items():
-                reveal = self._open_reveal(peer, raw)
-                for echoed in reveal.aggregates if reveal is not None else []:
-                    try:  # the signature is checked only for statements we lack
-                        sender = unpack(echoed.statement, Statement).sender
-                        part = self.members.index(sender) if sender in self.members else -1
-                        if part not in (self._expected or set()) or part in self.aggregates or part in self.undelivered:
-                            continue
-                        _, body = open_statement(echoed, AggregateBody, kind="aggregate", round_id=self.round_id, sender=sender)
-                    except PeerProtocolError:
-                        continue
-                    if body.part == part and self._reveal_task is None:
-                        self._record_aggregate(part, echoed, body)
+                opened = self._open_reveal(peer, raw)
+                for echoed in opened[1].aggregates if opened is not None else []:
+                    self._adopt_statement(echoed)
+
+    def _adopt_statement(self, echoed: Signed) -> None:
+        """Record an echoed aggregate statement we still lack (its signature is checked only then)."""
+        try:
+            sender = unpack(echoed.statement, Statement).sender
+            part = self.members.index(sender) if sender in self.members else -1
+            if part not in (self._expected or set()) or part in self.aggregates or part in self.undelivered:
+                return
+            _, body = open_statement(echoed, AggregateBody, kind="aggregate", round_id=self.round_id, sender=sender)
+        except PeerProtocolError:
+            return
+        if body.part == part and self._reveal_task is None:
+            self._record_aggregate(part, echoed, body)
 
     async def _stop_waiting_for_bytes(self) -> None:
         await self.service.exchange.arrivals(self.round_id, "report", set())
@@ -428,7 +432,7 @@ class VerifiedRound:
     async def close(self) -> None:
         """Stop the round's background work and hand its buffers back (no thread may still write them)."""
         for task in (self._reveal_task, self._validating, *self._patience):
-            if task is not None and not (isinstance(task, asyncio.Task) and task.done()):
+            if task is not None and not task.done():
                 task.cancel()
         if not self._seed_future().done():
             self._seed_future().cancel()
@@ -523,10 +527,10 @@ class VerifiedRound:
         for peer, raw in received.items():
             if peer not in self.commits:
                 continue
-            reveal = self._open_reveal(peer, raw)
-            if reveal is None:
+            opened = self._open_reveal(peer, raw)
+            if opened is None:
                 continue
-            signed = unpack(raw, Signed, peer=peer)
+            signed, reveal = opened
             commit_signed, commit = self.commits[peer]
             if share_commitment(self.round_id, peer, reveal.share) != commit.mprng:
                 self._prove(peer, Offense.BAD_REVEAL, [commit_signed, signed])
@@ -538,10 +542,10 @@ class VerifiedRound:
         self._validating = asyncio.ensure_future(self._validate(seed))
         return seed, set(shares)
 
-    def _open_reveal(self, peer: str, raw: bytes) -> Optional[RevealBody]:
+    def _open_reveal(self, peer: str, raw: bytes) -> Optional[tuple[Signed, RevealBody]]:
         try:
             signed = unpack(raw, Signed, peer=peer)
-            return open_statement(signed, RevealBody, kind="reveal", round_id=self.round_id, sender=peer)[1]
+            return signed, open_statement(signed, RevealBody, kind="reveal", round_id=self.round_id, sender=peer)[1]
         except PeerProtocolError as e:
             logger.info(f"bad reveal from {peer[-8:]}: {e}")
             return None
@@ -620,15 +624,14 @@ class VerifiedRound:
             return values
         return decode(bytearray(encode(values, self.codec)), self.codec, b - a)
 
+    def _disputes_of(self, peer: str, body: ReportBody) -> set[int]:
+        """Parts `peer` says it never received (its own part does not count)."""
+        return {part for part in body.undelivered if part < len(self.members) and self.members[part] != peer}
+
     def _disputed(self, reports) -> set[int]:
-        """Parts some member says it never received (not counting its own part): unverifiable, so
-        nobody applies them, and nobody is convicted over one of them (either side may be the liar)."""
-        return {
-            part
-            for peer, (_, body) in reports.items()
-            for part in body.undelivered
-            if part < len(self.members) and self.members[part] != peer
-        }
+        """Parts some member says it never received: unverifiable, so nobody applies them, and nobody
+        is convicted over one of them (either side may be the liar)."""
+        return set().union(*(self._disputes_of(peer, body) for peer, (_, body) in reports.items()))
 
     def _aggregate_reports(self, part: int, reports) -> tuple[list[str], list[Optional[tuple[float, float]]]]:
         """Contributors of `part` (as its reducer signed them) and their reports for it (None if missing)."""
@@ -787,8 +790,8 @@ class VerifiedRound:
         # one dispute a round is free, more are a ban; parts of reducers found guilty (a crashed one is
         # silent) do not count: every member misses those
         settled = {i for i, peer in enumerate(self.members) if peer in guilty}
-        for peer, item in reports.items():
-            if len(self._disputed({peer: item}) - settled) > 1:
+        for peer, (_, body) in reports.items():
+            if len(self._disputes_of(peer, body) - settled) > 1:
                 convict(peer, Offense.WITHHELD, [self.group_statement])
         bad_parts = self._check_aggregates(seed, reports, output, corrected, guilty, convict)
         votes = [
@@ -800,20 +803,16 @@ class VerifiedRound:
         verdict.accusations = sum(len(items) for items in accusations.values())
         return verdict
 
-    def _forwarded_disputes(self, raw: bytes, peer: str) -> set[int]:
-        """Disputed parts in the signed reports `peer` forwarded with its votes (each checked)."""
+    def _forwarded_disputes(self, forwarded: list[Signed]) -> set[int]:
+        """Disputed parts in signed reports another member forwarded with its votes (each checked)."""
         parts: set[int] = set()
-        try:
-            forwarded = unpack(raw, VoteList, peer=peer).disputes
-        except PeerProtocolError:
-            return parts
         for signed in forwarded:
             try:
                 statement, body = open_statement(signed, ReportBody, kind="report", round_id=self.round_id)
             except PeerProtocolError:
                 continue
             if statement.sender in self.commits:
-                parts |= self._disputed({statement.sender: (signed, body)})
+                parts |= self._disputes_of(statement.sender, body)
         return parts
 
     async def _judge_false_report(self, seed, output, accuser, acc: Accusation, reports) -> Optional[tuple[float, float]]:
@@ -897,14 +896,15 @@ class VerifiedRound:
         signed_votes: list[Signed] = []
         for peer, raw in received.items():
             try:
-                for signed in unpack(raw, VoteList, peer=peer).votes:
+                vote_list = unpack(raw, VoteList, peer=peer)
+                for signed in vote_list.votes:
                     statement, body = open_statement(signed, BanVote, kind="ban", round_id=b"", sender=peer)
                     if body.round_id == self.round_id:
                         valid.append(Vote(peer, body))
                         signed_votes.append(signed)
             except PeerProtocolError:
                 continue
-            disputed |= self._forwarded_disputes(raw, peer)
+            disputed |= self._forwarded_disputes(vote_list.disputes)
         out = banned(valid)
         for part, reducer in enumerate(self.members):
             if reducer in out:

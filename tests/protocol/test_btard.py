@@ -208,6 +208,25 @@ def test_validator_checks_its_target_while_the_gather_runs(monkeypatch):
     asyncio.run(main())
 
 
+class _HoldReply(Exception):
+    """Raised from a test behavior's aggregate_reply: the reducer answers that member nothing for a while."""
+
+
+def _hold_replies(monkeypatch, seconds: float) -> None:
+    from protocol.allreduce import AllReduceService
+
+    serve = AllReduceService._serve_part
+
+    async def serve_part(self, peer, header, payload):
+        try:
+            return await serve(self, peer, header, payload)
+        except _HoldReply:
+            await asyncio.sleep(seconds)
+            raise RoundAbortedError("gave up")
+
+    monkeypatch.setattr(AllReduceService, "_serve_part", serve_part)
+
+
 @pytest.mark.parametrize("stalled", ["statement", "bytes"])
 def test_reducer_that_answers_one_member_late_gets_nobody_banned(monkeypatch, stalled):
     """A reducer holds back its aggregate from one member (its signed statement, or the bytes after it)
@@ -215,7 +234,6 @@ def test_reducer_that_answers_one_member_late_gets_nobody_banned(monkeypatch, st
     nobody can tell which side lies, so nobody is banned (before, the victim was, for being late), and
     every member drops that part alike."""
     from protocol.adversary import Behavior
-    from protocol.allreduce import AllReduceService
     from protocol.channel import Channel
 
     held_back: set[int] = set()
@@ -228,23 +246,12 @@ def test_reducer_that_answers_one_member_late_gets_nobody_banned(monkeypatch, st
             if vr.members[receiver] != victim[0]:
                 return header, payload
             if stalled == "statement":
-                raise _Stall()
+                raise _HoldReply()
             copy = bytearray(payload)  # marks this one reply for the channel below
             held_back.add(id(copy))
             return header, copy
 
-    class _Stall(Exception):
-        pass
-
-    serve = AllReduceService._serve_part
-
-    async def serve_part(self, peer, header, payload):
-        try:
-            return await serve(self, peer, header, payload)
-        except _Stall:
-            await asyncio.sleep(8.0)  # CONFIG's phases wait 3 s; the caller's timeout is 15 s
-            raise RoundAbortedError("gave up")
-
+    _hold_replies(monkeypatch, 8.0)  # CONFIG's phases wait 3 s; the caller's timeout is 15 s
     send_message = Channel.send_message
 
     async def send_late(self, head, payload):
@@ -253,7 +260,6 @@ def test_reducer_that_answers_one_member_late_gets_nobody_banned(monkeypatch, st
             await asyncio.sleep(8.0)
         await send_message(self, head, payload)
 
-    monkeypatch.setattr(AllReduceService, "_serve_part", serve_part)
     monkeypatch.setattr(Channel, "send_message", send_late)
 
     async def main():
@@ -278,7 +284,6 @@ def test_two_reducers_dying_after_commit_get_only_themselves_banned(monkeypatch)
     """Every other member misses both their aggregates, i.e. disputes two parts: that is no offense when
     the reducers themselves fell silent."""
     from protocol.adversary import Behavior
-    from protocol.allreduce import AllReduceService
 
     class Dies(Behavior):
         name = "dies_after_commit"
@@ -287,21 +292,9 @@ def test_two_reducers_dying_after_commit_get_only_themselves_banned(monkeypatch)
             return phase == "commit"
 
         def aggregate_reply(self, vr, receiver, header, payload):
-            raise _Dead()
+            raise _HoldReply()
 
-    class _Dead(Exception):
-        pass
-
-    serve = AllReduceService._serve_part
-
-    async def serve_part(self, peer, header, payload):
-        try:
-            return await serve(self, peer, header, payload)
-        except _Dead:
-            await asyncio.sleep(20.0)
-            raise RoundAbortedError("dead")
-
-    monkeypatch.setattr(AllReduceService, "_serve_part", serve_part)
+    _hold_replies(monkeypatch, 20.0)
 
     async def main():
         async with open_swarm(5, CONFIG, behaviors=[None, None, None, Dies(), Dies()]) as peers:
