@@ -51,6 +51,9 @@ class Behavior:
     def false_accusations(self, vr: "VerifiedRound", reports: dict) -> list[str]:
         return []
 
+    def claimed_undelivered(self, vr: "VerifiedRound", undelivered: set[int]) -> set[int]:
+        return undelivered
+
 
 class WrongAggregate(Behavior):
     """As a reducer, returns its aggregate shifted far from the fixed point (the same to everyone)."""
@@ -126,6 +129,26 @@ class Silent(Behavior):
     silent = True
 
 
+class WithholdAggregate(Behavior):
+    """As a reducer, signs its aggregate and delivers it to nobody (nobody can relay it either)."""
+
+    name = "withhold_aggregate"
+
+    def aggregate_reply(self, vr, receiver, header, payload):
+        from aggregation.errors import RoundAbortedError
+
+        raise RoundAbortedError("withheld (attack)")
+
+
+class FalseDispute(Behavior):
+    """Says an aggregate the others got (and would have relayed) never reached it, to void that part."""
+
+    name = "false_dispute"
+
+    def claimed_undelivered(self, vr, undelivered):
+        return undelivered | {(vr.me + 1) % len(vr.members)}
+
+
 class InflateWeight(Behavior):
     """Claims a weight of 1000 for its parts."""
 
@@ -136,5 +159,8 @@ class InflateWeight(Behavior):
 
 
 PROTOCOL_ATTACKS: Registry[type[Behavior]] = Registry("protocol attack")
-for _cls in (WrongAggregate, Equivocate, FalseReport, FalseAccusation, WithholdReveal, BadCommitment, Silent, InflateWeight):
+for _cls in (
+    WrongAggregate, Equivocate, FalseReport, FalseAccusation, WithholdReveal, BadCommitment, Silent, InflateWeight,
+    WithholdAggregate, FalseDispute,
+):  # fmt: skip
     PROTOCOL_ATTACKS.register(_cls.name, _cls)

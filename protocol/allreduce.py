@@ -24,7 +24,7 @@ from aggregation.errors import AggregationInputError, PeerProtocolError, RoundAb
 from protocol.channel import Hasher
 from protocol.codec import Codec, decode, encode, encoded_size_bound
 from protocol.partition import partition_bounds
-from protocol.transport import Landing, Transport
+from protocol.transport import CallFailed, Landing, Transport
 from security.wire import RoundId, WireModel, pack, unpack
 
 logger = logging.getLogger(__name__)
@@ -61,8 +61,11 @@ class PartGuard(Protocol):
     def announced(self, part: int, header: AggregateHeader) -> None:
         """The reply header of part `part` arrived; its payload follows (and goes to `accept_aggregate`)."""
     def accept_aggregate(self, part: int, payload: bytes | memoryview, header: AggregateHeader, digest: bytes) -> None: ...
-    def given_up(self, part: int) -> asyncio.Future:
-        """Done once the member stopped waiting for part `part`'s aggregate: the call is dropped."""
+    def fallback(self, part: int) -> asyncio.Future:
+        """Resolves to part `part`'s aggregate bytes as another member relayed them (the call is then
+        dropped), or to None once the member stopped waiting for it."""
+    def reducer_failed(self, part: int) -> None:
+        """The call to part `part`'s reducer failed: `fallback` is the only way left to get its aggregate."""
     def landed(self, part: int, value: torch.Tensor, rows: Optional[torch.Tensor] = None, received: list[int] = ...) -> None:
         """`value` is part `part`'s final aggregate; for this peer's own part also the rows it came from."""
 
@@ -279,11 +282,11 @@ class AllReduceService:
         )
         if guard is None:
             reply_header, reply = await call
+            unpack(reply_header, AggregateHeader, peer=spec.members[j])
         else:
-            reply_header, reply = await _unless_given_up(call, guard.given_up(j))
-        head = unpack(reply_header, AggregateHeader, peer=spec.members[j])
-        if guard is not None:
-            guard.accept_aggregate(j, reply, head, hasher.digest())
+            reply, relayed = await _reply_or_relayed(call, guard, j, spec.members[j], hasher)
+            if raw and relayed:  # the reducer's reply never landed in `out`
+                _bytes_of(out)[:] = reply
         if not raw:
             out.copy_(decode(reply, spec.codec, part.numel(), peer=spec.members[j]))
         if guard is not None:
@@ -392,18 +395,30 @@ class AllReduceService:
         return reduction
 
 
-async def _unless_given_up(call, given_up: asyncio.Future):
-    """The call's result, or RoundAbortedError once `given_up` is done first (the call is cancelled)."""
+async def _reply_or_relayed(call, guard: PartGuard, j: int, reducer: str, hasher: Hasher) -> tuple[bytes | memoryview, bool]:
+    """Part `j`'s aggregate bytes and whether another member relayed them (when the reducer failed us or
+    took too long); RoundAbortedError once neither came in time. The call is over before this returns:
+    nothing may still write into the output."""
+    fallback = guard.fallback(j)
     task = asyncio.ensure_future(call)
     try:
-        await asyncio.wait({task, given_up}, return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait({task, fallback}, return_when=asyncio.FIRST_COMPLETED)
     finally:
         if not task.done():
             task.cancel()
-            await asyncio.gather(task, return_exceptions=True)  # nothing may still write into the output
-    if task.cancelled():
+            await asyncio.gather(task, return_exceptions=True)
+    if not task.cancelled():
+        try:
+            reply_header, reply = task.result()
+            guard.accept_aggregate(j, reply, unpack(reply_header, AggregateHeader, peer=reducer), hasher.digest())
+            return reply, False
+        except (CallFailed, RoundAbortedError, PeerProtocolError) as e:
+            logger.info(f"aggregate of part {j} failed ({e}); asking the other members for it")
+            guard.reducer_failed(j)
+    relayed = await fallback
+    if relayed is None:
         raise RoundAbortedError("stopped waiting for this aggregate")
-    return task.result()
+    return relayed, True
 
 
 def _bytes_of(tensor: torch.Tensor) -> memoryview:

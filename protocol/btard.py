@@ -7,13 +7,15 @@
                reveals once it holds every reducer's signed aggregate statement, which heads the
                aggregate's bytes: every aggregate is fixed before anyone can know the seed, and the
                reveal and the projections overlap the rest of the gather
-    patience   a reducer that answers one member late (or never) must not get that member convicted
-               for being late in its turn. A statement it holds back reaches the member anyway, echoed
-               in the others' reveals; for an aggregate's bytes the member waits ¾ of a phase timeout
-               after another member's report arrived, then its report lists the part as undelivered.
-               Nobody can tell which side lied, so every member drops those parts and nobody is
-               convicted for one such dispute; a member that disputes two or more parts of reducers
-               that did not fall silent is banned (else a liar could void every round for free)
+    relay      a reducer that answers one member late, wrongly or never must not get that member
+               convicted for being late in its turn. A statement it holds back reaches the member
+               anyway, echoed in the others' reveals; the aggregate's bytes it takes from another
+               member that got them (checked against the reducer's signed hash): right away when the
+               reducer's call failed, ¼ of a phase timeout after another member's report arrived when
+               the call still hangs. At ¾ of a phase timeout it stops waiting and its report lists the
+               part as undelivered. Every member drops disputed parts. A part that more than half of
+               the other members never got was withheld by its reducer, who is banned; a minority that
+               never got a part the majority got could have taken it from them, so they are banned
     report     each contributor's projection of its part against each aggregate
     validate   a validator chosen by the public seed recomputes one member's gradient
     accuse     accusations with evidence; every member judges every accusation itself
@@ -71,8 +73,10 @@ from security.wire import PeerIdStr, RoundId, WireModel, pack, unpack
 logger = logging.getLogger(__name__)
 
 EVIDENCE_METHOD = "evidence"
+RELAY_METHOD = "relay"
 HELD_ROUNDS = 8
 BYTES_PATIENCE = 0.75  # of a phase timeout: how long a member waits for aggregates once reports began
+RELAY_AFTER = 0.25  # of a phase timeout after the first report: ask the others for aggregates still missing
 Recompute = Callable[[str], Awaitable[torch.Tensor]]  # peer ID -> its honest flat gradient at this round's state
 
 
@@ -110,6 +114,15 @@ class EvidenceRequest(WireModel):
     contributor: PeerIdStr
 
 
+class RelayRequest(WireModel):
+    """Ask a member for an aggregate it received: `payload` False only asks whether it holds it (the
+    reply then waits until it does), True fetches the bytes. The reply header is the reducer's statement."""
+
+    round_id: RoundId
+    part: Annotated[int, Field(ge=0, lt=256)]
+    payload: bool
+
+
 class VoteList(WireModel):
     votes: Annotated[list[Signed], Field(max_length=256)]
     disputes: Annotated[list[Signed], Field(max_length=256)] = []  # signed reports that list undelivered parts
@@ -140,8 +153,10 @@ class BtardService:
     def __init__(self, transport: Transport, exchange: ExchangeService, identity: Identity) -> None:
         self.transport, self.exchange, self.identity = transport, exchange, identity
         self._held: dict[bytes, _Held] = {}
+        self._open: dict[bytes, VerifiedRound] = {}  # rounds whose received aggregates we pass on
         self._scratch: dict[tuple[int, ...], torch.Tensor] = {}  # fresh memory costs page faults every round
         transport.register(EVIDENCE_METHOD, self._serve_evidence, max_payload=0)
+        transport.register(RELAY_METHOD, self._serve_relay, max_payload=0)
 
     def scratch(self, *shape: int) -> torch.Tensor:
         """A float32 work buffer of `shape`; hand it back with `return_scratch` when no thread uses it."""
@@ -169,6 +184,13 @@ class BtardService:
         if held is None or request.part != held.part or request.contributor not in held.payloads:
             raise RoundAbortedError("no such evidence here")
         return b"", held.payloads[request.contributor]
+
+    async def _serve_relay(self, peer: str, header: bytes, payload) -> tuple[bytes, bytes | memoryview]:
+        request = unpack(header, RelayRequest, peer=peer)
+        vr = self._open.get(request.round_id)
+        if vr is None:
+            raise RoundAbortedError("round not open here")
+        return await vr.relay_for(peer, request.part, request.payload)
 
     async def fetch_part(self, reducer: str, round_id: bytes, part: int, contributor: str, max_bytes: int, timeout_s: float) -> bytes:
         if reducer == self.transport.peer_id:
@@ -226,13 +248,18 @@ class VerifiedRound:
         self._validating: Optional[asyncio.Task] = None  # starts with the seed, while the gather may still run
         self._verifying = False  # once verification began, the held parts stay for the judges
         self._landed: set[int] = set()  # parts whose aggregate arrived whole
-        self._given_up: dict[int, asyncio.Future] = {}  # part -> done once we stopped waiting for its aggregate
+        self._fallbacks: dict[int, asyncio.Future] = {}  # part -> its bytes from another member, or None: gave up
+        self._holding: dict[int, asyncio.Future] = {}  # part -> True once it landed here, False if it never will
+        self._received: dict[int, bytes | memoryview] = {}  # part -> the aggregate's bytes (to pass on)
+        self._relays: dict[int, asyncio.Task] = {}  # part -> fetching it from the other members
+        self._served: set[tuple[str, int, bool]] = set()  # (peer, part, with bytes): each relay answered once
         self._patience: list[asyncio.Task] = []
         # projections, formed as aggregates land: x − v and ‖x − v‖ at once, ⟨z, x − v⟩ once the seed is public
         self._diffs: Optional[torch.Tensor] = None  # (numel,): this member's part minus each aggregate
         self._own: dict[int, asyncio.Task] = {}  # part -> (s, ‖x − v‖) (1,) each of this member's contribution
         self._row_diffs: Optional[torch.Tensor] = None  # (k, part): every received row minus our aggregate
         self._rows: Optional[asyncio.Task] = None  # (s, norms) (k,) each of every row our aggregate came from
+        service._open[round_id] = self
 
     @property
     def committed(self) -> set[str]:
@@ -317,18 +344,125 @@ class VerifiedRound:
         self._patience.append(asyncio.ensure_future(self._stop_waiting_for_bytes()))
         return pack(signed)
 
-    def given_up(self, part: int) -> asyncio.Future:
-        """Done once this member stopped waiting for the aggregate of `part` (the call is then dropped)."""
-        if part not in self._given_up:
-            self._given_up[part] = asyncio.get_running_loop().create_future()
-        return self._given_up[part]
+    def fallback(self, part: int) -> asyncio.Future:
+        """Resolves to the aggregate of `part` as another member relayed it (its hash checked), or to
+        None once this member stopped waiting for it."""
+        if part not in self._fallbacks:
+            self._fallbacks[part] = asyncio.get_running_loop().create_future()
+        return self._fallbacks[part]
+
+    def _holds(self, part: int) -> asyncio.Future:
+        if part not in self._holding:
+            self._holding[part] = asyncio.get_running_loop().create_future()
+        return self._holding[part]
 
     def _give_up(self, parts: set[int]) -> None:
         for part in sorted(parts):
-            future = self.given_up(part)
+            future = self.fallback(part)
             if not future.done():
                 logger.info(f"round {self.round_id.hex()[:8]}: stopped waiting for the aggregate of {self.members[part][-8:]}")
                 future.set_result(None)
+            if not self._holds(part).done():
+                self._holds(part).set_result(False)
+            relay = self._relays.get(part)
+            if relay is not None and not relay.done():
+                relay.cancel()
+
+    def reducer_failed(self, part: int) -> None:
+        """The reducer of `part` will not answer us (an error, bytes that are not what it signed): ask the
+        others at once, and stop waiting after as long as we would for a late reply."""
+        if part in self._relays or self.fallback(part).done():
+            return
+        self._start_relay(part)
+
+        async def give_up_later() -> None:
+            await asyncio.sleep(self.config.phase_timeout_s * BYTES_PATIENCE)
+            self._give_up({part} - self._landed)
+
+        self._patience.append(asyncio.ensure_future(give_up_later()))
+
+    def _start_relay(self, part: int) -> None:
+        if part not in self._relays and not self.fallback(part).done():
+            self._relays[part] = asyncio.ensure_future(self._relay(part))
+
+    async def _relay(self, part: int) -> None:
+        """Take the aggregate of `part` from another member that holds it. Every candidate is asked at
+        once whether it holds the part (the answer waits until it does, and carries the reducer's signed
+        statement); the bytes come from the first to answer, checked against that hash. A member that
+        answers and then stalls must not run out our patience: every `hedge` seconds without the bytes,
+        the next holder is asked too, so that even with all but one holder stalling the last is asked
+        within half the time left."""
+        reducer = self.members[part]
+        candidates = [p for p in self.members if p in self.commits and p not in (reducer, self.identity.peer_id)]
+        a, b = self.bounds[part]
+        limit = encoded_size_bound(b - a, self.codec)
+        timeout = self.config.phase_timeout_s * BYTES_PATIENCE
+        hedge = self.config.phase_timeout_s * (BYTES_PATIENCE - RELAY_AFTER) / (2 * max(len(candidates), 1))
+
+        async def ask(peer: str, payload: bool) -> tuple[bytes, bytes | memoryview]:
+            request = pack(RelayRequest(round_id=self.round_id, part=part, payload=payload))
+            return await self.service.transport.call(
+                peer, RELAY_METHOD, request, max_reply_payload=limit if payload else 0, timeout_s=timeout,
+                expect_large_reply=payload and limit > (64 << 10),
+            )  # fmt: skip
+
+        asking = {asyncio.ensure_future(ask(peer, False)): peer for peer in candidates}
+        fetching: dict[asyncio.Task, str] = {}
+        holders: list[str] = []  # answered that they hold it, not asked for the bytes yet
+        last_fetch = -math.inf
+        try:
+            while asking or fetching or holders:
+                if holders and (not fetching or time.monotonic() >= last_fetch + hedge):
+                    peer = holders.pop(0)
+                    fetching[asyncio.ensure_future(ask(peer, True))] = peer
+                    last_fetch = time.monotonic()
+                wait = max(last_fetch + hedge - time.monotonic(), 0.0) if holders else None
+                done, _ = await asyncio.wait(set(asking) | set(fetching), timeout=wait, return_when=asyncio.FIRST_COMPLETED)
+                for task in done:
+                    if task in asking:
+                        peer = asking.pop(task)
+                        try:
+                            self._adopt_statement(unpack(task.result()[0], Signed, peer=peer))
+                        except (CallFailed, RoundAbortedError, PeerProtocolError):
+                            continue
+                        if part in self.aggregates:
+                            holders.append(peer)
+                        continue
+                    peer = fetching.pop(task)
+                    try:
+                        data = task.result()[1]
+                    except (CallFailed, RoundAbortedError, PeerProtocolError):
+                        continue
+                    if self._relayed(part, data):
+                        logger.info(f"round {self.round_id.hex()[:8]}: took the aggregate of {reducer[-8:]} from {peer[-8:]}")
+                        return
+        finally:
+            for task in list(asking) + list(fetching):
+                task.cancel()
+            await asyncio.gather(*asking, *fetching, return_exceptions=True)
+
+    def _relayed(self, part: int, data: bytes | memoryview) -> bool:
+        """Resolve the fallback of `part` with relayed bytes if they are exactly what its reducer signed."""
+        a, b = self.bounds[part]
+        if self.codec is Codec.NONE and len(data) != 4 * (b - a):
+            return False
+        if part_hash(data) != self.aggregates[part][1].hash or self.fallback(part).done():
+            return False
+        self._received[part] = data
+        self.fallback(part).set_result(data)
+        return True
+
+    async def relay_for(self, peer: str, part: int, payload: bool) -> tuple[bytes, bytes | memoryview]:
+        """Another member's request for an aggregate we received: answered once we hold it."""
+        if peer not in self.commits or peer == self.identity.peer_id or part >= len(self.members) or part == self.me:
+            raise PeerProtocolError("relay request from outside the round or for no relayable part", peer=peer)
+        if (peer, part, payload) in self._served:
+            raise PeerProtocolError("asked twice for the same relay", peer=peer)
+        self._served.add((peer, part, payload))
+        if not await asyncio.shield(self._holds(part)):
+            raise RoundAbortedError("we never got that aggregate either")
+        statement = pack(self.aggregates[part][0])
+        return (statement, self._received[part]) if payload else (statement, b"")
 
     async def _statements_from_reveals(self) -> None:
         """Take the aggregate statements others echo in early reveals: a reducer that holds its statement
@@ -358,13 +492,16 @@ class VerifiedRound:
     async def _stop_waiting_for_bytes(self) -> None:
         await self.service.exchange.arrivals(self.round_id, "report", set())
         # the others wait a whole phase timeout for our report, counted from about then
-        await asyncio.sleep(self.config.phase_timeout_s * BYTES_PATIENCE)
+        await asyncio.sleep(self.config.phase_timeout_s * RELAY_AFTER)
+        for part in sorted(self._missing_parts()):
+            self._start_relay(part)
+        await asyncio.sleep(self.config.phase_timeout_s * (BYTES_PATIENCE - RELAY_AFTER))
         self._give_up(self._missing_parts())
 
     @property
     def undelivered(self) -> set[int]:
         """Parts we stopped waiting for; once the data phase is over, every part that did not land whole."""
-        return {part for part, future in self._given_up.items() if future.done()}
+        return {part for part, future in self._fallbacks.items() if future.done() and future.result() is None}
 
     def _missing_parts(self) -> set[int]:
         return (self._expected or set()) - self._landed - {self.me}
@@ -394,6 +531,7 @@ class VerifiedRound:
             raise PeerProtocolError("aggregate arrived without the statement that announced it", peer=self.members[part])
         if digest != body.hash:
             raise PeerProtocolError("aggregate does not match its signed statement", peer=self.members[part])
+        self._received[part] = payload if self.codec is Codec.NONE else bytes(payload)
 
     def _record_aggregate(self, part: int, signed: Signed, body: AggregateBody) -> None:
         self.aggregates[part] = (signed, body)
@@ -405,6 +543,8 @@ class VerifiedRound:
         """Aggregate `part` is final (as this member will apply it): start its projections off the
         event loop while other parts are still moving."""
         self._landed.add(part)
+        if not self._holds(part).done():
+            self._holds(part).set_result(True)
         if self.me in self.aggregates_contributors(part):
             if self._diffs is None:
                 self._diffs = self.service.scratch(self.vector.numel())
@@ -431,13 +571,19 @@ class VerifiedRound:
 
     async def close(self) -> None:
         """Stop the round's background work and hand its buffers back (no thread may still write them)."""
-        for task in (self._reveal_task, self._validating, *self._patience):
+        self.service._open.pop(self.round_id, None)
+        for task in (self._reveal_task, self._validating, *self._patience, *self._relays.values()):
             if task is not None and not task.done():
                 task.cancel()
+        for future in self._holding.values():
+            if not future.done():
+                future.set_result(False)  # relay requests still waiting for a part get an error
         if not self._seed_future().done():
             self._seed_future().cancel()
         pending = list(self._own.values()) + ([self._rows] if self._rows is not None else [])
-        await asyncio.gather(*pending, *filter(None, [self._reveal_task, self._validating]), return_exceptions=True)
+        await asyncio.gather(
+            *pending, *self._relays.values(), *filter(None, [self._reveal_task, self._validating]), return_exceptions=True
+        )
         if not self._verifying:  # the data phase failed: nobody will judge this round
             self.service.release(self.round_id)
         for buf in (self._diffs, self._row_diffs):
@@ -598,7 +744,7 @@ class VerifiedRound:
         for part, s, norm in own:
             s, norm = self.behavior.reported(s, norm)
             entries.append(ReportEntry(part=part, aggregate=self.aggregates[part][1].hash, s=s, norm=norm))
-        body = ReportBody(entries=entries, undelivered=sorted(self.undelivered))
+        body = ReportBody(entries=entries, undelivered=sorted(self.behavior.claimed_undelivered(self, self.undelivered)))
         mine_signed = sign_statement(self.identity, "report", self.round_id, body)
         received = await self.service.exchange.all_to_all(
             self.round_id, "report", pack(mine_signed), deadline=self._deadline(), send=self.behavior.speaks("report"),
@@ -628,10 +774,17 @@ class VerifiedRound:
         """Parts `peer` says it never received (its own part does not count)."""
         return {part for part in body.undelivered if part < len(self.members) and self.members[part] != peer}
 
+    def _disputers(self, reports) -> dict[int, set[str]]:
+        """Part -> the members whose reports list it undelivered."""
+        out: dict[int, set[str]] = {}
+        for peer, (_, body) in reports.items():
+            for part in self._disputes_of(peer, body):
+                out.setdefault(part, set()).add(peer)
+        return out
+
     def _disputed(self, reports) -> set[int]:
-        """Parts some member says it never received: unverifiable, so nobody applies them, and nobody
-        is convicted over one of them (either side may be the liar)."""
-        return set().union(*(self._disputes_of(peer, body) for peer, (_, body) in reports.items()))
+        """Parts some member says it never received: nobody applies them (their check lacks its report)."""
+        return set(self._disputers(reports))
 
     def _aggregate_reports(self, part: int, reports) -> tuple[list[str], list[Optional[tuple[float, float]]]]:
         """Contributors of `part` (as its reducer signed them) and their reports for it (None if missing)."""
@@ -787,12 +940,18 @@ class VerifiedRound:
         for peer in self.members:
             if peer not in self.commits or peer not in revealed or peer not in reports:
                 convict(peer, Offense.WITHHELD, [self.group_statement])
-        # one dispute a round is free, more are a ban; parts of reducers found guilty (a crashed one is
-        # silent) do not count: every member misses those
-        settled = {i for i, peer in enumerate(self.members) if peer in guilty}
-        for peer, (_, body) in reports.items():
-            if len(self._disputes_of(peer, body) - settled) > 1:
-                convict(peer, Offense.WITHHELD, [self.group_statement])
+        # disputes: what most members never got, its reducer withheld; what only a minority never got,
+        # they could have taken from the others (relay), so they withhold their report. Parts of
+        # reducers already found guilty (a crashed one is silent) settle nothing more.
+        for part, disputers in self._disputers(reports).items():
+            reducer = self.members[part]
+            if reducer in guilty:
+                continue
+            if 2 * len(disputers) > len(self.commits) - 1:
+                convict(reducer, Offense.WITHHELD, [self.group_statement])
+            else:
+                for peer in disputers:
+                    convict(peer, Offense.WITHHELD, [self.group_statement])
         bad_parts = self._check_aggregates(seed, reports, output, corrected, guilty, convict)
         votes = [
             sign_statement(self.identity, "ban", b"", BanVote(accused=p, offense=o, round_id=self.round_id, evidence=e))

@@ -161,6 +161,7 @@ class Transport(ServicerBase):
         self._addresses: list[str] = []
         self._direct_unreachable_until: dict[str, float] = {}
         self._connections: set[asyncio.Task] = set()
+        self._unary: set[asyncio.Task] = set()  # libp2p unary calls, finishing after their caller left
         self.stats = TransportStats()
         self.banned: set[str] = set()  # shared with membership and the ban book: calls from these are refused
         self.admission = None  # private swarms: a protocol.admission.AdmissionGate; callers need its approval
@@ -216,6 +217,9 @@ class Transport(ServicerBase):
             await self.p2p.remove_binary_stream_handler(self._stream_proto)
         except Exception as e:  # the daemon may already be gone at shutdown
             logger.debug(f"removing p2p handlers failed: {e!r}")
+        for task in list(self._unary):  # nothing needs the daemon's control connection any more
+            task.cancel()
+        await asyncio.gather(*self._unary, return_exceptions=True)
 
     # ---- calling ----------------------------------------------------------------------------
 
@@ -278,7 +282,7 @@ class Transport(ServicerBase):
         stub = self.get_stub(self.p2p, PeerID.from_base58(peer), namespace=self.namespace)
         request = BytesValue(value=pack(_UnaryCall(method=method, header=header, payload=bytes(payload))))
         try:
-            response = await stub.rpc_call(request)
+            response = await self._unary_call(stub.rpc_call(request))
         except Exception as e:
             raise CallFailed(f"{method} to {peer[-8:]} failed over libp2p: {e!r}") from None
         self.stats.unary_calls += 1
@@ -288,10 +292,20 @@ class Transport(ServicerBase):
         _raise_for_status(reply.status, reply.reason, method, peer)
         return reply.header, bytearray(reply.payload)
 
+    async def _unary_call(self, call: Awaitable[BytesValue]) -> BytesValue:
+        """A libp2p unary call that a cancelled caller leaves to finish in the background. hivemind's
+        daemon client loses its control connection (its reader dies with InvalidStateError, and every
+        later daemon request hangs) when a reply lands in the same loop turn as the call's cancellation:
+        likely when both sides give up on the same clock, as relay requests do."""
+        task = asyncio.ensure_future(call)
+        self._unary.add(task)
+        task.add_done_callback(_forget_unary(self._unary))
+        return await asyncio.shield(task)
+
     async def _open_direct(self, peer: str) -> Optional[Channel]:
         stub = self.get_stub(self.p2p, PeerID.from_base58(peer), namespace=self.namespace)
         try:
-            response = await stub.rpc_ticket(BytesValue(value=pack(_TicketRequest())))
+            response = await self._unary_call(stub.rpc_ticket(BytesValue(value=pack(_TicketRequest()))))
         except Exception as e:
             raise CallFailed(f"ticket request to {peer[-8:]} failed: {e!r}") from None
         ticket = unpack(response.value, _Ticket, peer=peer)
@@ -472,3 +486,12 @@ def _raise_for_status(status: int, reason: str, method: str, peer: Optional[str]
     except ValueError:
         raise PeerProtocolError(f"unknown status {status} in reply to {method}", peer=peer) from None
     raise CallFailed(f"{method} {code.name}: {reason[:200]}", code)
+
+
+def _forget_unary(pending: set[asyncio.Task]) -> Callable[[asyncio.Task], None]:
+    def done(task: asyncio.Task) -> None:
+        pending.discard(task)
+        if not task.cancelled():
+            task.exception()  # retrieved: a caller that left does not want it logged as unhandled
+
+    return done

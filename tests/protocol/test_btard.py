@@ -227,55 +227,148 @@ def _hold_replies(monkeypatch, seconds: float) -> None:
     monkeypatch.setattr(AllReduceService, "_serve_part", serve_part)
 
 
-@pytest.mark.parametrize("stalled", ["statement", "bytes"])
-def test_reducer_that_answers_one_member_late_gets_nobody_banned(monkeypatch, stalled):
-    """A reducer holds back its aggregate from one member (its signed statement, or the bytes after it)
-    past the others' phase deadlines. The victim stops waiting in time and reports the part undelivered;
-    nobody can tell which side lies, so nobody is banned (before, the victim was, for being late), and
-    every member drops that part alike."""
+def _holding_back(monkeypatch, how: str, seconds: float = 8.0):
+    """A reducer behavior that answers the members in `victims` late (its signed statement, or only the
+    bytes after it, `seconds` late) or refuses them at once (`how` = "refused")."""
     from protocol.adversary import Behavior
     from protocol.channel import Channel
 
     held_back: set[int] = set()
-    victim: list[str] = []
 
     class HoldBack(Behavior):
         name = "hold_back"
 
+        def __init__(self, victims: set[str]) -> None:
+            self.victims = victims
+
         def aggregate_reply(self, vr, receiver, header, payload):
-            if vr.members[receiver] != victim[0]:
+            if vr.members[receiver] not in self.victims:
                 return header, payload
-            if stalled == "statement":
+            if how == "refused":
+                raise RoundAbortedError("not for you")
+            if how == "statement":
                 raise _HoldReply()
             copy = bytearray(payload)  # marks this one reply for the channel below
             held_back.add(id(copy))
             return header, copy
 
-    _hold_replies(monkeypatch, 8.0)  # CONFIG's phases wait 3 s; the caller's timeout is 15 s
+    _hold_replies(monkeypatch, seconds)  # CONFIG's phases wait 3 s; the caller's timeout is 15 s
     send_message = Channel.send_message
 
     async def send_late(self, head, payload):
         if id(payload) in held_back:
             await self.send_record(head)  # the signed statement goes out on time, the bytes do not
-            await asyncio.sleep(8.0)
+            await asyncio.sleep(seconds)
         await send_message(self, head, payload)
 
     monkeypatch.setattr(Channel, "send_message", send_late)
+    return HoldBack
+
+
+def _assert_nothing_lost(peers, outcomes) -> None:
+    assert all(isinstance(o, Averaged) for o in outcomes), outcomes
+    for peer, outcome in zip(peers, outcomes):
+        assert outcome.verdict.banned == set() and not peer.membership.banned
+        assert outcome.verdict.bad_parts == outcome.verdict.disputed == set()
+        assert outcome.result.missing_parts == ()
+    for outcome in outcomes[1:]:
+        assert torch.equal(outcome.result.vector, outcomes[0].result.vector)
+
+
+@pytest.mark.parametrize("how", ["statement", "bytes", "refused"])
+def test_member_a_reducer_fails_takes_the_aggregate_from_the_others(monkeypatch, how):
+    """A reducer holds back its aggregate from one member (its signed statement, or the bytes after it,
+    past the others' phase deadlines) or refuses it. The victim takes the aggregate from another member
+    (checked against the reducer's signed hash) and reports in time: nobody is banned and nothing is
+    lost (before relays, the victim was banned for being late, then the part was dropped by all)."""
+    HoldBack = _holding_back(monkeypatch, how)
+    victims: set[str] = set()
 
     async def main():
-        async with open_swarm(4, CONFIG, behaviors=[None, None, None, HoldBack()]) as peers:
-            victim.append(peers[0].peer_id)
+        async with open_swarm(4, CONFIG, behaviors=[None, None, None, HoldBack(victims)]) as peers:
+            victims.add(peers[0].peer_id)
             numel = 2_000_000  # 2 MB parts: the aggregates take the direct path, statement first
             xs = [torch.randn(numel, generator=torch.Generator().manual_seed(i)) for i in range(4)]
+            _assert_nothing_lost(peers, await _round(peers, xs))
+
+    asyncio.run(main())
+
+
+def test_two_reducers_holding_back_from_one_member_get_nobody_banned(monkeypatch):
+    """Two colluding reducers hold their aggregates' bytes back from the same member: it disputes
+    nothing, since the other members relay both (before relays, that member was banned for two disputes)."""
+    HoldBack = _holding_back(monkeypatch, "bytes")
+    victims: set[str] = set()
+
+    async def main():
+        behaviors = [None, None, None, HoldBack(victims), HoldBack(victims)]
+        async with open_swarm(5, CONFIG, behaviors=behaviors) as peers:
+            victims.add(peers[0].peer_id)
+            numel = 2_500_000
+            xs = [torch.randn(numel, generator=torch.Generator().manual_seed(i)) for i in range(5)]
+            _assert_nothing_lost(peers, await _round(peers, xs))
+
+    asyncio.run(main())
+
+
+def test_reducer_that_withholds_its_aggregate_from_everyone_is_banned(monkeypatch):
+    """Statement on time, bytes never (to anyone): no member can relay what none got, so every other
+    member disputes the part; a majority disputing a part convicts its reducer."""
+    HoldBack = _holding_back(monkeypatch, "bytes")
+    victims: set[str] = set()
+
+    async def main():
+        async with open_swarm(4, CONFIG, behaviors=[None, None, None, HoldBack(victims)]) as peers:
+            victims.update(p.peer_id for p in peers[:3])
+            numel = 2_000_000
+            xs = [torch.randn(numel, generator=torch.Generator().manual_seed(i)) for i in range(4)]
             outcomes = await _round(peers, xs)
-            assert all(isinstance(o, Averaged) for o in outcomes), outcomes
-            dropped = {outcomes[0].group.members.index(peers[3].peer_id)}
-            for peer, outcome in zip(peers, outcomes):
-                assert outcome.verdict.banned == set() and not peer.membership.banned
-                assert outcome.verdict.bad_parts == outcome.verdict.disputed == dropped
-                assert dropped <= set(outcome.result.missing_parts)
-            for outcome in outcomes[1:]:
+            withheld = outcomes[0].group.members.index(peers[3].peer_id)
+            for peer, outcome in zip(peers[:3], outcomes[:3]):
+                assert isinstance(outcome, Averaged), outcome
+                assert outcome.verdict.banned == {peers[3].peer_id} and peer.membership.banned == {peers[3].peer_id}
+                assert outcome.verdict.bad_parts == outcome.verdict.disputed == {withheld}
                 assert torch.equal(outcome.result.vector, outcomes[0].result.vector)
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("lie", ["other bytes", "stall"])
+def test_a_member_that_relays_wrong_bytes_or_stalls_is_passed_over(monkeypatch, lie):
+    """The victim asks the other members for a refused aggregate; the first to answer sends bytes
+    other than those the reducer signed, or stalls them past everyone's patience. The victim takes
+    the aggregate from the next one in time (a stalling relay would otherwise get it banned)."""
+    from protocol.btard import VerifiedRound
+
+    HoldBack = _holding_back(monkeypatch, "refused")
+    victims: set[str] = set()
+    liar: list[str] = []
+    lied = asyncio.Event()
+    relay_for = VerifiedRound.relay_for
+
+    async def lying_relay_for(self, peer, part, payload):
+        if self.identity.peer_id != liar[0]:
+            await asyncio.wait_for(lied.wait(), timeout=20.0)  # the liar answers first
+            return await relay_for(self, peer, part, payload)
+        header, data = await relay_for(self, peer, part, payload)
+        if payload:
+            lied.set()
+            if lie == "stall":
+                await asyncio.sleep(30.0)
+            data = bytearray(data)
+            data[100] ^= 1
+        return header, data
+
+    monkeypatch.setattr(VerifiedRound, "relay_for", lying_relay_for)
+
+    async def main():
+        lied.__init__()  # bound to this test's event loop
+        async with open_swarm(4, CONFIG, behaviors=[None, None, None, HoldBack(victims)]) as peers:
+            victims.add(peers[0].peer_id)
+            liar.append(peers[1].peer_id)
+            xs = _inputs(4)
+            _assert_nothing_lost(peers, await _round(peers, xs))
+            assert lied.is_set()
 
     asyncio.run(main())
 
@@ -310,29 +403,24 @@ def test_two_reducers_dying_after_commit_get_only_themselves_banned(monkeypatch)
     asyncio.run(main())
 
 
-def test_member_that_disputes_two_parts_is_banned(monkeypatch):
-    """Undelivered parts are dropped without proof of who lied; more than one dispute a round costs the
-    disputer its place (or one member could void every part of every round for free)."""
-    from protocol.btard import VerifiedRound
-
-    liar: list[str] = []
-    undelivered = VerifiedRound.undelivered
-
-    def claimed(self):
-        if self.identity.peer_id == liar[0]:
-            return {i for i in range(len(self.members)) if i != self.me}
-        return undelivered.fget(self)
-
-    monkeypatch.setattr(VerifiedRound, "undelivered", property(claimed))
+@pytest.mark.parametrize("attack", ["false_dispute", "withhold_aggregate"])
+def test_a_disputed_part_is_dropped_by_everyone(attack):
+    """A minority that says it never got an aggregate the others got (false_dispute), or a reducer
+    that withheld its aggregate from everyone: either way every member drops that part."""
 
     async def main():
-        async with open_swarm(4, CONFIG) as peers:
-            liar.append(peers[3].peer_id)
+        behaviors = [None, None, None, PROTOCOL_ATTACKS[attack]()]
+        async with open_swarm(4, CONFIG, behaviors=behaviors) as peers:
+            attacker = peers[3].peer_id
             outcomes = await _round(peers, _inputs(4))
-            others = set(range(4)) - {outcomes[0].group.members.index(liar[0])}
-            for peer, outcome in zip(peers[:3], outcomes[:3]):
-                assert outcome.verdict.banned == {liar[0]} and peer.membership.banned == {liar[0]}
-                assert outcome.verdict.bad_parts >= others
+            members = outcomes[0].group.members
+            at = members.index(attacker)
+            disputed = {(at + 1) % 4} if attack == "false_dispute" else {at}
+            dropped = disputed | {at}  # and the banned attacker's own aggregate
+            for outcome in outcomes[:3]:
+                assert outcome.verdict.banned == {attacker}
+                assert outcome.verdict.disputed == disputed
+                assert outcome.verdict.bad_parts == set(outcome.result.missing_parts) == dropped
 
     asyncio.run(main())
 

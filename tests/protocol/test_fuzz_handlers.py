@@ -11,7 +11,7 @@ import torch
 
 from aggregation.errors import PeerProtocolError
 from protocol.allreduce import PART_METHOD, PartHeader
-from protocol.btard import EVIDENCE_METHOD, EvidenceRequest
+from protocol.btard import EVIDENCE_METHOD, RELAY_METHOD, EvidenceRequest, RelayRequest
 from protocol.config import MatchmakingConfig, RoundConfig, verify_config_for
 from protocol.engine import Averaged
 from protocol.exchange import EXCHANGE_METHOD, ExchangeHeader
@@ -60,6 +60,8 @@ def _shaped(rng: random.Random, target_round: bytes) -> list[tuple[str, bytes, b
         (EXCHANGE_METHOD, pack(ExchangeHeader(round_id=os.urandom(16), phase="commit")), bad_sig),
         (EXCHANGE_METHOD, pack(ExchangeHeader(round_id=target_round, phase="reveal")), os.urandom(100)),
         (EVIDENCE_METHOD, pack(EvidenceRequest(round_id=os.urandom(16), part=0, contributor="QmFuzz")), b""),
+        (RELAY_METHOD, pack(RelayRequest(round_id=os.urandom(16), part=0, payload=True)), b""),
+        (RELAY_METHOD, pack(RelayRequest.model_construct(round_id=target_round, part=300, payload=True)), b"x" * 10),
         ("no-such-method", b"", b""),
     ]
 
@@ -69,7 +71,7 @@ def test_handlers_refuse_garbage_and_the_peer_keeps_serving():
         async with open_swarm(3, CONFIG) as peers:
             target, fuzzer, third = peers
             rng = random.Random(0)
-            methods = [JOIN_METHOD, PART_METHOD, STATE_METHOD, EXCHANGE_METHOD, EVIDENCE_METHOD]
+            methods = [JOIN_METHOD, PART_METHOD, STATE_METHOD, EXCHANGE_METHOD, EVIDENCE_METHOD, RELAY_METHOD]
             outcomes = []
             for i in range(60):
                 method = methods[i % len(methods)]

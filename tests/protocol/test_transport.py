@@ -300,3 +300,43 @@ def test_direct_socket_needs_a_fresh_ticket_and_the_right_key():
             await _close(a, b, ta, tb)
 
     asyncio.run(main())
+
+
+def test_a_cancelled_unary_call_finishes_in_the_background():
+    """hivemind's daemon client dies if a unary reply lands in the same loop turn as the call's
+    cancellation, and every later daemon request hangs. A caller that gives up (cancelled, or
+    its timeout) leaves the libp2p call to finish; the daemon connection keeps working."""
+
+    async def main():
+        a, b, ta, tb = await _pair()
+        answer = asyncio.Event()
+        served: list[bytes] = []
+
+        async def slow(peer, header, payload):
+            await answer.wait()
+            served.append(header)
+            return b"late", b""
+
+        ta.register("slow", slow, max_payload=10)
+        try:
+            caller = asyncio.ensure_future(tb.call(ta.peer_id, "slow", b"1", max_reply_payload=10, timeout_s=30))
+            while not tb._unary:
+                await asyncio.sleep(0.01)
+            (inner,) = tb._unary
+            caller.cancel()
+            await asyncio.gather(caller, return_exceptions=True)
+            assert caller.cancelled() and not inner.done()  # the daemon call itself was not cancelled
+            with pytest.raises(CallFailed, match="timed out"):
+                await tb.call(ta.peer_id, "slow", b"2", max_reply_payload=10, timeout_s=0.5)
+            left = set(tb._unary)
+            assert inner in left and len(left) == 2
+            answer.set()
+            await asyncio.wait_for(asyncio.gather(*left, return_exceptions=True), timeout=30)
+            assert not any(t.cancelled() for t in left) and sorted(served) == [b"1", b"2"]
+            assert not tb._unary  # both finished and were let go
+            header, _ = await tb.call(ta.peer_id, "echo", b"h", b"x", max_reply_payload=10, timeout_s=30)
+            assert header.startswith(b"h")
+        finally:
+            await _close(a, b, ta, tb)
+
+    asyncio.run(main())
