@@ -144,6 +144,7 @@ class Verdict:
     votes: list[Signed] = field(default_factory=list)  # every valid vote seen (to publish)
     accusations: int = 0  # accusations made in the round (by anyone)
     disputed: set[int] = field(default_factory=set)  # parts dropped because a member said it never got them
+    relayed: set[int] = field(default_factory=set)  # parts this member took from another member, not their reducer
     clean: bool = False  # every member reported a clean round: the held parts were released
 
 
@@ -602,7 +603,9 @@ class VerifiedRound:
         """Run reveal, report, validation, accusation and voting; returns who is banned and which
         aggregates must not be applied. `output` is the gathered result (this member's contribution is `self.vector`)."""
         try:
-            return await self._verify(output, own_rows, own_received)
+            verdict = await self._verify(output, own_rows, own_received)
+            verdict.relayed = {part for part, future in self._fallbacks.items() if future.done() and future.result() is not None}
+            return verdict
         finally:
             await self.close()
 

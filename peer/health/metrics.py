@@ -53,6 +53,7 @@ class PeerMetrics:
     staleness_penalty: float = 0.0
     accusations_seen: int = 0
     disputed_parts: int = 0  # aggregates dropped because a member said they never reached it
+    relayed_parts: int = 0  # aggregates this peer took from another member: their reducer failed it
     in_sync: bool = False  # completed a round since start or since the last resync
     last_round: Optional[LastRound] = None
     registry: CollectorRegistry = field(default_factory=CollectorRegistry)
@@ -76,6 +77,7 @@ class PeerMetrics:
         if averaged.verdict is not None:
             self.accusations_seen += averaged.verdict.accusations
             self.disputed_parts += len(averaged.verdict.disputed)
+            self.relayed_parts += len(averaged.verdict.relayed)
 
     def round_failed(self) -> None:
         """A round raised (timeout, abort, misbehaving peer); the engine's stats count it."""
@@ -181,6 +183,11 @@ class NodeCollector(Collector):
         yield _counter("phalanx_accusations_seen", "Accusations this peer has seen.", m.accusations_seen)
         yield _counter(
             "phalanx_disputed_parts", "Aggregates dropped because a member said they never reached it.", m.disputed_parts
+        )
+        yield _counter(
+            "phalanx_relayed_parts",
+            "Aggregates this peer took from another member because their reducer failed to deliver them.",
+            m.relayed_parts,
         )
         yield _gauge("phalanx_legality_violations", "Violations found by the local legality check.", len(s.violations))
 

@@ -300,6 +300,7 @@ class HealthService:
             "bans": sorted(self.bans()),
             "accusations_seen": m.accusations_seen,
             "disputed_parts": m.disputed_parts,
+            "relayed_parts": m.relayed_parts,
             "legality": {"legal": not self.violations, "violations": self.violations},
             "health_records": {
                 p: {

@@ -50,6 +50,7 @@ def test_trainer_serves_healthz_readyz_metrics_and_status(live_swarm):
         "phalanx_bans",
         "phalanx_accusations_seen",
         "phalanx_disputed_parts",
+        "phalanx_relayed_parts",
     ):
         assert name in families, name
     build = families["phalanx_build_info"][0].labels

@@ -265,12 +265,17 @@ def _holding_back(monkeypatch, how: str, seconds: float = 8.0):
     return HoldBack
 
 
-def _assert_nothing_lost(peers, outcomes) -> None:
+def _assert_nothing_lost(peers, outcomes, victim, failed_reducers) -> None:
+    """Nobody banned, nothing dropped, and only the victim took aggregates (those of `failed_reducers`)
+    from other members."""
     assert all(isinstance(o, Averaged) for o in outcomes), outcomes
+    members = outcomes[0].group.members
     for peer, outcome in zip(peers, outcomes):
         assert outcome.verdict.banned == set() and not peer.membership.banned
         assert outcome.verdict.bad_parts == outcome.verdict.disputed == set()
         assert outcome.result.missing_parts == ()
+        relayed = {members.index(p.peer_id) for p in failed_reducers} if peer is victim else set()
+        assert outcome.verdict.relayed == relayed
     for outcome in outcomes[1:]:
         assert torch.equal(outcome.result.vector, outcomes[0].result.vector)
 
@@ -289,7 +294,7 @@ def test_member_a_reducer_fails_takes_the_aggregate_from_the_others(monkeypatch,
             victims.add(peers[0].peer_id)
             numel = 2_000_000  # 2 MB parts: the aggregates take the direct path, statement first
             xs = [torch.randn(numel, generator=torch.Generator().manual_seed(i)) for i in range(4)]
-            _assert_nothing_lost(peers, await _round(peers, xs))
+            _assert_nothing_lost(peers, await _round(peers, xs), peers[0], [peers[3]])
 
     asyncio.run(main())
 
@@ -306,7 +311,7 @@ def test_two_reducers_holding_back_from_one_member_get_nobody_banned(monkeypatch
             victims.add(peers[0].peer_id)
             numel = 2_500_000
             xs = [torch.randn(numel, generator=torch.Generator().manual_seed(i)) for i in range(5)]
-            _assert_nothing_lost(peers, await _round(peers, xs))
+            _assert_nothing_lost(peers, await _round(peers, xs), peers[0], peers[3:])
 
     asyncio.run(main())
 
@@ -367,7 +372,7 @@ def test_a_member_that_relays_wrong_bytes_or_stalls_is_passed_over(monkeypatch, 
             victims.add(peers[0].peer_id)
             liar.append(peers[1].peer_id)
             xs = _inputs(4)
-            _assert_nothing_lost(peers, await _round(peers, xs))
+            _assert_nothing_lost(peers, await _round(peers, xs), peers[0], [peers[3]])
             assert lied.is_set()
 
     asyncio.run(main())
