@@ -280,17 +280,21 @@ def _assert_nothing_lost(peers, outcomes, victim, failed_reducers) -> None:
         assert torch.equal(outcome.result.vector, outcomes[0].result.vector)
 
 
-@pytest.mark.parametrize("how", ["statement", "bytes", "refused"])
-def test_member_a_reducer_fails_takes_the_aggregate_from_the_others(monkeypatch, how):
+@pytest.mark.parametrize(
+    "how, codec", [("statement", Codec.NONE), ("bytes", Codec.NONE), ("refused", Codec.NONE), ("refused", Codec.FP16)]
+)
+def test_member_a_reducer_fails_takes_the_aggregate_from_the_others(monkeypatch, how, codec):
     """A reducer holds back its aggregate from one member (its signed statement, or the bytes after it,
     past the others' phase deadlines) or refuses it. The victim takes the aggregate from another member
     (checked against the reducer's signed hash) and reports in time: nobody is banned and nothing is
-    lost (before relays, the victim was banned for being late, then the part was dropped by all)."""
+    lost (before relays, the victim was banned for being late, then the part was dropped by all).
+    Compressed parts are relayed as the reducer encoded them and decoded by the victim."""
     HoldBack = _holding_back(monkeypatch, how)
     victims: set[str] = set()
+    config = dataclasses.replace(CONFIG, compression=codec)
 
     async def main():
-        async with open_swarm(4, CONFIG, behaviors=[None, None, None, HoldBack(victims)]) as peers:
+        async with open_swarm(4, config, behaviors=[None, None, None, HoldBack(victims)]) as peers:
             victims.add(peers[0].peer_id)
             numel = 2_000_000  # 2 MB parts: the aggregates take the direct path, statement first
             xs = [torch.randn(numel, generator=torch.Generator().manual_seed(i)) for i in range(4)]
