@@ -455,10 +455,14 @@ class VerifiedRound:
 
     async def relay_for(self, peer: str, part: int, payload: bool) -> tuple[bytes, bytes | memoryview]:
         """Another member's request for an aggregate we received: answered once we hold it."""
-        if peer not in self.commits or peer == self.identity.peer_id or part >= len(self.members) or part == self.me:
+        if peer not in self.commits or peer == self.identity.peer_id or part >= len(self.members) or self.members[part] in (peer, self.identity.peer_id):
             raise PeerProtocolError("relay request from outside the round or for no relayable part", peer=peer)
         if (peer, part, payload) in self._served:
             raise PeerProtocolError("asked twice for the same relay", peer=peer)
+        # under an honest majority fewer than half the reducers can fail an honest member: more relayed
+        # bytes than that would only let one member double another's upload
+        if payload and sum(1 for p, _, b in self._served if p == peer and b) >= (len(self.members) - 1) // 2:
+            raise PeerProtocolError("asked for more relayed aggregates than an honest member needs", peer=peer)
         self._served.add((peer, part, payload))
         if not await asyncio.shield(self._holds(part)):
             raise RoundAbortedError("we never got that aggregate either")

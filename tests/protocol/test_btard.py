@@ -382,6 +382,43 @@ def test_a_member_that_relays_wrong_bytes_or_stalls_is_passed_over(monkeypatch, 
     asyncio.run(main())
 
 
+def test_a_member_gets_no_more_relayed_aggregates_than_an_honest_one_needs():
+    """Fewer than half the reducers can fail an honest member, so a member serves any one requester
+    at most ⌊(n − 1)/2⌋ relayed aggregates a round (else one member could double another's upload),
+    and never the requester's own or the server's own part."""
+    from protocol.btard import RELAY_METHOD, RelayRequest
+    from protocol.transport import CallFailed
+    from security.commitments import part_hash
+    from security.wire import pack
+
+    async def main():
+        async with open_swarm(4, CONFIG) as peers:
+            server, asker = peers[0], peers[1]
+            rounds = asyncio.ensure_future(_round(peers, _inputs(4)))
+            while not server.engine.btard._open or asker.peer_id not in next(iter(server.engine.btard._open.values())).commits:
+                assert not rounds.done(), "the round ended before the server collected the commitments"
+                await asyncio.sleep(0.01)  # until the server's round is open and has the asker's commitment
+            vr = next(iter(server.engine.btard._open.values()))
+            others = [i for i, p in enumerate(vr.members) if p not in (server.peer_id, asker.peer_id)]
+
+            async def ask(part):
+                request = pack(RelayRequest(round_id=vr.round_id, part=part, payload=True))
+                return await asker.transport.call(server.peer_id, RELAY_METHOD, request, max_reply_payload=1 << 20, timeout_s=30)
+
+            outcomes = await asyncio.gather(*(ask(i) for i in [*others, vr.members.index(asker.peer_id)]), return_exceptions=True)
+            await rounds
+            served = [(i, o) for i, o in zip(others, outcomes) if not isinstance(o, BaseException)]
+            assert len(served) == 1  # ⌊3/2⌋ = 1 for 4 members
+            part, (header, data) = served[0]
+            assert part_hash(data) == vr.aggregates[part][1].hash
+            refused = [o for o in outcomes if isinstance(o, BaseException)]
+            assert len(refused) == 2 and all(isinstance(o, CallFailed) for o in refused)
+            assert any("more relayed aggregates" in str(o) for o in refused)
+            assert any("no relayable part" in str(o) for o in refused)
+
+    asyncio.run(main())
+
+
 def test_two_reducers_dying_after_commit_get_only_themselves_banned(monkeypatch):
     """Every other member misses both their aggregates, i.e. disputes two parts: that is no offense when
     the reducers themselves fell silent."""
