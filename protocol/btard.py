@@ -445,9 +445,9 @@ class VerifiedRound:
     def _relayed(self, part: int, data: bytes | memoryview) -> bool:
         """Resolve the fallback of `part` with relayed bytes if they are exactly what its reducer signed."""
         a, b = self.bounds[part]
-        if self.codec is Codec.NONE and len(data) != 4 * (b - a):
+        if self.fallback(part).done() or (self.codec is Codec.NONE and len(data) != 4 * (b - a)):
             return False
-        if part_hash(data) != self.aggregates[part][1].hash or self.fallback(part).done():
+        if part_hash(data) != self.aggregates[part][1].hash:
             return False
         self._received[part] = data
         self.fallback(part).set_result(data)
@@ -506,7 +506,11 @@ class VerifiedRound:
     @property
     def undelivered(self) -> set[int]:
         """Parts we stopped waiting for; once the data phase is over, every part that did not land whole."""
-        return {part for part, future in self._fallbacks.items() if future.done() and future.result() is None}
+        return self._settled_parts(relayed=False)
+
+    def _settled_parts(self, relayed: bool) -> set[int]:
+        """Parts whose fallback resolved: with relayed bytes, or (relayed=False) with None, we gave up."""
+        return {p for p, f in self._fallbacks.items() if f.done() and (f.result() is not None) == relayed}
 
     def _missing_parts(self) -> set[int]:
         return (self._expected or set()) - self._landed - {self.me}
@@ -536,7 +540,7 @@ class VerifiedRound:
             raise PeerProtocolError("aggregate arrived without the statement that announced it", peer=self.members[part])
         if digest != body.hash:
             raise PeerProtocolError("aggregate does not match its signed statement", peer=self.members[part])
-        self._received[part] = payload if self.codec is Codec.NONE else bytes(payload)
+        self._received[part] = payload  # a fresh buffer per reply (raw parts: their slice of the output)
 
     def _record_aggregate(self, part: int, signed: Signed, body: AggregateBody) -> None:
         self.aggregates[part] = (signed, body)
@@ -608,7 +612,7 @@ class VerifiedRound:
         aggregates must not be applied. `output` is the gathered result (this member's contribution is `self.vector`)."""
         try:
             verdict = await self._verify(output, own_rows, own_received)
-            verdict.relayed = {part for part, future in self._fallbacks.items() if future.done() and future.result() is not None}
+            verdict.relayed = self._settled_parts(relayed=True)
             return verdict
         finally:
             await self.close()
@@ -837,7 +841,7 @@ class VerifiedRound:
                 self.accusations.append(Accusation(accused=peer, offense=Offense.FALSE_REPORT, part=part, evidence=[]))
                 continue
             if part in reports[peer][1].undelivered:
-                continue  # it says our aggregate never reached it: a dispute nobody can settle, the part is dropped
+                continue  # it says our aggregate never reached it: judged as a dispute, the part is dropped
             entry = next((e for e in reports[peer][1].entries if e.part == part), None)
             mine = self.aggregates[part][1].hash
             if entry is None or entry.aggregate != mine or not report_matches((entry.s, entry.norm), true, self.config.tau):

@@ -299,8 +299,13 @@ class Transport(ServicerBase):
         likely when both sides give up on the same clock, as relay requests do."""
         task = asyncio.ensure_future(call)
         self._unary.add(task)
-        task.add_done_callback(_forget_unary(self._unary))
+        task.add_done_callback(self._unary_done)
         return await asyncio.shield(task)
+
+    def _unary_done(self, task: asyncio.Task) -> None:
+        self._unary.discard(task)
+        if not task.cancelled():
+            task.exception()  # retrieved: a caller that left does not want it logged as unhandled
 
     async def _open_direct(self, peer: str) -> Optional[Channel]:
         stub = self.get_stub(self.p2p, PeerID.from_base58(peer), namespace=self.namespace)
@@ -486,12 +491,3 @@ def _raise_for_status(status: int, reason: str, method: str, peer: Optional[str]
     except ValueError:
         raise PeerProtocolError(f"unknown status {status} in reply to {method}", peer=peer) from None
     raise CallFailed(f"{method} {code.name}: {reason[:200]}", code)
-
-
-def _forget_unary(pending: set[asyncio.Task]) -> Callable[[asyncio.Task], None]:
-    def done(task: asyncio.Task) -> None:
-        pending.discard(task)
-        if not task.cancelled():
-            task.exception()  # retrieved: a caller that left does not want it logged as unhandled
-
-    return done
