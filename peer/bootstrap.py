@@ -39,7 +39,7 @@ async def _serve(settings: NetworkSettings, print_fn) -> None:
         identity_path, identity = load_identity(settings, Path(scratch.name))  # signs its health record
         dht = await loop.run_in_executor(None, start_dht, settings, identity_path)
         try:
-            maddrs = visible_maddrs(dht)
+            maddrs = await visible_maddrs(dht)
             logger.info(f"bootstrap peer {dht.peer_id} is up")
             print_fn("Other peers join this swarm with:")
             print_fn(initial_peers_line(maddrs), flush=True)

@@ -179,7 +179,7 @@ class LocalLoop:
         exchange: Optional[asyncio.Task] = None
         since_exchange = 0
         try:
-            while not trainer._done(self.local_step):
+            while not trainer._done(self.local_step) and await trainer.check_node(self.node):
                 loss = await trainer._in_thread(self._step, self.local_step)
                 self.last_loss = loss
                 self.local_step += 1

@@ -9,10 +9,12 @@ import signal
 import tempfile
 import time
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Callable, Optional
 
 import hivemind
+from hivemind.dht import DHTNode
 from hivemind.p2p import P2P
 from multiaddr import Multiaddr
 
@@ -118,11 +120,36 @@ def _is_rsa(path: Path) -> bool:
     return path.exists() and path.read_bytes()[:2] == b"\x08\x00"
 
 
-def visible_maddrs(dht: hivemind.DHT) -> list[str]:
-    return [str(m) for m in dht.get_visible_maddrs()]
+DHT_CALL_TIMEOUT_S = 30.0
 
 
-def direct_hosts(dht: hivemind.DHT, settings: NetworkSettings) -> tuple[str, list[str]]:
+async def in_dht(dht: hivemind.DHT, coro: Callable, timeout: float = DHT_CALL_TIMEOUT_S):
+    """Await `coro(dht, node)` run in the DHT's process. hivemind's blocking calls wait forever
+    once that process is gone (Ctrl-C and killpg reach it too), and a thread stuck in one keeps
+    the whole program from exiting: so never call them from a thread."""
+    if not dht.is_alive():
+        raise PhalanxError("the DHT process is not running")
+    return await asyncio.wait_for(dht.run_coroutine(coro, return_future=True), timeout)
+
+
+async def _get_visible_maddrs(_dht: hivemind.DHT, node: DHTNode) -> list[Multiaddr]:
+    return await node.get_visible_maddrs()
+
+
+async def _add_validators(_dht: hivemind.DHT, node: DHTNode, validators: list) -> None:
+    node.protocol.record_validator.extend(validators)
+
+
+async def visible_maddrs(dht: hivemind.DHT) -> list[str]:
+    return [str(m) for m in await in_dht(dht, _get_visible_maddrs)]
+
+
+async def add_validators(dht: hivemind.DHT, validators: list) -> None:
+    """Make this peer's DHT node refuse records that `validators` reject."""
+    await in_dht(dht, partial(_add_validators, validators=validators))
+
+
+async def direct_hosts(dht: hivemind.DHT, settings: NetworkSettings) -> tuple[str, list[str]]:
     """(listen host, announced hosts) for the direct TCP path, following the libp2p listen address."""
     listen = "0.0.0.0"
     first = Multiaddr(settings.listen_maddrs()[0])
@@ -135,7 +162,7 @@ def direct_hosts(dht: hivemind.DHT, settings: NetworkSettings) -> tuple[str, lis
     if listen not in ("0.0.0.0", ""):
         return listen, [listen]
     hosts = []
-    for maddr in dht.get_visible_maddrs():
+    for maddr in map(Multiaddr, await visible_maddrs(dht)):
         try:
             ip = maddr.value_for_protocol("ip4")
         except Exception:
@@ -186,7 +213,7 @@ async def open_node(config: PeerConfig, *, loss: Callable[[], Optional[float]] =
     try:
         p2p = await dht.replicate_p2p()
         key = run_key(config)
-        listen, hosts = direct_hosts(dht, config)
+        listen, hosts = await direct_hosts(dht, config)
         transport = await Transport.open(
             p2p,
             namespace=key,
@@ -196,7 +223,7 @@ async def open_node(config: PeerConfig, *, loss: Callable[[], Optional[float]] =
             upload_limit_bytes_per_s=config.upload_limit_mbps * 1e6 / 8,
         )
         membership = Membership(dht, key + ".peers", transport.peer_id)
-        await loop.run_in_executor(None, dht.add_validators, [BanVoteValidator(key + ".bans")])
+        await add_validators(dht, [BanVoteValidator(key + ".bans")])
         bans = BanBook(dht, key + ".bans", membership.banned)
         behavior, _ = parse_attack(config.attack, config.seed)
         engine = RoundEngine(

@@ -6,7 +6,8 @@
     evaluate / checkpoint / report every N steps
 
 A peer that the leader finds out of sync downloads a donor's state instead of applying.
-SIGINT/SIGTERM stop the loop between steps and write a final checkpoint.
+SIGINT/SIGTERM stop the loop between steps and write a final checkpoint; SIGUSR1 logs what
+every asyncio task and thread is doing (for a peer that seems stuck).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import json
 import logging
 import signal
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
@@ -265,6 +267,17 @@ class Trainer:
         if seen < self.config.wait_for_peers:
             logger.warning(f"starting with {seen} of the {self.config.wait_for_peers} peers asked for by --wait-for-peers")
 
+    async def check_node(self, node: Node) -> bool:
+        """False when a stop was requested; raises (the final checkpoint is still written) rather
+        than train on alone when the swarm is out of reach."""
+        if node.peer_id in node.membership.banned:
+            raise PhalanxError("the swarm banned this peer (its ban votes are in the DHT and the log); stopping")
+        if not node.dht.is_alive():
+            await self._sleep_or_stop(2.0)  # a signal to the process group stops the DHT too: let ours arrive
+            if not self.stop_requested.is_set():
+                raise PhalanxError("the DHT process died (killed, or out of memory?): the swarm is out of reach; stopping")
+        return not self.stop_requested.is_set()
+
     def _done(self, step: int) -> bool:
         if self.stop_requested.is_set():
             return True
@@ -293,9 +306,7 @@ class Trainer:
     async def _loop(self, node: Node) -> None:
         engine, config = node.engine, self.config
         failures = 0
-        while not self._done(engine.step):
-            if node.peer_id in node.membership.banned:
-                raise PhalanxError("the swarm banned this peer (its ban votes are in the DHT and the log); stopping")
+        while not self._done(engine.step) and await self.check_node(node):
             step = engine.step
             loss, grad = await self._in_thread(self._contribution, node.peer_id, step)
             round_task = await self.run_unless_stopped(engine.run_round(grad.to("cpu"), recompute=self._recompute))
@@ -383,6 +394,25 @@ class Trainer:
             self.report.reached_target = True
 
 
+def dump_stacks() -> None:
+    """Write every asyncio task's and thread's stack to stderr."""
+    def where(frame) -> str:  # a suspended coroutine's line number can be None (so not print_stack)
+        return f"  {frame.f_code.co_filename}:{frame.f_lineno} in {frame.f_code.co_name}\n"
+
+    out = [f"stacks of {len(asyncio.all_tasks())} tasks and {threading.active_count()} threads:\n"]
+    for task in asyncio.all_tasks():
+        out += [f"--- {task!r}\n", *map(where, task.get_stack(limit=12))]
+    names = {t.ident: t.name for t in threading.enumerate()}
+    for ident, frame in sys._current_frames().items():
+        out.append(f"--- thread {names.get(ident, ident)}\n")
+        for _ in range(12):
+            out.append(where(frame))
+            if (frame := frame.f_back) is None:
+                break
+    sys.stderr.write("".join(out))
+    sys.stderr.flush()
+
+
 def run_trainer(config: PeerConfig) -> Report:
     """Run a trainer until its stop condition or SIGINT/SIGTERM; returns its final report."""
     import uvloop
@@ -392,6 +422,7 @@ def run_trainer(config: PeerConfig) -> Report:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, trainer.stop_requested.set)
+        loop.add_signal_handler(signal.SIGUSR1, dump_stacks)
         return await trainer.run()
 
     return uvloop.run(main())

@@ -19,6 +19,7 @@ import hivemind
 from hivemind.utils import get_dht_time
 
 from peer.config import PROTOCOL_VERSION, NetworkSettings
+from peer.node import add_validators, visible_maddrs
 from peer.health.legality import LocalView, check_legality
 from peer.health.metrics import NodeCollector, PeerMetrics, package_version, render
 from peer.health.record import (
@@ -51,7 +52,7 @@ async def fetch_records(dht: hivemind.DHT, run_id: str) -> tuple[dict[str, tuple
 
 async def install_validator(dht: hivemind.DHT, run_id: str) -> None:
     """Make this peer's DHT node refuse forged health records it is asked to store or is sent."""
-    await asyncio.get_running_loop().run_in_executor(None, dht.add_validators, [HealthRecordValidator(run_id)])
+    await add_validators(dht, [HealthRecordValidator(run_id)])
 
 
 def reachability(maddrs: list[str], client_mode: bool) -> str:
@@ -129,9 +130,7 @@ class HealthService:
                 logger.debug(f"health cycle failed: {e!r}")
 
     async def _cycle(self) -> None:
-        loop = asyncio.get_running_loop()
-        maddrs = await loop.run_in_executor(None, self.dht.get_visible_maddrs)
-        self.addresses = [str(m) for m in maddrs][:16]
+        self.addresses = (await visible_maddrs(self.dht))[:16]
         found, self.invalid_records = await fetch_records(self.dht, self.settings.run_id)
         self.records = {peer: record for peer, (record, _) in found.items()}
         self._track_bans()

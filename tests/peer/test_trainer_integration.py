@@ -1,6 +1,7 @@
 """Trainers as real `phalanx join` processes on loopback: newcomers, resume, the swarm command."""
 
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -10,7 +11,7 @@ import pytest
 import torch
 
 from peer.checkpoint import load_latest
-from trainer_procs import LOOPBACK, join_args, spawn
+from trainer_procs import LOOPBACK, children, join_args, spawn
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 
@@ -51,7 +52,9 @@ def test_newcomer_downloads_state_and_matches_the_others(bootstrap, tmp_path):
             p.stop()
         common_steps = set.intersection(*(set(_checkpoints(tmp_path / n)) for n in "abc"))
         after = sorted(s for s in common_steps if s > joined_at)
-        assert after, f"no common checkpoint after step {joined_at}: {common_steps}"
+        assert after, f"no common checkpoint after step {joined_at}: " + "; ".join(
+            f"{n}: {sorted(_checkpoints(tmp_path / n))[-8:]}" for n in "abc"
+        )
         states = [torch.load(_checkpoints(tmp_path / n)[after[-1]], weights_only=True) for n in "abc"]
         for name in states[0]["model"]:
             assert torch.equal(states[0]["model"][name], states[2]["model"][name]), name
@@ -75,6 +78,24 @@ def test_resume_restores_identical_parameters(bootstrap, tmp_path):
     assert started["step"] == 30 and started["param_hash"] == done["param_hash"]
     finished = again.next_event("done")
     assert finished["step"] == 40 and again.popen.wait(60) == 0
+
+
+def test_trainer_whose_dht_process_dies_says_so_and_exits(bootstrap, tmp_path):
+    # before, it trained on alone, and a thread blocked on the dead DHT kept it from ever exiting
+    ckpt = tmp_path / "ckpt"
+    proc = spawn(join_args(bootstrap, tmp_path, "p", "--steps", "100000000", "--checkpoint-dir", str(ckpt)), tmp_path / "p.log")
+    try:
+        proc.next_event("training")
+        dht_processes = children(proc.popen.pid)
+        assert dht_processes, "the trainer has no child process"
+        for pid in dht_processes:
+            os.kill(pid, signal.SIGKILL)
+        assert proc.popen.wait(120) == 1, proc.tail()
+        done = proc.next_event("done")
+        assert "the DHT process died" in proc.tail()
+        assert load_latest(ckpt).step == done["step"] > 0
+    finally:
+        proc.kill()
 
 
 def test_swarm_command_reaches_target_and_cleans_up(tmp_path):

@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -35,8 +36,8 @@ class Proc:
             if event.get("event") == "exit":
                 raise AssertionError(f"process exited before a {kind!r} event; log:\n{self.tail()}")
 
-    def tail(self) -> str:
-        return self.log.read_text()[-4000:] if self.log.exists() else ""
+    def tail(self, chars: int = 4000) -> str:
+        return self.log.read_text()[-chars:] if self.log.exists() else ""
 
     def send(self, sig=signal.SIGTERM) -> None:
         if self.popen.poll() is None:
@@ -46,6 +47,10 @@ class Proc:
         self.send(sig)
         try:
             return self.popen.wait(timeout)
+        except subprocess.TimeoutExpired:
+            os.kill(self.popen.pid, signal.SIGUSR1)  # a trainer logs its tasks' and threads' stacks
+            time.sleep(2)
+            raise AssertionError(f"no exit within {timeout} s of {sig!r}; log:\n{self.tail(20000)}") from None
         finally:
             self.kill()
 
@@ -79,6 +84,19 @@ def spawn(args: list[str], log: Path) -> Proc:
 
     threading.Thread(target=pump, daemon=True).start()
     return proc
+
+
+def children(pid: int) -> list[int]:
+    """The process IDs whose parent is `pid` (from /proc)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rpartition(")")[2].split()
+        except OSError:
+            continue  # exited meanwhile
+        if int(fields[1]) == pid:
+            found.append(int(stat.parent.name))
+    return found
 
 
 def join_args(initial_peers: list[str], tmp: Path, name: str, *extra: str) -> list[str]:

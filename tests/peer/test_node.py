@@ -1,0 +1,43 @@
+"""The node's calls into hivemind's DHT process: bounded, and never a thread that can block forever."""
+
+import asyncio
+import os
+import signal
+import threading
+
+import hivemind
+import pytest
+
+from aggregation.errors import PhalanxError
+from peer.node import add_validators, in_dht, visible_maddrs
+from protocol.bans import BanVoteValidator
+from trainer_procs import LOOPBACK
+
+
+async def _never_returns(_dht, _node) -> None:
+    await asyncio.sleep(3600)
+
+
+def _waiting_threads() -> set[threading.Thread]:
+    return {t for t in threading.enumerate() if not t.daemon}
+
+
+def test_dht_calls_are_bounded_and_refused_once_the_dht_process_is_gone():
+    dht = hivemind.DHT(host_maddrs=[LOOPBACK], start=True)
+    threads = _waiting_threads()
+    try:
+
+        async def main() -> None:
+            assert all("/127.0.0.1/" in m for m in await visible_maddrs(dht))
+            await add_validators(dht, [BanVoteValidator("run.bans")])
+            with pytest.raises(asyncio.TimeoutError):
+                await in_dht(dht, _never_returns, timeout=1.0)
+            os.kill(dht.pid, signal.SIGKILL)
+            dht.join()
+            with pytest.raises(PhalanxError, match="DHT process is not running"):
+                await visible_maddrs(dht)
+
+        asyncio.run(main())
+        assert _waiting_threads() <= threads  # nothing left that keeps the process from exiting
+    finally:
+        dht.shutdown()
