@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import socket
 import tempfile
 import time
 from dataclasses import dataclass
@@ -172,6 +173,19 @@ async def direct_hosts(dht: hivemind.DHT, settings: NetworkSettings) -> tuple[st
     return listen, hosts or ["127.0.0.1"]
 
 
+def remove_if_stale(socket_file: Path) -> None:
+    """Remove p2pd's socket file if nothing listens on it: the DHT process removes it when it stops
+    p2pd, but not when it was killed first (then p2pd exits too and leaves the file in /tmp)."""
+    with socket.socket(socket.AF_UNIX) as probe:
+        try:
+            probe.connect(str(socket_file))
+        except ConnectionRefusedError:
+            socket_file.unlink(missing_ok=True)
+            logger.debug(f"removed {socket_file}, left by a daemon that was killed")
+        except OSError:
+            pass  # already gone, or not ours to judge
+
+
 def run_key(config: PeerConfig) -> str:
     return f"phalanx.{config.run_id}.{config.run_hash().hex()[:16]}"
 
@@ -197,7 +211,9 @@ class Node:
                 await asyncio.wait_for(step, timeout=2)
             except Exception as e:
                 logger.debug(f"shutdown step failed: {e!r}")
+        await self.transport.p2p.shutdown()  # our replica's connection to p2pd, and its socket file in /tmp
         await asyncio.get_running_loop().run_in_executor(None, self.dht.shutdown)
+        remove_if_stale(Path(self.transport.p2p.daemon_listen_maddr.value_for_protocol("unix")))
         self.scratch.cleanup()
 
 

@@ -3,13 +3,14 @@
 import asyncio
 import os
 import signal
+import socket
 import threading
 
 import hivemind
 import pytest
 
 from aggregation.errors import PhalanxError
-from peer.node import add_validators, in_dht, visible_maddrs
+from peer.node import add_validators, in_dht, remove_if_stale, visible_maddrs
 from protocol.bans import BanVoteValidator
 from trainer_procs import LOOPBACK
 
@@ -41,3 +42,16 @@ def test_dht_calls_are_bounded_and_refused_once_the_dht_process_is_gone():
         assert _waiting_threads() <= threads  # nothing left that keeps the process from exiting
     finally:
         dht.shutdown()
+
+
+def test_a_socket_file_is_removed_only_when_nothing_listens_on_it(tmp_path):
+    live, stale = tmp_path / "live.sock", tmp_path / "stale.sock"
+    with socket.socket(socket.AF_UNIX) as listening:
+        listening.bind(str(live))
+        listening.listen()
+        with socket.socket(socket.AF_UNIX) as closed:
+            closed.bind(str(stale))  # bound, then closed without unlinking: what a killed daemon leaves
+        remove_if_stale(live)
+        remove_if_stale(stale)
+        remove_if_stale(tmp_path / "missing.sock")
+        assert live.exists() and not stale.exists()

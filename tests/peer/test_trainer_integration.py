@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from peer.checkpoint import load_latest
-from trainer_procs import LOOPBACK, children, join_args, spawn
+from trainer_procs import LOOPBACK, children, join_args, spawn, unix_socket_files
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 
@@ -28,8 +28,9 @@ def _checkpoints(directory: Path) -> dict[int, Path]:
 
 
 def test_newcomer_downloads_state_and_matches_the_others(bootstrap, tmp_path):
-    # every checkpoint is kept, so the peers need not stop at nearly the same step to share one
-    common = ("--steps", "1000000", "--eval-every", "1000000", "--checkpoint-every", "10", "--checkpoint-keep", "100000")
+    # A checkpoint of every step, so that the three share one wherever each stops: a peer left out
+    # of a few rounds resyncs and skips steps, and all three stop at slightly different steps.
+    common = ("--steps", "1000000", "--eval-every", "1000000", "--checkpoint-every", "1", "--checkpoint-keep", "1000")
     procs = []
     try:
         for name in ("a", "b"):
@@ -44,12 +45,15 @@ def test_newcomer_downloads_state_and_matches_the_others(bootstrap, tmp_path):
         resynced = newcomer.next_event("resynced")
         joined_at = resynced["step"]
         assert joined_at > 20
-        for p in procs:  # all three train together for a while
-            p.next_event("step", where=lambda e: e["step"] >= joined_at + 30)
+        for p in procs:  # all three train together for a while, and each has been in a round of all three
+            p.next_event("step", where=lambda e: e["step"] >= joined_at + 30 and e["group"] == 3)
+        sockets = set.union(*(unix_socket_files(p.popen.pid) for p in procs))
+        assert any("p2pclient" in s.name for s in sockets) and any("p2pd" in s.name for s in sockets), sockets
         for p in procs:
             p.send()
         for p in procs:
             p.stop()
+        assert not [s for s in sockets if s.exists()], "a stopped peer left its sockets' files behind"
         common_steps = set.intersection(*(set(_checkpoints(tmp_path / n)) for n in "abc"))
         after = sorted(s for s in common_steps if s > joined_at)
         assert after, f"no common checkpoint after step {joined_at}: " + "; ".join(
@@ -84,8 +88,10 @@ def test_trainer_whose_dht_process_dies_says_so_and_exits(bootstrap, tmp_path):
     # before, it trained on alone, and a thread blocked on the dead DHT kept it from ever exiting
     ckpt = tmp_path / "ckpt"
     proc = spawn(join_args(bootstrap, tmp_path, "p", "--steps", "100000000", "--checkpoint-dir", str(ckpt)), tmp_path / "p.log")
+    sockets: set[Path] = set()
     try:
         proc.next_event("training")
+        sockets = unix_socket_files(proc.popen.pid)
         dht_processes = children(proc.popen.pid)
         assert dht_processes, "the trainer has no child process"
         for pid in dht_processes:
@@ -94,8 +100,11 @@ def test_trainer_whose_dht_process_dies_says_so_and_exits(bootstrap, tmp_path):
         done = proc.next_event("done")
         assert "the DHT process died" in proc.tail()
         assert load_latest(ckpt).step == done["step"] > 0
+        assert not [s for s in sockets if "p2pclient" in s.name and s.exists()], "the trainer left its socket file"
     finally:
         proc.kill()
+        for leftover in sockets:  # p2pd's, whose DHT process was killed
+            leftover.unlink(missing_ok=True)
 
 
 def test_swarm_command_reaches_target_and_cleans_up(tmp_path):

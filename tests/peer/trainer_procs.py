@@ -44,15 +44,21 @@ class Proc:
             os.killpg(self.popen.pid, sig)
 
     def stop(self, sig=signal.SIGTERM, timeout: float = 60) -> int:
+        """Signal the process group; returns the main process's exit code once the whole group is gone."""
         self.send(sig)
         try:
-            return self.popen.wait(timeout)
+            code = self.popen.wait(timeout)
         except subprocess.TimeoutExpired:
             os.kill(self.popen.pid, signal.SIGUSR1)  # a trainer logs its tasks' and threads' stacks
             time.sleep(2)
-            raise AssertionError(f"no exit within {timeout} s of {sig!r}; log:\n{self.tail(20000)}") from None
-        finally:
             self.kill()
+            raise AssertionError(f"no exit within {timeout} s of {sig!r}; log:\n{self.tail(20000)}") from None
+        deadline = time.monotonic() + timeout
+        while (left := group_members(self.popen.pid)) and time.monotonic() < deadline:
+            time.sleep(0.1)  # the DHT process and p2pd, which got the signal too
+        self.kill()
+        assert not left, f"processes {left} of the group outlived {sig!r} by {timeout} s"
+        return code
 
     def kill(self) -> None:
         try:
@@ -97,6 +103,38 @@ def children(pid: int) -> list[int]:
         if int(fields[1]) == pid:
             found.append(int(stat.parent.name))
     return found
+
+
+def group_members(pgid: int) -> list[int]:
+    """The live processes of process group `pgid` (from /proc)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rpartition(")")[2].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":  # a zombie is gone, only not yet reaped
+            found.append(int(stat.parent.name))
+    return found
+
+
+def unix_socket_files(pgid: int) -> set[Path]:
+    """The files of the unix sockets that the processes of group `pgid` hold (p2pd's, its clients')."""
+    inodes = set()
+    for pid in group_members(pgid):
+        for fd in Path(f"/proc/{pid}/fd").glob("*"):
+            try:
+                target = os.readlink(fd)
+            except OSError:
+                continue
+            if target.startswith("socket:["):
+                inodes.add(target[len("socket:[") : -1])
+    files = set()
+    for line in Path("/proc/net/unix").read_text().splitlines()[1:]:
+        fields = line.split()
+        if len(fields) >= 8 and fields[6] in inodes and fields[7].startswith("/"):
+            files.add(Path(fields[7]))
+    return files
 
 
 def join_args(initial_peers: list[str], tmp: Path, name: str, *extra: str) -> list[str]:
