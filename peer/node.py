@@ -186,6 +186,18 @@ def remove_if_stale(socket_file: Path) -> None:
             pass  # already gone, or not ours to judge
 
 
+def quiet_when_daemon_is_gone(loop: asyncio.AbstractEventLoop, context: dict) -> None:
+    """A loop exception handler: the write task of hivemind's daemon client fails when p2pd stops
+    first (Ctrl-C and killpg reach it too), and nobody retrieves that error. Say so in one debug
+    line, not an error with a traceback on every stop; everything else goes to the default handler."""
+    task, error = context.get("future"), context.get("exception")
+    coro = task.get_coro() if isinstance(task, asyncio.Task) else None
+    if isinstance(error, (ConnectionError, RuntimeError)) and getattr(coro, "__qualname__", "") == "ControlClient._write_to_persistent_conn":
+        logger.debug(f"the p2p daemon went away: {error!r}")
+        return
+    loop.default_exception_handler(context)
+
+
 def run_key(config: PeerConfig) -> str:
     return f"phalanx.{config.run_id}.{config.run_hash().hex()[:16]}"
 

@@ -32,7 +32,7 @@ from peer.attacks import parse_attack
 from peer.checkpoint import load_latest, save_checkpoint
 from peer.config import PeerConfig
 from peer.health import PeerMetrics, open_node_health
-from peer.node import Node, open_node
+from peer.node import Node, open_node, quiet_when_daemon_is_gone
 from peer.tasks import Task, compute_gradient, resolve_task
 from protocol.engine import Resync, initial_version
 
@@ -423,6 +423,7 @@ def run_trainer(config: PeerConfig) -> Report:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, trainer.stop_requested.set)
         loop.add_signal_handler(signal.SIGUSR1, dump_stacks)
+        loop.set_exception_handler(quiet_when_daemon_is_gone)
         return await trainer.run()
 
     return uvloop.run(main())
