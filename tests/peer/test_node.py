@@ -5,6 +5,7 @@ import os
 import signal
 import socket
 import threading
+from pathlib import Path
 
 import hivemind
 import pytest
@@ -12,11 +13,15 @@ import pytest
 from aggregation.errors import PhalanxError
 from peer.node import add_validators, in_dht, remove_if_stale, visible_maddrs
 from protocol.bans import BanVoteValidator
-from trainer_procs import LOOPBACK
+from trainer_procs import LOOPBACK, children, group_members
 
 
 async def _never_returns(_dht, _node) -> None:
     await asyncio.sleep(3600)
+
+
+async def _daemon_socket(_dht, node) -> str:
+    return node.p2p.daemon_listen_maddr.value_for_protocol("unix")
 
 
 def _waiting_threads() -> set[threading.Thread]:
@@ -33,8 +38,15 @@ def test_dht_calls_are_bounded_and_refused_once_the_dht_process_is_gone():
             await add_validators(dht, [BanVoteValidator("run.bans")])
             with pytest.raises(asyncio.TimeoutError):
                 await in_dht(dht, _never_returns, timeout=1.0)
-            os.kill(dht.pid, signal.SIGKILL)
+            daemon_socket = Path(await in_dht(dht, _daemon_socket))
+            p2pd = children(dht.pid)
+            for pid in [dht.pid, *p2pd]:  # p2pd would exit without removing its socket file
+                os.kill(pid, signal.SIGKILL)
             dht.join()
+            while any(pid in group_members(os.getpgid(0)) for pid in p2pd):
+                await asyncio.sleep(0.05)
+            remove_if_stale(daemon_socket)
+            assert not daemon_socket.exists()
             with pytest.raises(PhalanxError, match="DHT process is not running"):
                 await visible_maddrs(dht)
 
