@@ -11,7 +11,7 @@ from pathlib import Path
 
 from peer.config import NetworkSettings
 from peer.health import PeerMetrics, open_health
-from peer.node import load_identity, start_dht, visible_maddrs
+from peer.node import daemon_socket_file, load_identity, remove_if_stale, serve_until, start_dht, visible_maddrs
 
 logger = logging.getLogger(__name__)
 
@@ -38,7 +38,9 @@ async def _serve(settings: NetworkSettings, print_fn) -> None:
     try:
         identity_path, identity = load_identity(settings, Path(scratch.name))  # signs its health record
         dht = await loop.run_in_executor(None, start_dht, settings, identity_path)
+        daemon_socket = None
         try:
+            daemon_socket = await daemon_socket_file(dht)
             maddrs = await visible_maddrs(dht)
             logger.info(f"bootstrap peer {dht.peer_id} is up")
             print_fn("Other peers join this swarm with:")
@@ -47,10 +49,12 @@ async def _serve(settings: NetworkSettings, print_fn) -> None:
                 dht=dht, identity=identity, metrics=PeerMetrics(role="bootstrap"), settings=settings
             )
             try:
-                await stop.wait()
+                await serve_until(stop, dht)
             finally:
                 await health.aclose()
         finally:
             await loop.run_in_executor(None, dht.shutdown)
+            if daemon_socket is not None:
+                remove_if_stale(daemon_socket)
     finally:
         scratch.cleanup()

@@ -20,13 +20,14 @@ from hivemind.p2p import P2P
 from multiaddr import Multiaddr
 
 from aggregation.errors import ConfigError, PeerProtocolError, PhalanxError
-from peer.config import NetworkSettings, PeerConfig
 from peer.attacks import parse_attack
+from peer.config import NetworkSettings, PeerConfig
 from protocol.admission import AdmissionGate
 from protocol.bans import BanBook, BanVoteValidator
+from protocol.dht_calls import DHT_DIED, in_dht
 from protocol.engine import RoundEngine
-from protocol.sync_policy import parse_sync_policy
 from protocol.membership import Membership
+from protocol.sync_policy import parse_sync_policy
 from protocol.transport import Transport
 from security.admission import load_owner_public
 from security.identity import Identity
@@ -121,24 +122,21 @@ def _is_rsa(path: Path) -> bool:
     return path.exists() and path.read_bytes()[:2] == b"\x08\x00"
 
 
-DHT_CALL_TIMEOUT_S = 30.0
-
-
-async def in_dht(dht: hivemind.DHT, coro: Callable, timeout: float = DHT_CALL_TIMEOUT_S):
-    """Await `coro(dht, node)` run in the DHT's process. hivemind's blocking calls wait forever
-    once that process is gone (Ctrl-C and killpg reach it too), and a thread stuck in one keeps
-    the whole program from exiting: so never call them from a thread."""
-    if not dht.is_alive():
-        raise PhalanxError("the DHT process is not running")
-    return await asyncio.wait_for(dht.run_coroutine(coro, return_future=True), timeout)
-
-
 async def _get_visible_maddrs(_dht: hivemind.DHT, node: DHTNode) -> list[Multiaddr]:
     return await node.get_visible_maddrs()
 
 
 async def _add_validators(_dht: hivemind.DHT, node: DHTNode, validators: list) -> None:
     node.protocol.record_validator.extend(validators)
+
+
+async def _daemon_socket(_dht: hivemind.DHT, node: DHTNode) -> str:
+    return node.p2p.daemon_listen_maddr.value_for_protocol("unix")
+
+
+async def daemon_socket_file(dht: hivemind.DHT) -> Path:
+    """The unix socket file of the DHT's p2pd (see remove_if_stale)."""
+    return Path(await in_dht(dht, _daemon_socket))
 
 
 async def visible_maddrs(dht: hivemind.DHT) -> list[str]:
@@ -173,6 +171,19 @@ async def direct_hosts(dht: hivemind.DHT, settings: NetworkSettings) -> tuple[st
     return listen, hosts or ["127.0.0.1"]
 
 
+async def serve_until(stop: asyncio.Event, dht: hivemind.DHT) -> None:
+    """Return once `stop` is set; raise if the DHT process dies first, so that the process exits
+    (and a supervisor such as docker-compose's restart policy starts it again) instead of
+    lingering without a DHT."""
+    while not stop.is_set():
+        if not dht.is_alive():
+            raise PhalanxError(f"{DHT_DIED}; stopping")
+        try:
+            await asyncio.wait_for(stop.wait(), timeout=1.0)
+        except asyncio.TimeoutError:
+            pass
+
+
 def remove_if_stale(socket_file: Path) -> None:
     """Remove p2pd's socket file if nothing listens on it: the DHT process removes it when it stops
     p2pd, but not when it was killed first (then p2pd exits too and leaves the file in /tmp)."""
@@ -186,16 +197,24 @@ def remove_if_stale(socket_file: Path) -> None:
             pass  # already gone, or not ours to judge
 
 
-def quiet_when_daemon_is_gone(loop: asyncio.AbstractEventLoop, context: dict) -> None:
-    """A loop exception handler: the write task of hivemind's daemon client fails when p2pd stops
-    first (Ctrl-C and killpg reach it too), and nobody retrieves that error. Say so in one debug
-    line, not an error with a traceback on every stop; everything else goes to the default handler."""
-    task, error = context.get("future"), context.get("exception")
-    coro = task.get_coro() if isinstance(task, asyncio.Task) else None
-    if isinstance(error, (ConnectionError, RuntimeError)) and getattr(coro, "__qualname__", "") == "ControlClient._write_to_persistent_conn":
+_DAEMON_CONNECTION_TASKS = ("ControlClient._read_from_persistent_conn", "ControlClient._write_to_persistent_conn")
+
+
+def quiet_p2p_daemon_noise(loop: asyncio.AbstractEventLoop, context: dict) -> None:
+    """A loop exception handler for two routine events that hivemind's daemon client leaves to
+    asyncio, which logs each as an error with a traceback: p2pd opening a stream to us that the
+    remote peer reset before it began, and the client's connection to p2pd failing because p2pd
+    stopped first (Ctrl-C and killpg reach it too). One debug line each; all else as before."""
+    error = context.get("exception")
+    task = context.get("future")
+    coro = getattr(task.get_coro(), "__qualname__", "") if isinstance(task, asyncio.Task) else ""
+    routine = (ConnectionError, RuntimeError, asyncio.IncompleteReadError)
+    if isinstance(error, routine) and coro in _DAEMON_CONNECTION_TASKS:
         logger.debug(f"the p2p daemon went away: {error!r}")
-        return
-    loop.default_exception_handler(context)
+    elif isinstance(error, routine) and context.get("message") == "Unhandled exception in client_connected_cb":
+        logger.debug(f"a p2p stream closed before it began: {error!r}")
+    else:
+        loop.default_exception_handler(context)
 
 
 def run_key(config: PeerConfig) -> str:

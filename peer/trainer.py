@@ -32,7 +32,7 @@ from peer.attacks import parse_attack
 from peer.checkpoint import load_latest, save_checkpoint
 from peer.config import PeerConfig
 from peer.health import PeerMetrics, open_node_health
-from peer.node import Node, open_node, quiet_when_daemon_is_gone
+from peer.node import DHT_DIED, Node, open_node, quiet_p2p_daemon_noise
 from peer.tasks import Task, compute_gradient, resolve_task
 from protocol.engine import Resync, initial_version
 
@@ -275,7 +275,7 @@ class Trainer:
         if not node.dht.is_alive():
             await self._sleep_or_stop(2.0)  # a signal to the process group stops the DHT too: let ours arrive
             if not self.stop_requested.is_set():
-                raise PhalanxError("the DHT process died (killed, or out of memory?): the swarm is out of reach; stopping")
+                raise PhalanxError(f"{DHT_DIED}: the swarm is out of reach; stopping")
         return not self.stop_requested.is_set()
 
     def _done(self, step: int) -> bool:
@@ -423,7 +423,7 @@ def run_trainer(config: PeerConfig) -> Report:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, trainer.stop_requested.set)
         loop.add_signal_handler(signal.SIGUSR1, dump_stacks)
-        loop.set_exception_handler(quiet_when_daemon_is_gone)
+        loop.set_exception_handler(quiet_p2p_daemon_noise)
         return await trainer.run()
 
     return uvloop.run(main())

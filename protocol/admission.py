@@ -12,6 +12,7 @@ from hivemind import DHT
 from hivemind.utils import get_dht_time
 
 from aggregation.errors import PeerProtocolError
+from protocol.dht_calls import dht_get, dht_store
 from security.admission import verify_certificate
 
 logger = logging.getLogger(__name__)
@@ -34,7 +35,7 @@ class AdmissionGate:
         body = verify_certificate(self.owner, self.certificate, peer_id=self.peer_id, run_id=self.run_id)
         self._valid_until[self.peer_id] = body.not_after
         expiration = min(get_dht_time() + 7 * 24 * 3600.0, body.not_after)
-        await self.dht.store(self.key, self.certificate, expiration, subkey=self.peer_id, return_future=True)
+        await dht_store(self.dht, self.key, self.certificate, expiration, subkey=self.peer_id)
         await self.refresh()
 
     def knows(self, peer: str) -> bool:
@@ -50,7 +51,7 @@ class AdmissionGate:
 
     async def refresh(self) -> None:
         self._last_refresh = time.monotonic()
-        found = await self.dht.get(self.key, latest=True, return_future=True)
+        found = await dht_get(self.dht, self.key)
         if found is None or not isinstance(found.value, dict):
             return
         for subkey, entry in found.value.items():

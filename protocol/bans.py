@@ -21,6 +21,7 @@ from hivemind.utils import get_dht_time
 from hivemind.utils.serializer import MSGPackSerializer
 
 from aggregation.errors import PeerProtocolError
+from protocol.dht_calls import dht_get, dht_store
 from security.evidence import BanVote, Vote, banned
 from security.statements import Signed, Statement, open_statement
 from security.wire import pack, unpack
@@ -82,7 +83,7 @@ class BanBook:
         expiration = get_dht_time() + self.ttl_s
         for vote in votes:
             try:
-                await self.dht.store(self.key, pack(vote), expiration, subkey=vote_subkey(vote), return_future=True)
+                await dht_store(self.dht, self.key, pack(vote), expiration, subkey=vote_subkey(vote))
             except Exception as e:
                 logger.warning(f"could not store a ban vote: {e!r}")
 
@@ -95,7 +96,7 @@ class BanBook:
         self._apply()
 
     async def refresh(self) -> None:
-        found = await self.dht.get(self.key, latest=True, return_future=True)
+        found = await dht_get(self.dht, self.key)
         if found is not None and isinstance(found.value, dict):
             for subkey, entry in found.value.items():
                 if subkey in self._votes or not isinstance(entry.value, bytes):

@@ -17,6 +17,7 @@ from hivemind import DHT
 from hivemind.utils import get_dht_time
 from pydantic import ValidationError
 
+from protocol.dht_calls import dht_get, dht_store
 from security.wire import WireModel
 
 logger = logging.getLogger(__name__)
@@ -89,7 +90,7 @@ class Membership:
     async def refresh(self) -> None:
         """Announce ourselves and re-read everyone's records."""
         await self._announce(expire_in_s=self.ttl_s)
-        found = await self.dht.get(self.key, latest=True, return_future=True)
+        found = await dht_get(self.dht, self.key)
         view: dict[str, tuple[PeerRecord, float]] = {}
         if found is not None and isinstance(found.value, dict):
             for subkey, entry in found.value.items():
@@ -108,13 +109,7 @@ class Membership:
 
     async def _announce(self, expire_in_s: float) -> None:
         record = PeerRecord(state=self.state, step=self.step)
-        await self.dht.store(
-            self.key,
-            record.model_dump(),
-            get_dht_time() + expire_in_s,
-            subkey=self.peer_id,
-            return_future=True,
-        )
+        await dht_store(self.dht, self.key, record.model_dump(), get_dht_time() + expire_in_s, subkey=self.peer_id)
 
     def peers(self, *, states: tuple[PeerState, ...] = ("joining", "online")) -> dict[str, PeerRecord]:
         """Unexpired, unbanned records in the given states (ourselves included once announced)."""

@@ -19,7 +19,6 @@ import hivemind
 from hivemind.utils import get_dht_time
 
 from peer.config import PROTOCOL_VERSION, NetworkSettings
-from peer.node import add_validators, visible_maddrs
 from peer.health.legality import LocalView, check_legality
 from peer.health.metrics import NodeCollector, PeerMetrics, package_version, render
 from peer.health.record import (
@@ -35,6 +34,8 @@ from peer.health.record import (
     sign_record,
 )
 from peer.health.server import HttpServer, open_http, peer_app
+from peer.node import add_validators, visible_maddrs
+from protocol.dht_calls import dht_get, dht_store
 from security.identity import Identity
 
 if TYPE_CHECKING:
@@ -46,7 +47,7 @@ logger = logging.getLogger(__name__)
 
 async def fetch_records(dht: hivemind.DHT, run_id: str) -> tuple[dict[str, tuple[HealthRecord, float]], int]:
     """Every valid, unexpired health record of the run: ({peer ID: (record, expiration)}, invalid count)."""
-    found = await dht.get(health_key(run_id), latest=True, return_future=True)
+    found = await dht_get(dht, health_key(run_id))
     return read_records(found, now=get_dht_time())
 
 
@@ -206,13 +207,10 @@ class HealthService:
 
     async def _publish(self, expire_in_s: float) -> None:
         record = self.record()
-        ok = await self.dht.store(
-            health_key(self.settings.run_id),
-            sign_record(self.identity, record),
-            record.published_at + expire_in_s,
-            subkey=self.peer_id,
-            return_future=True,
-        )
+        ok = await dht_store(
+            self.dht, health_key(self.settings.run_id), sign_record(self.identity, record),
+            record.published_at + expire_in_s, subkey=self.peer_id,
+        )  # fmt: skip
         if ok:
             self.published_at = record.published_at
         else:

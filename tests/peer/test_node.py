@@ -1,27 +1,32 @@
 """The node's calls into hivemind's DHT process: bounded, and never a thread that can block forever."""
 
 import asyncio
+import logging
 import os
 import signal
 import socket
 import threading
-from pathlib import Path
 
 import hivemind
 import pytest
+from trainer_procs import LOOPBACK, children, group_members
 
 from aggregation.errors import PhalanxError
-from peer.node import add_validators, in_dht, remove_if_stale, visible_maddrs
+from peer.node import (
+    add_validators,
+    daemon_socket_file,
+    in_dht,
+    quiet_p2p_daemon_noise,
+    remove_if_stale,
+    visible_maddrs,
+)
 from protocol.bans import BanVoteValidator
-from trainer_procs import LOOPBACK, children, group_members
 
 
 async def _never_returns(_dht, _node) -> None:
     await asyncio.sleep(3600)
 
 
-async def _daemon_socket(_dht, node) -> str:
-    return node.p2p.daemon_listen_maddr.value_for_protocol("unix")
 
 
 def _waiting_threads() -> set[threading.Thread]:
@@ -38,7 +43,7 @@ def test_dht_calls_are_bounded_and_refused_once_the_dht_process_is_gone():
             await add_validators(dht, [BanVoteValidator("run.bans")])
             with pytest.raises(asyncio.TimeoutError):
                 await in_dht(dht, _never_returns, timeout=1.0)
-            daemon_socket = Path(await in_dht(dht, _daemon_socket))
+            daemon_socket = await daemon_socket_file(dht)
             p2pd = children(dht.pid)
             for pid in [dht.pid, *p2pd]:  # p2pd would exit without removing its socket file
                 os.kill(pid, signal.SIGKILL)
@@ -47,7 +52,7 @@ def test_dht_calls_are_bounded_and_refused_once_the_dht_process_is_gone():
                 await asyncio.sleep(0.05)
             remove_if_stale(daemon_socket)
             assert not daemon_socket.exists()
-            with pytest.raises(PhalanxError, match="DHT process is not running"):
+            with pytest.raises(PhalanxError, match="the DHT process died"):
                 await visible_maddrs(dht)
 
         asyncio.run(main())
@@ -67,3 +72,18 @@ def test_a_socket_file_is_removed_only_when_nothing_listens_on_it(tmp_path):
         remove_if_stale(stale)
         remove_if_stale(tmp_path / "missing.sock")
         assert live.exists() and not stale.exists()
+
+
+def test_routine_p2p_daemon_events_are_not_logged_as_errors(caplog):
+    loop = asyncio.new_event_loop()
+    try:
+        caplog.set_level(logging.DEBUG)
+        reset = asyncio.IncompleteReadError(b"", 1)
+        quiet_p2p_daemon_noise(loop, {"message": "Unhandled exception in client_connected_cb", "exception": reset})
+        assert [r.levelno for r in caplog.records] == [logging.DEBUG]
+        caplog.clear()
+        quiet_p2p_daemon_noise(loop, {"message": "Unhandled exception in client_connected_cb", "exception": ValueError("ours")})
+        quiet_p2p_daemon_noise(loop, {"message": "Task exception was never retrieved", "exception": ConnectionResetError()})
+        assert [r.levelno for r in caplog.records] == [logging.ERROR, logging.ERROR]  # not hivemind's: as before
+    finally:
+        loop.close()

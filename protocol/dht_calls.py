@@ -1,0 +1,56 @@
+"""Calls into hivemind's DHT process that end when that process dies.
+
+hivemind answers through futures that nothing resolves once its DHT process is gone (killed,
+out of memory, or stopped by a Ctrl-C or killpg that reached the whole process group): an
+await on one would never return, and a thread blocked on one keeps the program from exiting.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any, Callable, Optional
+
+import hivemind
+
+from aggregation.errors import PhalanxError
+
+DHT_DIED = "the DHT process died (killed, or out of memory?)"
+LIVENESS_CHECK_S = 1.0
+
+
+async def settled(dht: hivemind.DHT, future: Any, timeout: Optional[float] = None) -> Any:
+    """The result of `future` (an MPFuture of `dht`); PhalanxError once the DHT process is dead."""
+    call = asyncio.ensure_future(future)
+    deadline = None if timeout is None else time.monotonic() + timeout
+    try:
+        while not call.done():
+            if not dht.is_alive():
+                raise PhalanxError(DHT_DIED)
+            wait = LIVENESS_CHECK_S if deadline is None else min(LIVENESS_CHECK_S, deadline - time.monotonic())
+            if wait <= 0:
+                raise asyncio.TimeoutError(f"the DHT process did not answer within {timeout:g} s")
+            await asyncio.wait({call}, timeout=wait)
+        return call.result()
+    finally:
+        call.cancel()
+
+
+async def in_dht(dht: hivemind.DHT, coro: Callable, timeout: float = 30.0) -> Any:
+    """Await `coro(dht, node)` run in the DHT's process."""
+    if not dht.is_alive():
+        raise PhalanxError(DHT_DIED)
+    return await settled(dht, dht.run_coroutine(coro, return_future=True), timeout)
+
+
+async def dht_get(dht: hivemind.DHT, key: str) -> Any:
+    """The latest value of `key` (all its subkeys), as hivemind's DHT.get returns it."""
+    if not dht.is_alive():
+        raise PhalanxError(DHT_DIED)
+    return await settled(dht, dht.get(key, latest=True, return_future=True))
+
+
+async def dht_store(dht: hivemind.DHT, key: str, value: Any, expiration: float, *, subkey: str) -> bool:
+    if not dht.is_alive():
+        raise PhalanxError(DHT_DIED)
+    return await settled(dht, dht.store(key, value, expiration, subkey=subkey, return_future=True))
