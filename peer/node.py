@@ -130,13 +130,18 @@ async def _add_validators(_dht: hivemind.DHT, node: DHTNode, validators: list) -
     node.protocol.record_validator.extend(validators)
 
 
-async def _daemon_socket(_dht: hivemind.DHT, node: DHTNode) -> str:
-    return node.p2p.daemon_listen_maddr.value_for_protocol("unix")
+async def _daemon_maddr(_dht: hivemind.DHT, node: DHTNode) -> Multiaddr:
+    return node.p2p.daemon_listen_maddr
 
 
 async def daemon_socket_file(dht: hivemind.DHT) -> Path:
     """The unix socket file of the DHT's p2pd (see remove_if_stale)."""
-    return Path(await in_dht(dht, _daemon_socket))
+    return Path((await in_dht(dht, _daemon_maddr)).value_for_protocol("unix"))
+
+
+async def replicate_p2p(dht: hivemind.DHT) -> P2P:
+    """Our own client of the DHT's p2pd (hivemind's DHT.replicate_p2p blocks the loop on the DHT)."""
+    return await P2P.replicate(await in_dht(dht, _daemon_maddr))
 
 
 async def visible_maddrs(dht: hivemind.DHT) -> list[str]:
@@ -258,7 +263,7 @@ async def open_node(config: PeerConfig, *, loss: Callable[[], Optional[float]] =
         scratch.cleanup()
         raise
     try:
-        p2p = await dht.replicate_p2p()
+        p2p = await replicate_p2p(dht)
         key = run_key(config)
         listen, hosts = await direct_hosts(dht, config)
         transport = await Transport.open(
