@@ -134,9 +134,13 @@ async def _daemon_maddr(_dht: hivemind.DHT, node: DHTNode) -> Multiaddr:
     return node.p2p.daemon_listen_maddr
 
 
+def socket_file(maddr: Multiaddr) -> Path:
+    return Path(maddr.value_for_protocol("unix"))
+
+
 async def daemon_socket_file(dht: hivemind.DHT) -> Path:
     """The unix socket file of the DHT's p2pd (see remove_if_stale)."""
-    return Path((await in_dht(dht, _daemon_maddr)).value_for_protocol("unix"))
+    return socket_file(await in_dht(dht, _daemon_maddr))
 
 
 async def replicate_p2p(dht: hivemind.DHT) -> P2P:
@@ -249,7 +253,7 @@ class Node:
                 logger.debug(f"shutdown step failed: {e!r}")
         await self.transport.p2p.shutdown()  # our replica's connection to p2pd, and its socket file in /tmp
         await asyncio.get_running_loop().run_in_executor(None, self.dht.shutdown)
-        remove_if_stale(Path(self.transport.p2p.daemon_listen_maddr.value_for_protocol("unix")))
+        remove_if_stale(socket_file(self.transport.p2p.daemon_listen_maddr))
         self.scratch.cleanup()
 
 

@@ -19,9 +19,12 @@ DHT_DIED = "the DHT process died (killed, or out of memory?)"
 LIVENESS_CHECK_S = 1.0
 
 
-async def settled(dht: hivemind.DHT, future: Any, timeout: Optional[float] = None) -> Any:
-    """The result of `future` (an MPFuture of `dht`); PhalanxError once the DHT process is dead."""
-    call = asyncio.ensure_future(future)
+async def settled(dht: hivemind.DHT, start: Callable[[], Any], timeout: Optional[float] = None) -> Any:
+    """The result of the MPFuture that `start()` sends to the DHT process; PhalanxError once that
+    process is dead (checked before sending, then every second)."""
+    if not dht.is_alive():
+        raise PhalanxError(DHT_DIED)
+    call = asyncio.ensure_future(start())
     deadline = None if timeout is None else time.monotonic() + timeout
     try:
         while not call.done():
@@ -38,19 +41,13 @@ async def settled(dht: hivemind.DHT, future: Any, timeout: Optional[float] = Non
 
 async def in_dht(dht: hivemind.DHT, coro: Callable, timeout: float = 30.0) -> Any:
     """Await `coro(dht, node)` run in the DHT's process."""
-    if not dht.is_alive():
-        raise PhalanxError(DHT_DIED)
-    return await settled(dht, dht.run_coroutine(coro, return_future=True), timeout)
+    return await settled(dht, lambda: dht.run_coroutine(coro, return_future=True), timeout)
 
 
 async def dht_get(dht: hivemind.DHT, key: str) -> Any:
     """The latest value of `key` (all its subkeys), as hivemind's DHT.get returns it."""
-    if not dht.is_alive():
-        raise PhalanxError(DHT_DIED)
-    return await settled(dht, dht.get(key, latest=True, return_future=True))
+    return await settled(dht, lambda: dht.get(key, latest=True, return_future=True))
 
 
 async def dht_store(dht: hivemind.DHT, key: str, value: Any, expiration: float, *, subkey: str) -> bool:
-    if not dht.is_alive():
-        raise PhalanxError(DHT_DIED)
-    return await settled(dht, dht.store(key, value, expiration, subkey=subkey, return_future=True))
+    return await settled(dht, lambda: dht.store(key, value, expiration, subkey=subkey, return_future=True))

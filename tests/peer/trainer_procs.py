@@ -92,30 +92,24 @@ def spawn(args: list[str], log: Path) -> Proc:
     return proc
 
 
-def children(pid: int) -> list[int]:
-    """The process IDs whose parent is `pid` (from /proc)."""
-    found = []
+def _processes():
+    """(pid, state, parent pid, process group) of every process, from /proc."""
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
-            fields = stat.read_text().rpartition(")")[2].split()
-        except OSError:
+            state, ppid, pgrp = stat.read_text().rpartition(")")[2].split()[:3]
+        except (OSError, ValueError):
             continue  # exited meanwhile
-        if int(fields[1]) == pid:
-            found.append(int(stat.parent.name))
-    return found
+        yield int(stat.parent.name), state, int(ppid), int(pgrp)
+
+
+def children(pid: int) -> list[int]:
+    """The process IDs whose parent is `pid`."""
+    return [p for p, _, ppid, _ in _processes() if ppid == pid]
 
 
 def group_members(pgid: int) -> list[int]:
-    """The live processes of process group `pgid` (from /proc)."""
-    found = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rpartition(")")[2].split()
-        except OSError:
-            continue
-        if int(fields[2]) == pgid and fields[0] != "Z":  # a zombie is gone, only not yet reaped
-            found.append(int(stat.parent.name))
-    return found
+    """The live processes of process group `pgid` (a zombie is gone, only not yet reaped)."""
+    return [p for p, state, _, pgrp in _processes() if pgrp == pgid and state != "Z"]
 
 
 def unix_socket_files(pgid: int) -> set[Path]:
