@@ -9,7 +9,7 @@ import threading
 
 import hivemind
 import pytest
-from trainer_procs import LOOPBACK, children, group_members
+from trainer_procs import LOOPBACK, children
 
 from aggregation.errors import PhalanxError
 from peer.node import (
@@ -48,10 +48,11 @@ def test_dht_calls_are_bounded_and_refused_once_the_dht_process_is_gone():
             for pid in [dht.pid, *p2pd]:  # p2pd would exit without removing its socket file
                 os.kill(pid, signal.SIGKILL)
             dht.join()
-            while any(pid in group_members(os.getpgid(0)) for pid in p2pd):
+            # p2pd's main thread shows as a zombie while its other threads still close its sockets: the
+            # file is stale (and removed) once they have; the test's timeout bounds this
+            while daemon_socket.exists():
+                remove_if_stale(daemon_socket)
                 await asyncio.sleep(0.05)
-            remove_if_stale(daemon_socket)
-            assert not daemon_socket.exists()
             with pytest.raises(PhalanxError, match="the DHT process died"):
                 await visible_maddrs(dht)
 
