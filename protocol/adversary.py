@@ -54,6 +54,10 @@ class Behavior:
     def claimed_undelivered(self, vr: "VerifiedRound", undelivered: set[int]) -> set[int]:
         return undelivered
 
+    def counted(self, vr: "VerifiedRound", received: list[int]) -> list[int]:
+        """As a reducer: the received parts its aggregate is computed from."""
+        return received
+
 
 class WrongAggregate(Behavior):
     """As a reducer, returns its aggregate shifted far from the fixed point (the same to everyone)."""
@@ -149,6 +153,16 @@ class FalseDispute(Behavior):
         return undelivered | {(vr.me + 1) % len(vr.members)}
 
 
+class LeaveOut(Behavior):
+    """As a reducer, aggregates its own part alone (leaves out everyone else's), so that its aggregate
+    is whatever it wants and still passes the projection check of its only contributor."""
+
+    name = "leave_out"
+
+    def counted(self, vr, received):
+        return [vr.me]
+
+
 class InflateWeight(Behavior):
     """Claims a weight of 1000 for its parts."""
 
@@ -161,6 +175,6 @@ class InflateWeight(Behavior):
 PROTOCOL_ATTACKS: Registry[type[Behavior]] = Registry("protocol attack")
 for _cls in (
     WrongAggregate, Equivocate, FalseReport, FalseAccusation, WithholdReveal, BadCommitment, Silent, InflateWeight,
-    WithholdAggregate, FalseDispute,
+    WithholdAggregate, FalseDispute, LeaveOut,
 ):  # fmt: skip
     PROTOCOL_ATTACKS.register(_cls.name, _cls)

@@ -56,6 +56,8 @@ class PartGuard(Protocol):
     def hasher(self) -> Hasher: ...
     def sign_part(self, part: int, payload: bytes | memoryview, weight: float) -> bytes: ...
     def accept_part(self, sender: int, part: int, payload: bytes | memoryview, header: PartHeader, digest: bytes) -> None: ...
+    def counted(self, received: list[int]) -> list[int]:
+        """Which of the received parts go into the aggregate (all of them, unless an attack says otherwise)."""
     def sign_aggregate(self, part: int, payload: bytes | memoryview, contributors: list[int]) -> bytes: ...
     def reply_for(self, receiver: int, header: bytes, payload: bytes | memoryview) -> tuple[bytes, bytes | memoryview]: ...
     def announced(self, part: int, header: AggregateHeader) -> None:
@@ -113,6 +115,7 @@ class _Reduction:
     receiving: set[int] = field(default_factory=set)  # parts being written into `rows` right now
     refused: set[int] = field(default_factory=set)  # senders whose part was refused or who are skipped
     closed: bool = False  # set once aggregation starts; later parts are refused
+    counted: list[int] = field(default_factory=list)  # the parts the aggregate was computed from
     complete_at: float = 0.0  # time.monotonic() when the last part arrived (or the deadline)
     reduced_at: float = 0.0
     complete: asyncio.Event = field(default_factory=asyncio.Event)
@@ -239,7 +242,7 @@ class AllReduceService:
             bytes_received=self.transport.stats.bytes_received - recv0,
             duration_s=time.monotonic() - started,
             own_rows=reduction.rows if guard is not None else None,
-            own_received=tuple(sorted(reduction.received)),
+            own_received=tuple(reduction.counted),
             own_value=output[lo:hi],
             recycle_rows=(lambda: self._recycle(reduction)) if guard is not None else None,
         )
@@ -301,6 +304,9 @@ class AllReduceService:
         reduction.closed = True
         reduction.complete_at = time.monotonic()
         got = sorted(reduction.received)
+        if reduction.guard is not None:
+            got = reduction.guard.counted(got)
+        reduction.counted = got
         if len(got) == len(reduction.spec.members):
             rows, weights = reduction.rows, reduction.weights  # everyone's part arrived: no copy
         else:

@@ -92,6 +92,7 @@ class ReportBody(WireModel):
 
     entries: Annotated[list[ReportEntry], Field(max_length=256)]
     undelivered: Annotated[list[Annotated[int, Field(ge=0, lt=256)]], Field(max_length=256)] = []  # parts never received
+    left_out: Annotated[list[Annotated[int, Field(ge=0, lt=256)]], Field(max_length=256)] = []  # aggregates that did not count us
 
 
 class Accusation(WireModel):
@@ -125,7 +126,7 @@ class RelayRequest(WireModel):
 
 class VoteList(WireModel):
     votes: Annotated[list[Signed], Field(max_length=256)]
-    disputes: Annotated[list[Signed], Field(max_length=256)] = []  # signed reports that list undelivered parts
+    disputes: Annotated[list[Signed], Field(max_length=256)] = []  # signed reports that dispute parts
 
 
 @dataclass
@@ -335,6 +336,9 @@ class VerifiedRound:
         # raw float32 parts live on in the reducer's rows (kept for the round): no copy needed
         self.payloads[peer] = payload if self.codec is Codec.NONE else bytes(payload)
 
+    def counted(self, received: list[int]) -> list[int]:
+        return self.behavior.counted(self, received)
+
     def sign_aggregate(self, part: int, payload: bytes | memoryview, contributors: list[int]) -> bytes:
         self.my_contributors = list(contributors)
         body = AggregateBody(part=part, hash=part_hash(payload), contributors=list(contributors))
@@ -491,7 +495,7 @@ class VerifiedRound:
             _, body = open_statement(echoed, AggregateBody, kind="aggregate", round_id=self.round_id, sender=sender)
         except PeerProtocolError:
             return
-        if body.part == part and self._reveal_task is None:
+        if body.part == part and body.well_formed(len(self.members)) and self._reveal_task is None:
             self._record_aggregate(part, echoed, body)
 
     async def _stop_waiting_for_bytes(self) -> None:
@@ -527,6 +531,8 @@ class VerifiedRound:
         _, body = open_statement(signed, AggregateBody, kind="aggregate", round_id=self.round_id, sender=reducer)
         if body.part != part:
             raise PeerProtocolError("signed an aggregate statement for another part", peer=reducer)
+        if not body.well_formed(len(self.members)):
+            raise PeerProtocolError("signed an aggregate whose contributors are not a list of members", peer=reducer)
         if part in self.aggregates and self.aggregates[part][0].statement != signed.statement:  # known from an echo
             self._prove(reducer, Offense.EQUIVOCATION, [self.aggregates[part][0], signed])
             raise PeerProtocolError("sent us another aggregate than the one it signed for the others", peer=reducer)
@@ -663,8 +669,8 @@ class VerifiedRound:
             return True
         if any(p not in self.commits or p not in revealed or p not in reports for p in self.members):
             return True
-        if self._disputed(reports):
-            return True  # the disputed parts are dropped by a verdict everyone computes alike
+        if self._disputed(reports) or any(self._left_out_by_most(peer, body) for peer, (_, body) in reports.items()):
+            return True  # the disputed parts are dropped (and who failed banned) by a verdict everyone computes alike
         failing = []
         self._check_aggregates(seed, reports, output, {}, {}, lambda peer, *_: failing.append(peer))
         return bool(failing)
@@ -755,7 +761,11 @@ class VerifiedRound:
         for part, s, norm in own:
             s, norm = self.behavior.reported(s, norm)
             entries.append(ReportEntry(part=part, aggregate=self.aggregates[part][1].hash, s=s, norm=norm))
-        body = ReportBody(entries=entries, undelivered=sorted(self.behavior.claimed_undelivered(self, self.undelivered)))
+        body = ReportBody(
+            entries=entries,
+            undelivered=sorted(self.behavior.claimed_undelivered(self, self.undelivered)),
+            left_out=sorted(self._left_out_of()),
+        )
         mine_signed = sign_statement(self.identity, "report", self.round_id, body)
         received = await self.service.exchange.all_to_all(
             self.round_id, "report", pack(mine_signed), deadline=self._deadline(), send=self.behavior.speaks("report"),
@@ -781,21 +791,48 @@ class VerifiedRound:
             return values
         return decode(bytearray(encode(values, self.codec)), self.codec, b - a)
 
-    def _disputes_of(self, peer: str, body: ReportBody) -> set[int]:
+    def _left_out_of(self) -> set[int]:
+        """Aggregates that did not count this member's part, though it sent one (their reducer committed)."""
+        return {
+            part for part in self.aggregates
+            if part != self.me and part in (self._expected or set()) and self.me not in self.aggregates_contributors(part)
+        }  # fmt: skip
+
+    def _undelivered_of(self, peer: str, body: ReportBody) -> set[int]:
         """Parts `peer` says it never received (its own part does not count)."""
         return {part for part in body.undelivered if part < len(self.members) and self.members[part] != peer}
 
-    def _disputers(self, reports) -> dict[int, set[str]]:
-        """Part -> the members whose reports list it undelivered."""
+    def _left_out_by_most(self, peer: str, body: ReportBody) -> bool:
+        """Whether `peer` says most other reducers left its part out: an honest majority of reducers counts
+        every part that reached it in time, so `peer` did not deliver (and its claims settle nothing)."""
+        claims = {part for part in body.left_out if part < len(self.members) and self.members[part] != peer}
+        return 2 * len(claims) > len(self.commits) - 1
+
+    def _left_out_claims(self, peer: str, body: ReportBody) -> set[int]:
+        """Parts whose reducer `peer` says left its part out (and whose statement we hold does not count it)."""
+        if self._left_out_by_most(peer, body):
+            return set()
+        index = self.members.index(peer)
+        return {
+            part for part in body.left_out
+            if part < len(self.members) and part != index and index not in self.aggregates_contributors(part)
+        }  # fmt: skip
+
+    def _disputes_of(self, peer: str, body: ReportBody) -> set[int]:
+        """Parts `peer` disputes: never received, or aggregated without its part."""
+        return self._undelivered_of(peer, body) | self._left_out_claims(peer, body)
+
+    def _claimants(self, reports, claims) -> dict[int, set[str]]:
+        """Part -> the members whose reports make `claims` about it."""
         out: dict[int, set[str]] = {}
         for peer, (_, body) in reports.items():
-            for part in self._disputes_of(peer, body):
+            for part in claims(peer, body):
                 out.setdefault(part, set()).add(peer)
         return out
 
     def _disputed(self, reports) -> set[int]:
-        """Parts some member says it never received: nobody applies them (their check lacks its report)."""
-        return set(self._disputers(reports))
+        """Parts some member disputes: nobody applies them (their check lacks its report, or its part)."""
+        return set(self._claimants(reports, self._disputes_of))
 
     def _aggregate_reports(self, part: int, reports) -> tuple[list[str], list[Optional[tuple[float, float]]]]:
         """Contributors of `part` (as its reducer signed them) and their reports for it (None if missing)."""
@@ -954,7 +991,7 @@ class VerifiedRound:
         # disputes: what most members never got, its reducer withheld; what only a minority never got,
         # they could have taken from the others (relay), so they withhold their report. Parts of
         # reducers already found guilty (a crashed one is silent) settle nothing more.
-        for part, disputers in self._disputers(reports).items():
+        for part, disputers in self._claimants(reports, self._undelivered_of).items():
             reducer = self.members[part]
             if reducer in guilty:
                 continue
@@ -963,12 +1000,23 @@ class VerifiedRound:
             else:
                 for peer in disputers:
                     convict(peer, Offense.WITHHELD, [self.group_statement])
+        # parts left out: who was late cannot be proven. A reducer that left out most members' parts, or
+        # a member whose part most reducers left out, is the one that failed (an honest majority of
+        # reducers counts every part that reached it in time, and honest members send theirs at once).
+        # Otherwise the part is dropped and nobody is banned.
+        for peer, (_, body) in reports.items():
+            if self._left_out_by_most(peer, body):
+                convict(peer, Offense.WITHHELD, [self.group_statement])
+        for part, claimants in self._claimants(reports, self._left_out_claims).items():
+            reducer = self.members[part]
+            if reducer not in guilty and 2 * len(claimants) > len(self.commits) - 1:
+                convict(reducer, Offense.LEFT_OUT, [self.group_statement])
         bad_parts = self._check_aggregates(seed, reports, output, corrected, guilty, convict)
         votes = [
             sign_statement(self.identity, "ban", b"", BanVote(accused=p, offense=o, round_id=self.round_id, evidence=e))
             for p, (o, e) in guilty.items()
         ]
-        disputes = [signed for signed, body in reports.values() if body.undelivered]
+        disputes = [signed for signed, body in reports.values() if body.undelivered or body.left_out]
         verdict = await self._vote(votes, bad_parts, disputes, self._disputed(reports))
         verdict.accusations = sum(len(items) for items in accusations.values())
         return verdict
@@ -1044,7 +1092,10 @@ class VerifiedRound:
                     break
                 values.append(entry)
             if len(values) != len(contributors) or not values:
-                continue  # someone's report is missing: they are judged for silence instead
+                # someone's report is missing (they are judged for silence), and its reducer did not show the
+                # true one (an honest reducer accuses it, and the judges recompute it): unchecked, not applied
+                bad.add(part)
+                continue
             a, b = self.bounds[part]
             v = output[a:b]
             slack = rounding_bound(v, self.codec)  # what the codec may have moved the reducer's aggregate

@@ -75,6 +75,11 @@ class AggregateBody(WireModel):
     hash: Hash
     contributors: Annotated[list[Annotated[int, Field(ge=0, lt=MAX_MEMBERS)]], Field(max_length=MAX_MEMBERS)]
 
+    def well_formed(self, members: int) -> bool:
+        """Contributors are member indices in increasing order, and the reducer counted its own part."""
+        c = self.contributors
+        return all(a < b for a, b in zip(c, c[1:])) and (not c or c[-1] < members) and self.part in c
+
 
 def new_share() -> bytes:
     return secrets.token_bytes(HASH_BYTES)

@@ -39,6 +39,7 @@ class Offense(str, enum.Enum):
     WRONG_AGGREGATE = "wrong_aggregate"  # the aggregate fails the fixed-point check
     BAD_CONTRIBUTION = "bad_contribution"  # the contribution does not recompute from the public batch
     WITHHELD = "withheld"  # sent nothing in a phase it had to answer
+    LEFT_OUT = "left_out"  # as a reducer, left most members' parts out of its aggregate
     FALSE_ACCUSATION = "false_accusation"  # accused a peer the judges found innocent
 
     @property

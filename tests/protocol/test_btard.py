@@ -10,7 +10,7 @@ import torch
 
 from aggregation.centered_clip import centered_clip
 from aggregation.errors import RoundAbortedError
-from protocol.adversary import PROTOCOL_ATTACKS
+from protocol.adversary import PROTOCOL_ATTACKS, Behavior
 from protocol.config import Codec, MatchmakingConfig, RoundConfig, verify_config_for
 from protocol.engine import Averaged
 from protocol.partition import partition_bounds
@@ -469,6 +469,131 @@ def test_a_disputed_part_is_dropped_by_everyone(attack):
                 assert outcome.verdict.bad_parts == set(outcome.result.missing_parts) == dropped
 
     asyncio.run(main())
+
+
+def _late_to(peer, reducers: set[str], seconds: float) -> None:
+    """Make `peer` send its parts to `reducers` after their deadline (CONFIG's all-reduce waits 5 s)."""
+    service = peer.engine.allreduce
+    send = service._send_part
+
+    async def send_late(spec, j, *args):
+        if spec.members[j] in reducers:
+            await asyncio.sleep(seconds)
+        return await send(spec, j, *args)
+
+    service._send_part = send_late
+
+
+class _LeaveOutOne(Behavior):
+    """A reducer that leaves one received part (`victim`'s) out of its aggregate."""
+
+    name = "leave_out_one"
+    victim = ""
+
+    def counted(self, vr, received):
+        return [i for i in received if vr.members[i] != self.victim]
+
+
+@pytest.mark.parametrize("who", ["reducer leaves one part out", "member late to one reducer"])
+def test_a_part_left_out_is_dropped_by_everyone_and_nobody_is_banned(who):
+    """Being late cannot be proven, so a member a reducer did not count makes everyone drop that part
+    (whatever the reducer aggregated without it is never applied) and nobody is banned."""
+
+    async def main():
+        leave_out = _LeaveOutOne()
+        behaviors = [None, None, None, leave_out if who.startswith("reducer") else None]
+        async with open_swarm(4, CONFIG, behaviors=behaviors) as peers:
+            reducer, victim = peers[3], peers[0]
+            leave_out.victim = victim.peer_id
+            if who.startswith("member"):
+                _late_to(victim, {reducer.peer_id}, seconds=6.0)
+            outcomes = await _round(peers, _inputs(4))
+            members = outcomes[0].group.members
+            at = members.index(reducer.peer_id)
+            for outcome in outcomes:
+                assert isinstance(outcome, Averaged), outcome
+                assert outcome.verdict.banned == set()
+                assert outcome.verdict.disputed == {at}
+                assert outcome.verdict.bad_parts == set(outcome.result.missing_parts) == {at}
+                assert torch.equal(outcome.result.vector, outcomes[0].result.vector)
+            assert all(not p.membership.banned for p in peers)
+
+    asyncio.run(main())
+
+
+def test_a_member_most_reducers_left_out_is_banned_and_drops_nothing():
+    """A member that delivers its parts to no reducer in time, then says each of them left it out,
+    is the one that failed (an honest majority of reducers counts every part that came in time)."""
+
+    async def main():
+        async with open_swarm(4, CONFIG) as peers:
+            late = peers[3]
+            _late_to(late, {p.peer_id for p in peers[:3]}, seconds=6.0)
+            outcomes = await _round(peers, _inputs(4))
+            members = outcomes[0].group.members
+            at = members.index(late.peer_id)
+            # it takes the aggregates from the others (those it cannot get, it disputes as undelivered)
+            never_got = set(outcomes[3].result.missing_parts) - {at}
+            left_out_only = set(range(4)) - {at} - never_got
+            assert left_out_only
+            for outcome in outcomes[:3]:
+                assert isinstance(outcome, Averaged), outcome
+                assert outcome.verdict.banned == {late.peer_id}
+                assert outcome.verdict.disputed == never_got
+                assert outcome.verdict.bad_parts == never_got | {at}
+                assert torch.equal(outcome.result.vector, outcomes[0].result.vector)
+
+    asyncio.run(main())
+
+
+def test_an_aggregate_that_cannot_be_checked_is_not_applied(monkeypatch):
+    """A wrong aggregate passes no check if one of its contributors withholds its report and the reducer,
+    which alone holds that contributor's part, does not show the true one: it must not be applied."""
+    from protocol.adversary import WrongAggregate
+    from protocol.btard import VerifiedRound
+
+    class Mute(Behavior):  # commits, sends its parts, reveals, then never reports
+        name = "mute"
+
+        def speaks(self, phase):
+            return phase != "report"
+
+    reducer_checks = VerifiedRound._check_reports_as_reducer
+    colluder = WrongAggregate()
+
+    def checks(self, reports, own_received, truth):
+        if self.behavior is not colluder:  # the colluding reducer does not accuse its silent partner
+            reducer_checks(self, reports, own_received, truth)
+
+    monkeypatch.setattr(VerifiedRound, "_check_reports_as_reducer", checks)
+
+    async def main():
+        async with open_swarm(5, CONFIG, behaviors=[None, None, None, colluder, Mute()]) as peers:
+            reducer, mute = peers[3].peer_id, peers[4].peer_id
+            outcomes = await _round(peers, _inputs(5))
+            members = outcomes[0].group.members
+            for outcome in outcomes[:3]:
+                assert isinstance(outcome, Averaged), outcome
+                assert mute in outcome.verdict.banned and not outcome.verdict.banned & {p.peer_id for p in peers[:3]}
+                assert outcome.verdict.bad_parts == set(outcome.result.missing_parts)
+                assert members.index(reducer) in outcome.verdict.bad_parts
+                assert torch.equal(outcome.result.vector, outcomes[0].result.vector)
+
+    asyncio.run(main())
+
+
+def test_an_aggregate_with_malformed_contributors_is_refused():
+    """Contributors must be member indices in increasing order that include the reducer itself."""
+    from security.commitments import AggregateBody
+
+    def body(contributors):
+        return AggregateBody(part=1, hash=bytes(32), contributors=contributors)
+
+    assert body([0, 1, 3]).well_formed(4)
+    assert not body([0, 3]).well_formed(4)  # its own part missing
+    assert not body([1, 1, 2]).well_formed(4)  # a part twice
+    assert not body([2, 1]).well_formed(4)
+    assert not body([1, 4]).well_formed(4)  # no such member
 
 
 def test_banned_peer_is_refused_by_matchmaking_and_handlers():
