@@ -172,9 +172,19 @@ class InflateWeight(Behavior):
         return 1000.0
 
 
+class DeflateWeight(Behavior):
+    """Claims a weight of 0 for its parts: a reducer that honoured it would compute an aggregate that
+    fails the projection check (which counts every member once), and be convicted for it."""
+
+    name = "deflate_weight"
+
+    def claimed_weight(self, weight):
+        return 0.0
+
+
 PROTOCOL_ATTACKS: Registry[type[Behavior]] = Registry("protocol attack")
 for _cls in (
     WrongAggregate, Equivocate, FalseReport, FalseAccusation, WithholdReveal, BadCommitment, Silent, InflateWeight,
-    WithholdAggregate, FalseDispute, LeaveOut,
+    WithholdAggregate, FalseDispute, LeaveOut, DeflateWeight,
 ):  # fmt: skip
     PROTOCOL_ATTACKS.register(_cls.name, _cls)

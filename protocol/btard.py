@@ -307,7 +307,7 @@ class VerifiedRound:
     # ---- phases 3-5: PartGuard hooks ----------------------------------------------------------
 
     def sign_part(self, part: int, payload: bytes | memoryview, weight: float) -> bytes:
-        body = PartBody(part=part, hash=self.my_hashes[part], weight=self.behavior.claimed_weight(weight))
+        body = PartBody(part=part, hash=self.my_hashes[part], weight=weight)
         return pack(sign_statement(self.identity, "part", self.round_id, body))
 
     def hasher(self):
@@ -321,7 +321,7 @@ class VerifiedRound:
         _, body = open_statement(signed, PartBody, kind="part", round_id=self.round_id, sender=peer)
         if body.part != part:
             raise PeerProtocolError("signed a part statement for another part", peer=peer)
-        if not 0.0 <= body.weight <= 1.0:
+        if body.weight != 1.0:  # BTARD-SGD counts every member once: the checks assume it
             self._prove(peer, Offense.INFLATED_WEIGHT, [signed])
             raise PeerProtocolError(f"claimed weight {body.weight}", peer=peer)
         if body.weight != header.weight:

@@ -226,7 +226,7 @@ class RoundEngine:
                 raise RoundAbortedError("our commitment was not collected")
             sent = self.behavior.sent_vector(vector)
             result = await self.allreduce.run(
-                spec, sent, self.reducer, weight=1.0, call_timeout_s=self.config.allreduce_timeout_s + 10,
+                spec, sent, self.reducer, weight=self.behavior.claimed_weight(1.0), call_timeout_s=self.config.allreduce_timeout_s + 10,
                 out=self._output, guard=vr, skip=skip,
             )  # fmt: skip
             t1 = time.monotonic()

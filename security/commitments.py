@@ -65,7 +65,7 @@ class PartBody(WireModel):
 
     part: Annotated[int, Field(ge=0, lt=MAX_MEMBERS)]
     hash: Hash
-    weight: float  # must lie in [0, 1]
+    weight: float  # must be 1: the projection check counts every member once
 
 
 class AggregateBody(WireModel):

@@ -3,7 +3,7 @@
 Two kinds of proof:
   * self-contained — the offender's own signed statements contradict each other or a rule
     (a part that does not match its commitment, two different aggregates for one part, a
-    weight above 1, a reveal that does not open its commitment). One honest judge's vote
+    weight other than 1, a reveal that does not open its commitment). One honest judge's vote
     carrying them is enough, for anyone who checks it.
   * by majority — offenses only the round's members can judge (false projection reports,
     wrong aggregates, contributions that do not recompute, silence): a ban holds once more
@@ -33,7 +33,7 @@ MAX_EVIDENCE = 4
 class Offense(str, enum.Enum):
     BAD_COMMITMENT = "bad_commitment"  # signed part hash differs from the signed commitment
     EQUIVOCATION = "equivocation"  # two different signed commitments or aggregates for one slot
-    INFLATED_WEIGHT = "inflated_weight"  # a signed part claims a weight outside [0, 1]
+    INFLATED_WEIGHT = "inflated_weight"  # a signed part claims a weight other than 1 (verified rounds count everyone once)
     BAD_REVEAL = "bad_reveal"  # the revealed share does not open the MPRNG commitment
     FALSE_REPORT = "false_report"  # projection report differs from the committed data
     WRONG_AGGREGATE = "wrong_aggregate"  # the aggregate fails the fixed-point check
@@ -80,7 +80,7 @@ def check_self_contained(offense: Offense, accused: str, round_id: bytes, eviden
             return part.part < len(commit.parts) and commit.parts[part.part] != part.hash
         if offense is Offense.INFLATED_WEIGHT and len(evidence) == 1:
             _, part = open_statement(evidence[0], PartBody, kind="part", round_id=round_id, sender=accused)
-            return not 0.0 <= part.weight <= 1.0
+            return part.weight != 1.0
         if offense is Offense.BAD_REVEAL and len(evidence) == 2:
             _, commit = open_statement(evidence[0], CommitBody, kind="commit", round_id=round_id, sender=accused)
             _, reveal = open_statement(evidence[1], RevealBody, kind="reveal", round_id=round_id, sender=accused)
