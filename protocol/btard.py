@@ -37,6 +37,7 @@ from typing import Annotated, Awaitable, Callable, Optional
 import torch
 from pydantic import Field
 
+from aggregation.base import norm_limit
 from aggregation.errors import PeerProtocolError, RoundAbortedError
 from protocol.adversary import Behavior
 from protocol.config import VerifyConfig
@@ -332,6 +333,12 @@ class VerifiedRound:
             raise PeerProtocolError("part does not match its commitment", peer=peer)
         if digest != body.hash:
             raise PeerProtocolError("part bytes do not match their signed hash", peer=peer)
+        a, b = self.bounds[part]
+        norm = float(torch.linalg.vector_norm(decode(payload, self.codec, b - a, peer=peer)))
+        if not norm <= norm_limit(torch.float32):
+            # CenteredClip would skip it, but then its sender's report (NaN, Inf) fails every check: the
+            # part is left out instead, and a sender whose parts most reducers left out is banned
+            raise PeerProtocolError(f"sent a part with NaN, Inf or a norm of {norm:.3g}", peer=peer)
         self.part_statements[peer] = signed
         # raw float32 parts live on in the reducer's rows (kept for the round): no copy needed
         self.payloads[peer] = payload if self.codec is Codec.NONE else bytes(payload)
@@ -819,7 +826,10 @@ class VerifiedRound:
         }  # fmt: skip
 
     def _disputes_of(self, peer: str, body: ReportBody) -> set[int]:
-        """Parts `peer` disputes: never received, or aggregated without its part."""
+        """Parts `peer` disputes: never received, or aggregated without its part. A member most reducers
+        left out is banned for it and settles nothing (it could not take every aggregate from the others)."""
+        if self._left_out_by_most(peer, body):
+            return set()
         return self._undelivered_of(peer, body) | self._left_out_claims(peer, body)
 
     def _claimants(self, reports, claims) -> dict[int, set[str]]:
