@@ -39,7 +39,8 @@ class Behavior:
     def speaks(self, phase: str) -> bool:
         return True
 
-    def reported(self, s: float, norm: float) -> tuple[float, float]:
+    async def reported(self, vr: "VerifiedRound", part: int, s: float, norm: float) -> tuple[float, float]:
+        """The (s, ‖x − v‖) this member reports for its contribution to `part`."""
         return s, norm
 
     def wrap_reducer(self, reducer: Callable) -> Callable:
@@ -94,8 +95,20 @@ class FalseReport(Behavior):
 
     name = "false_report"
 
-    def reported(self, s, norm):
+    async def reported(self, vr, part, s, norm):
         return s + 0.5 * norm + 1.0, norm
+
+
+class CoverUp(WrongAggregate):
+    """As a reducer, shifts its aggregate (as wrong_aggregate) and covers it up with its report on its own
+    part, which only it holds: s chosen so that the fixed-point sum comes out 0. Only the validator, when
+    the public seed makes it this member's target, holds that part too."""
+
+    name = "cover_up"
+
+    async def reported(self, vr, part, s, norm):
+        counted = await vr.counted_projections() if part == vr.me else None
+        return (s, norm) if counted is None else (s - float(counted[0].sum()), norm)
 
 
 class FalseAccusation(Behavior):
@@ -185,6 +198,6 @@ class DeflateWeight(Behavior):
 PROTOCOL_ATTACKS: Registry[type[Behavior]] = Registry("protocol attack")
 for _cls in (
     WrongAggregate, Equivocate, FalseReport, FalseAccusation, WithholdReveal, BadCommitment, Silent, InflateWeight,
-    WithholdAggregate, FalseDispute, LeaveOut, DeflateWeight,
+    WithholdAggregate, FalseDispute, LeaveOut, DeflateWeight, CoverUp,
 ):  # fmt: skip
     PROTOCOL_ATTACKS.register(_cls.name, _cls)

@@ -133,10 +133,18 @@ class VoteList(WireModel):
 @dataclass
 class _Held:
     """What a reducer keeps of a round so judges can check accusations: each contributor's part bytes
-    (for raw float32 parts, the rows they were received into; no copy)."""
+    (for raw float32 parts, the rows they were received into; no copy); a validator also keeps every
+    part its target committed to (checked against the commitment), to show what its reports lied about."""
 
     part: int
     payloads: dict[str, bytes | memoryview]
+    target: str = ""
+    validated: dict[int, bytes | memoryview] = field(default_factory=dict)
+
+    def lookup(self, part: int, contributor: str) -> Optional[bytes | memoryview]:
+        if part == self.part and contributor in self.payloads:
+            return self.payloads[contributor]
+        return self.validated.get(part) if contributor == self.target else None
 
 
 @dataclass
@@ -169,6 +177,12 @@ class BtardService:
     def return_scratch(self, buf: torch.Tensor) -> None:
         self._scratch[tuple(buf.shape)] = buf
 
+    def hold_target(self, round_id: bytes, target: str, parts: dict[int, bytes | memoryview]) -> None:
+        """Keep a validator's copies of its target's parts with the round's evidence (held since the reveal)."""
+        held = self._held.get(round_id)
+        if held is not None:
+            held.target, held.validated = target, parts
+
     def hold(self, round_id: bytes, held: _Held) -> None:
         self._held[round_id] = held
         while len(self._held) > HELD_ROUNDS:
@@ -184,9 +198,10 @@ class BtardService:
     async def _serve_evidence(self, peer: str, header: bytes, payload) -> tuple[bytes, bytes]:
         request = unpack(header, EvidenceRequest, peer=peer)
         held = self._held.get(request.round_id)
-        if held is None or request.part != held.part or request.contributor not in held.payloads:
+        data = None if held is None else held.lookup(request.part, request.contributor)
+        if data is None:
             raise RoundAbortedError("no such evidence here")
-        return b"", held.payloads[request.contributor]
+        return b"", data
 
     async def _serve_relay(self, peer: str, header: bytes, payload) -> tuple[bytes, bytes | memoryview]:
         request = unpack(header, RelayRequest, peer=peer)
@@ -195,14 +210,17 @@ class BtardService:
             raise RoundAbortedError("round not open here")
         return await vr.relay_for(peer, request.part, request.payload)
 
-    async def fetch_part(self, reducer: str, round_id: bytes, part: int, contributor: str, max_bytes: int, timeout_s: float) -> bytes:
-        if reducer == self.transport.peer_id:
+    async def fetch_part(self, holder: str, round_id: bytes, part: int, contributor: str, max_bytes: int, timeout_s: float) -> bytes:
+        """`contributor`'s committed bytes of `part` from a member that holds them (its reducer, or the
+        validator that checked it)."""
+        if holder == self.transport.peer_id:
             held = self._held.get(round_id)
-            if held is None or contributor not in held.payloads:
+            data = None if held is None else held.lookup(part, contributor)
+            if data is None:
                 raise RoundAbortedError("evidence not held")
-            return held.payloads[contributor]
+            return data
         _, data = await self.transport.call(
-            reducer,
+            holder,
             EVIDENCE_METHOD,
             pack(EvidenceRequest(round_id=round_id, part=part, contributor=contributor)),
             max_reply_payload=max_bytes,
@@ -249,6 +267,7 @@ class VerifiedRound:
         self._reveal_task: Optional[asyncio.Task] = None
         self._seed: Optional[asyncio.Future] = None  # the public seed, once the reveal is done
         self._validating: Optional[asyncio.Task] = None  # starts with the seed, while the gather may still run
+        self._target_parts: dict[int, bytes | memoryview] = {}  # as validator: the target's committed parts
         self._verifying = False  # once verification began, the held parts stay for the judges
         self._landed: set[int] = set()  # parts whose aggregate arrived whole
         self._fallbacks: dict[int, asyncio.Future] = {}  # part -> its bytes from another member, or None: gave up
@@ -577,6 +596,10 @@ class VerifiedRound:
             self._row_diffs = self.service.scratch(*rows.shape)
             self._rows = asyncio.ensure_future(self._project(part, rows, value, self._row_diffs))
 
+    async def counted_projections(self) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+        """As a reducer, once the seed is public: (s, ‖x − v‖) of every part its aggregate counted."""
+        return None if self._rows is None else await asyncio.shield(self._rows)
+
     def _seed_future(self) -> asyncio.Future:
         if self._seed is None:
             self._seed = asyncio.get_running_loop().create_future()
@@ -652,6 +675,7 @@ class VerifiedRound:
             if truth is not None:
                 self._check_reports_as_reducer(reports, own_received, await truth)
             await validating
+            await self._check_target_reports(seed, output, reports)
         finally:
             validating.cancel()
             if truth is not None:
@@ -766,7 +790,7 @@ class VerifiedRound:
         done = {part: await task for part, task in self._own.items()}
         own = await asyncio.get_running_loop().run_in_executor(None, self._own_reports, seed, output, done)
         for part, s, norm in own:
-            s, norm = self.behavior.reported(s, norm)
+            s, norm = await self.behavior.reported(self, part, s, norm)
             entries.append(ReportEntry(part=part, aggregate=self.aggregates[part][1].hash, s=s, norm=norm))
         body = ReportBody(
             entries=entries,
@@ -900,6 +924,39 @@ class VerifiedRound:
                 Accusation(accused=victim, offense=Offense.FALSE_REPORT, part=part, evidence=[reports[victim][0]])
             )
 
+    async def _check_target_reports(self, seed, output, reports) -> None:
+        """A validator holds every part its target committed to, so it checks the target's reports too.
+        Nobody else could check what a reducer reports about its own part (it alone holds that part: one
+        made-up report can cancel a wrong aggregate in the fixed-point sum), or what a contributor reports
+        when its reducer covers for it."""
+        validator, target = self._validator_and_target(seed)
+        if validator != self.identity.peer_id or not self._target_parts or target not in reports:
+            return
+        signed, body = reports[target]
+        self.service.hold_target(self.round_id, target, self._target_parts)
+        lies = await asyncio.get_running_loop().run_in_executor(None, self._false_entries, seed, output, target, body)
+        for part in lies:
+            logger.info(f"round {self.round_id.hex()[:8]}: validated {target[-8:]} reported falsely on part {part}")
+            self.accusations.append(Accusation(accused=target, offense=Offense.FALSE_REPORT, part=part, evidence=[signed]))
+
+    def _false_entries(self, seed, output, target: str, body: ReportBody) -> list[int]:
+        """Parts whose aggregate counted `target` and that it reported on falsely (or not at all)."""
+        index, lies = self.members.index(target), []
+        for part in sorted(self._target_parts):
+            if part == self.me or index not in self.aggregates_contributors(part) or part not in self._landed:
+                continue  # our own part its reducer (we) checked already; parts we do not hold cannot be judged
+            if part in body.undelivered or part not in self.aggregates:
+                continue  # a dispute, judged as one
+            entry = next((e for e in body.entries if e.part == part), None)
+            if entry is not None and entry.aggregate != self.aggregates[part][1].hash:
+                continue  # it reported on another aggregate: its reducer equivocated (the echoes prove it)
+            a, b = self.bounds[part]
+            x = self._part_values(self._target_parts[part], part, target)
+            true = report(x, output[a:b], direction(seed, part, b - a), self.config.tau)
+            if entry is None or not report_matches((entry.s, entry.norm), true, self.config.tau):
+                lies.append(part)
+        return lies
+
     def _validator_and_target(self, seed: bytes) -> tuple[Optional[str], Optional[str]]:
         candidates = sorted(self.commits)
         if len(candidates) < 2 or self.config.validators < 1:
@@ -913,17 +970,23 @@ class VerifiedRound:
         if validator != self.identity.peer_id or self.recompute is None:
             return
         logger.debug(f"round {self.round_id.hex()[:8]}: validating {target[-8:]}")
-        if not await self._contribution_holds(target, self.recompute):
+        parts: dict[int, bytes | memoryview] = {}
+        if await self._contribution_holds(target, self.recompute, keep=parts):
+            self._target_parts = parts
+        else:
             self.accusations.append(Accusation(accused=target, offense=Offense.BAD_CONTRIBUTION, part=-1, evidence=[]))
 
-    async def _contribution_holds(self, target: str, recompute_fn: Recompute) -> bool:
-        """Recompute `target`'s gradient; parts whose hash differs are fetched and compared within tolerance."""
+    async def _contribution_holds(self, target: str, recompute_fn: Recompute, keep: Optional[dict] = None) -> bool:
+        """Recompute `target`'s gradient; parts whose hash differs are fetched and compared within tolerance.
+        `keep` collects the bytes the target committed to, part by part."""
         honest = (await recompute_fn(target)).detach().float().cpu()
         _, commit = self.commits[target]
         loop = asyncio.get_running_loop()
         for part, (a, b) in enumerate(self.bounds):
             mine = encode(honest[a:b], self.codec)
             if await loop.run_in_executor(None, part_hash, mine) == commit.parts[part]:
+                if keep is not None:
+                    keep[part] = mine
                 continue  # bit-identical recomputation
             try:
                 data = await self.service.fetch_part(
@@ -934,6 +997,8 @@ class VerifiedRound:
                 return False  # nobody can show the part the target committed to
             if part_hash(data) != commit.parts[part]:
                 return False
+            if keep is not None:
+                keep[part] = data
             theirs = self._part_values(data, part, target)
             expected = decode(bytearray(mine), self.codec, b - a)
             diff = float(torch.linalg.vector_norm((theirs - expected).double()))
@@ -1044,9 +1109,13 @@ class VerifiedRound:
         return parts
 
     async def _judge_false_report(self, seed, output, accuser, acc: Accusation, reports) -> Optional[tuple[float, float]]:
-        """The true report if `acc.accused` lied about part `acc.part`; None if the accusation is false."""
+        """The true report if `acc.accused` lied about part `acc.part`; None if the accusation is false.
+        Accusers are the part's reducer, and the round's validator about its target (with the report)."""
         part = acc.part
-        if part < 0 or part >= len(self.members) or self.members[part] != accuser or acc.accused not in self.commits:
+        if part < 0 or part >= len(self.members) or acc.accused not in self.commits:
+            return None
+        by_validator = (accuser, acc.accused) == self._validator_and_target(seed) and bool(acc.evidence)
+        if self.members[part] != accuser and not by_validator:
             return None
         entry = None
         if acc.evidence:  # the accused's signed report; without one, the accusation is that it never reported
