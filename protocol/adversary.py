@@ -43,6 +43,10 @@ class Behavior:
         """The (s, ‖x − v‖) this member reports for its contribution to `part`."""
         return s, norm
 
+    def reports_for(self, vr: "VerifiedRound", body) -> dict[str, bytes]:
+        """Members that get another signed report than `body` (peer ID -> packed statement)."""
+        return {}
+
     def wrap_reducer(self, reducer: Callable) -> Callable:
         return reducer
 
@@ -109,6 +113,19 @@ class CoverUp(WrongAggregate):
     async def reported(self, vr, part, s, norm):
         counted = await vr.counted_projections() if part == vr.me else None
         return (s, norm) if counted is None else (s - float(counted[0].sum()), norm)
+
+
+class EquivocateReport(Behavior):
+    """Sends its true report to one reducer and, to everyone else, a report that puts that reducer's
+    aggregate off its fixed point: the reducer sees nothing to accuse, the others see a wrong aggregate."""
+
+    name = "equivocate_report"
+
+    def reports_for(self, vr, body):
+        victim = (vr.me + 1) % len(vr.members)
+        entries = [e.model_copy(update={"s": e.s + 0.5 * e.norm + 1.0}) if e.part == victim else e for e in body.entries]
+        forged = pack(sign_statement(vr.identity, "report", vr.round_id, body.model_copy(update={"entries": entries})))
+        return {peer: forged for i, peer in enumerate(vr.members) if i not in (vr.me, victim)}
 
 
 class FalseAccusation(Behavior):
@@ -198,6 +215,6 @@ class DeflateWeight(Behavior):
 PROTOCOL_ATTACKS: Registry[type[Behavior]] = Registry("protocol attack")
 for _cls in (
     WrongAggregate, Equivocate, FalseReport, FalseAccusation, WithholdReveal, BadCommitment, Silent, InflateWeight,
-    WithholdAggregate, FalseDispute, LeaveOut, DeflateWeight, CoverUp,
+    WithholdAggregate, FalseDispute, LeaveOut, DeflateWeight, CoverUp, EquivocateReport,
 ):  # fmt: skip
     PROTOCOL_ATTACKS.register(_cls.name, _cls)

@@ -48,6 +48,8 @@ from security.commitments import (
     AggregateBody,
     CommitBody,
     PartBody,
+    ReportBody,
+    ReportEntry,
     members_digest,
     new_share,
     part_hash,
@@ -81,21 +83,6 @@ RELAY_AFTER = 0.25  # of a phase timeout after the first report: ask the others 
 Recompute = Callable[[str], Awaitable[torch.Tensor]]  # peer ID -> its honest flat gradient at this round's state
 
 
-class ReportEntry(WireModel):
-    part: Annotated[int, Field(ge=0, lt=256)]
-    aggregate: Annotated[bytes, Field(min_length=32, max_length=32)]  # hash of the aggregate v it was computed against
-    s: float  # ⟨z_part, clipped (x − v)⟩
-    norm: float  # ‖x − v‖
-
-
-class ReportBody(WireModel):
-    """Kind "report"."""
-
-    entries: Annotated[list[ReportEntry], Field(max_length=256)]
-    undelivered: Annotated[list[Annotated[int, Field(ge=0, lt=256)]], Field(max_length=256)] = []  # parts never received
-    left_out: Annotated[list[Annotated[int, Field(ge=0, lt=256)]], Field(max_length=256)] = []  # aggregates that did not count us
-
-
 class Accusation(WireModel):
     accused: PeerIdStr
     offense: Annotated[Offense, Field(strict=False)]  # sent as its string value
@@ -108,6 +95,7 @@ class AccuseBody(WireModel):
 
     accusations: Annotated[list[Accusation], Field(max_length=256)]
     suspects: bool = False  # this member saw something wrong (silence, a failed check): everyone votes
+    reports: Annotated[list[Signed], Field(max_length=256)] = []  # echo of the reports it judged by
 
 
 class EvidenceRequest(WireModel):
@@ -268,6 +256,7 @@ class VerifiedRound:
         self._seed: Optional[asyncio.Future] = None  # the public seed, once the reveal is done
         self._validating: Optional[asyncio.Task] = None  # starts with the seed, while the gather may still run
         self._target_parts: dict[int, bytes | memoryview] = {}  # as validator: the target's committed parts
+        self._equivocators: set[str] = set()  # members proven to have sent different reports
         self._verifying = False  # once verification began, the held parts stay for the judges
         self._landed: set[int] = set()  # parts whose aggregate arrived whole
         self._fallbacks: dict[int, asyncio.Future] = {}  # part -> its bytes from another member, or None: gave up
@@ -682,7 +671,8 @@ class VerifiedRound:
                 await asyncio.gather(truth, return_exceptions=True)  # never leave a thread reading the rows
         suspects = self._suspects_anything(seed, reports, output, revealed)
         t3 = time.monotonic()
-        accusations, anyone_suspects = await self._accuse(suspects)
+        accusations, anyone_suspects = await self._accuse(suspects, reports)
+        reports = {peer: r for peer, r in reports.items() if peer not in self._equivocators}
         logger.debug(
             f"round {self.round_id.hex()[:8]} verify: reveal {t1 - t0:.3f} s{' (started in the data phase)' if early else ''}, report {t2 - t1:.3f} s, "
             f"checks {t3 - t2:.3f} s, accuse {time.monotonic() - t3:.3f} s"
@@ -800,7 +790,7 @@ class VerifiedRound:
         mine_signed = sign_statement(self.identity, "report", self.round_id, body)
         received = await self.service.exchange.all_to_all(
             self.round_id, "report", pack(mine_signed), deadline=self._deadline(), send=self.behavior.speaks("report"),
-            expect=self.committed,
+            expect=self.committed, payload_for=self.behavior.reports_for(self, body),
         )
         reports = {}
         for peer, raw in received.items():
@@ -1006,10 +996,14 @@ class VerifiedRound:
                 return False
         return True
 
-    async def _accuse(self, suspects: bool) -> tuple[dict[str, list[Accusation]], bool]:
+    async def _accuse(self, suspects: bool, reports) -> tuple[dict[str, list[Accusation]], bool]:
+        """Exchange accusations, with an echo of every report judged by: a member that sent different
+        reports to different members (to get an honest reducer convicted by those that got the false one)
+        is proven to, and its reports count for nobody."""
         for accused, (offense, evidence) in self.proofs.items():
             self.accusations.append(Accusation(accused=accused, offense=offense, part=-1, evidence=evidence))
-        body = AccuseBody(accusations=self.accusations, suspects=suspects)
+        echo = [signed for signed, _ in reports.values()]
+        body = AccuseBody(accusations=self.accusations, suspects=suspects, reports=echo)
         mine = sign_statement(self.identity, "accuse", self.round_id, body)
         received = await self.service.exchange.all_to_all(
             self.round_id, "accuse", pack(mine), deadline=self._deadline(), expect=self.committed
@@ -1022,9 +1016,24 @@ class VerifiedRound:
                 _, body = open_statement(signed, AccuseBody, kind="accuse", round_id=self.round_id, sender=peer)
                 out[peer] = list(body.accusations)
                 anyone_suspects = anyone_suspects or body.suspects
+                self._compare_reports(body.reports, reports)
             except PeerProtocolError:
                 anyone_suspects = True
-        return out, anyone_suspects
+        return out, anyone_suspects or bool(self._equivocators)
+
+    def _compare_reports(self, echoed: list[Signed], reports) -> None:
+        for signed in echoed:
+            try:
+                statement = unpack(signed.statement, Statement)
+            except PeerProtocolError:
+                continue
+            mine = reports.get(statement.sender)
+            if mine is None or mine[0].statement == signed.statement:
+                continue
+            evidence = [mine[0], signed]
+            if check_self_contained(Offense.EQUIVOCATION, statement.sender, self.round_id, evidence):
+                self._equivocators.add(statement.sender)
+                self._prove(statement.sender, Offense.EQUIVOCATION, evidence)
 
     async def _judge(self, seed, reports, output, accusations, revealed) -> Verdict:
         guilty: dict[str, tuple[Offense, list[Signed]]] = {}
@@ -1104,7 +1113,7 @@ class VerifiedRound:
                 statement, body = open_statement(signed, ReportBody, kind="report", round_id=self.round_id)
             except PeerProtocolError:
                 continue
-            if statement.sender in self.commits:
+            if statement.sender in self.commits and statement.sender not in self._equivocators:
                 parts |= self._disputes_of(statement.sender, body)
         return parts
 

@@ -116,9 +116,11 @@ class ExchangeService:
         deadline: float,
         send: bool = True,
         expect: Optional[set[str]] = None,
+        payload_for: Optional[dict[str, bytes]] = None,
     ) -> dict[str, bytes]:
         """Send `payload` to every other member (unless `send` is False) and collect theirs until every
-        member (or every peer in `expect`) answered or `deadline` (time.monotonic()) passed."""
+        member (or every peer in `expect`) answered or `deadline` (time.monotonic()) passed.
+        `payload_for` sends some members another payload (attacks, for tests)."""
         box = self._rounds.get(round_id)
         if box is None:
             raise RoundAbortedError("round is not open for exchange")
@@ -130,7 +132,8 @@ class ExchangeService:
         async def send_one(peer: str) -> None:
             timeout = max(deadline - time.monotonic(), 0.1)
             try:
-                await self.transport.call(peer, EXCHANGE_METHOD, header, payload, max_reply_payload=0, timeout_s=timeout)
+                data = payload if payload_for is None else payload_for.get(peer, payload)
+                await self.transport.call(peer, EXCHANGE_METHOD, header, data, max_reply_payload=0, timeout_s=timeout)
             except (CallFailed, PeerProtocolError) as e:
                 logger.debug(f"{phase} to {peer[-8:]} failed: {e}")
 

@@ -81,6 +81,25 @@ class AggregateBody(WireModel):
         return all(a < b for a, b in zip(c, c[1:])) and (not c or c[-1] < members) and self.part in c
 
 
+PartIndex = Annotated[int, Field(ge=0, lt=MAX_MEMBERS)]
+
+
+class ReportEntry(WireModel):
+    part: PartIndex
+    aggregate: Hash  # hash of the aggregate v it was computed against
+    s: float  # ⟨z_part, clipped (x − v)⟩
+    norm: float  # ‖x − v‖
+
+
+class ReportBody(WireModel):
+    """Kind "report": a member's projections of its part against every aggregate that counted it, and
+    the parts it disputes. Sent to every member; two different ones from one member prove equivocation."""
+
+    entries: Annotated[list[ReportEntry], Field(max_length=MAX_MEMBERS)]
+    undelivered: Annotated[list[PartIndex], Field(max_length=MAX_MEMBERS)] = []  # parts never received
+    left_out: Annotated[list[PartIndex], Field(max_length=MAX_MEMBERS)] = []  # aggregates that did not count us
+
+
 def new_share() -> bytes:
     return secrets.token_bytes(HASH_BYTES)
 

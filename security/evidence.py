@@ -23,7 +23,7 @@ from typing import Annotated, Optional
 from pydantic import Field
 
 from aggregation.errors import PeerProtocolError
-from security.commitments import AggregateBody, CommitBody, GroupBody, PartBody, share_commitment
+from security.commitments import AggregateBody, CommitBody, GroupBody, PartBody, ReportBody, share_commitment
 from security.statements import Signed, open_statement
 from security.wire import PeerIdStr, WireModel
 
@@ -32,7 +32,7 @@ MAX_EVIDENCE = 4
 
 class Offense(str, enum.Enum):
     BAD_COMMITMENT = "bad_commitment"  # signed part hash differs from the signed commitment
-    EQUIVOCATION = "equivocation"  # two different signed commitments or aggregates for one slot
+    EQUIVOCATION = "equivocation"  # two different signed commitments, aggregates or reports for one slot
     INFLATED_WEIGHT = "inflated_weight"  # a signed part claims a weight other than 1 (verified rounds count everyone once)
     BAD_REVEAL = "bad_reveal"  # the revealed share does not open the MPRNG commitment
     FALSE_REPORT = "false_report"  # projection report differs from the committed data
@@ -86,13 +86,13 @@ def check_self_contained(offense: Offense, accused: str, round_id: bytes, eviden
             _, reveal = open_statement(evidence[1], RevealBody, kind="reveal", round_id=round_id, sender=accused)
             return share_commitment(round_id, accused, reveal.share) != commit.mprng
         if offense is Offense.EQUIVOCATION and len(evidence) == 2:
-            for kind, model in (("commit", CommitBody), ("aggregate", AggregateBody)):
+            for kind, model in (("commit", CommitBody), ("aggregate", AggregateBody), ("report", ReportBody)):
                 try:
                     _, a = open_statement(evidence[0], model, kind=kind, round_id=round_id, sender=accused)
                     _, b = open_statement(evidence[1], model, kind=kind, round_id=round_id, sender=accused)
                 except PeerProtocolError:
                     continue
-                same_slot = kind == "commit" or a.part == b.part
+                same_slot = kind != "aggregate" or a.part == b.part
                 return same_slot and a != b
     except PeerProtocolError:
         return False
