@@ -1047,7 +1047,13 @@ class VerifiedRound:
         for accused, (offense, evidence) in self.proofs.items():  # provable offenses first
             convict(accused, offense, evidence)
         for accuser, items in accusations.items():
+            judged: set[tuple[str, Offense, int]] = set()
             for acc in items:
+                # judging may fetch a part per accusation: an accuser found false once, or repeating
+                # itself, gets no more of our downloads
+                if accuser in guilty or (acc.accused, acc.offense, acc.part) in judged:
+                    continue
+                judged.add((acc.accused, acc.offense, acc.part))
                 if acc.offense.self_contained:
                     if check_self_contained(acc.offense, acc.accused, self.round_id, list(acc.evidence)):
                         convict(acc.accused, acc.offense, list(acc.evidence))

@@ -691,3 +691,36 @@ def test_banned_peer_is_refused_by_matchmaking_and_handlers():
                 await close_peer(newcomer)
 
     asyncio.run(main())
+
+
+def test_a_false_accuser_gets_judged_once(monkeypatch):
+    """Judging a report accusation downloads the part: an accuser found false once (or one that repeats
+    itself) costs the judges no more downloads, however many accusations it sends."""
+    from protocol.btard import BtardService
+
+    class Flood(Behavior):
+        name = "flood"
+
+        def false_accusations(self, vr, reports):
+            return sorted(p for p in reports if p != vr.identity.peer_id) * 50
+
+    fetches = []
+    fetch = BtardService.fetch_part
+
+    async def counting(self, holder, *args, **kwargs):
+        fetches.append((self.transport.peer_id, holder))
+        return await fetch(self, holder, *args, **kwargs)
+
+    monkeypatch.setattr(BtardService, "fetch_part", counting)
+
+    async def main():
+        async with open_swarm(4, CONFIG, behaviors=[None, None, None, Flood()]) as peers:
+            attacker = peers[3].peer_id
+            outcomes = await _round(peers, _inputs(4))
+            for outcome in outcomes[:3]:
+                assert outcome.verdict.banned == {attacker}
+            # each honest judge fetched once from the accuser; the other 149 accusations cost nothing
+            honest = sorted((judge, holder) for judge, holder in fetches if judge != attacker)
+            assert honest == sorted((p.peer_id, attacker) for p in peers[:3])
+
+    asyncio.run(main())
