@@ -7,7 +7,7 @@ attacks (what a member contributes) live with the trainer in peer/attacks.py.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, Optional
 
 import torch
 
@@ -43,8 +43,8 @@ class Behavior:
         """The (s, ‖x − v‖) this member reports for its contribution to `part`."""
         return s, norm
 
-    def reports_for(self, vr: "VerifiedRound", body) -> dict[str, bytes]:
-        """Members that get another signed report than `body` (peer ID -> packed statement)."""
+    def reports_for(self, vr: "VerifiedRound", body) -> dict[str, Optional[bytes]]:
+        """Members that get another signed report than `body` (peer ID -> packed statement, or None: none)."""
         return {}
 
     def wrap_reducer(self, reducer: Callable) -> Callable:
@@ -126,6 +126,16 @@ class EquivocateReport(Behavior):
         entries = [e.model_copy(update={"s": e.s + 0.5 * e.norm + 1.0}) if e.part == victim else e for e in body.entries]
         forged = pack(sign_statement(vr.identity, "report", vr.round_id, body.model_copy(update={"entries": entries})))
         return {peer: forged for i, peer in enumerate(vr.members) if i not in (vr.me, victim)}
+
+
+class WithholdReport(Behavior):
+    """Sends its report to everyone but one reducer, which must then accuse it of not reporting while
+    the others hold the report (to get that reducer convicted of a false accusation)."""
+
+    name = "withhold_report"
+
+    def reports_for(self, vr, body):
+        return {vr.members[(vr.me + 1) % len(vr.members)]: None}
 
 
 class FalseAccusation(Behavior):
@@ -215,6 +225,6 @@ class DeflateWeight(Behavior):
 PROTOCOL_ATTACKS: Registry[type[Behavior]] = Registry("protocol attack")
 for _cls in (
     WrongAggregate, Equivocate, FalseReport, FalseAccusation, WithholdReveal, BadCommitment, Silent, InflateWeight,
-    WithholdAggregate, FalseDispute, LeaveOut, DeflateWeight, CoverUp, EquivocateReport,
+    WithholdAggregate, FalseDispute, LeaveOut, DeflateWeight, CoverUp, EquivocateReport, WithholdReport,
 ):  # fmt: skip
     PROTOCOL_ATTACKS.register(_cls.name, _cls)

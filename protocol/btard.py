@@ -81,6 +81,7 @@ HELD_ROUNDS = 8
 BYTES_PATIENCE = 0.75  # of a phase timeout: how long a member waits for aggregates once reports began
 RELAY_AFTER = 0.25  # of a phase timeout after the first report: ask the others for aggregates still missing
 Recompute = Callable[[str], Awaitable[torch.Tensor]]  # peer ID -> its honest flat gradient at this round's state
+DISMISSED = "dismissed"  # an accusation made in good faith that turned out unfounded: nobody is convicted
 
 
 class Accusation(WireModel):
@@ -1006,7 +1007,8 @@ class VerifiedRound:
         body = AccuseBody(accusations=self.accusations, suspects=suspects, reports=echo)
         mine = sign_statement(self.identity, "accuse", self.round_id, body)
         received = await self.service.exchange.all_to_all(
-            self.round_id, "accuse", pack(mine), deadline=self._deadline(), expect=self.committed
+            self.round_id, "accuse", pack(mine), deadline=self._deadline(), expect=self.committed,
+            send=self.behavior.speaks("accuse"),
         )
         out: dict[str, list[Accusation]] = {}
         anyone_suspects = len(received) < len(self.committed)  # a silent member is itself a reason to vote
@@ -1022,18 +1024,22 @@ class VerifiedRound:
         return out, anyone_suspects or bool(self._equivocators)
 
     def _compare_reports(self, echoed: list[Signed], reports) -> None:
+        """Take the echoed reports we lack (a member that kept its report from some members must not split
+        their verdicts), and prove equivocation where an echo differs from the report we got."""
         for signed in echoed:
             try:
-                statement = unpack(signed.statement, Statement)
+                sender = unpack(signed.statement, Statement).sender
+                if sender not in self.commits:
+                    continue
+                _, body = open_statement(signed, ReportBody, kind="report", round_id=self.round_id, sender=sender)
             except PeerProtocolError:
                 continue
-            mine = reports.get(statement.sender)
-            if mine is None or mine[0].statement == signed.statement:
-                continue
-            evidence = [mine[0], signed]
-            if check_self_contained(Offense.EQUIVOCATION, statement.sender, self.round_id, evidence):
-                self._equivocators.add(statement.sender)
-                self._prove(statement.sender, Offense.EQUIVOCATION, evidence)
+            mine = reports.get(sender)
+            if mine is None:
+                reports[sender] = (signed, body)
+            elif mine[0].statement != signed.statement:
+                self._equivocators.add(sender)
+                self._prove(sender, Offense.EQUIVOCATION, [mine[0], signed])
 
     async def _judge(self, seed, reports, output, accusations, revealed) -> Verdict:
         guilty: dict[str, tuple[Offense, list[Signed]]] = {}
@@ -1061,6 +1067,8 @@ class VerifiedRound:
                         convict(accuser, Offense.FALSE_ACCUSATION, [self.group_statement])
                 elif acc.offense is Offense.FALSE_REPORT:
                     verdict = await self._judge_false_report(seed, output, accuser, acc, reports)
+                    if verdict == DISMISSED:
+                        continue
                     if verdict is None:
                         convict(accuser, Offense.FALSE_ACCUSATION, [self.group_statement])
                     else:
@@ -1123,8 +1131,10 @@ class VerifiedRound:
                 parts |= self._disputes_of(statement.sender, body)
         return parts
 
-    async def _judge_false_report(self, seed, output, accuser, acc: Accusation, reports) -> Optional[tuple[float, float]]:
-        """The true report if `acc.accused` lied about part `acc.part`; None if the accusation is false.
+    async def _judge_false_report(self, seed, output, accuser, acc: Accusation, reports):
+        """The true report if `acc.accused` lied about part `acc.part`; None if the accusation is false;
+        DISMISSED if it says the accused never reported while we hold a true report of it (it kept
+        its report from the accuser alone, which cannot be proven either way).
         Accusers are the part's reducer, and the round's validator about its target (with the report)."""
         part = acc.part
         if part < 0 or part >= len(self.members) or acc.accused not in self.commits:
@@ -1132,19 +1142,16 @@ class VerifiedRound:
         by_validator = (accuser, acc.accused) == self._validator_and_target(seed) and bool(acc.evidence)
         if self.members[part] != accuser and not by_validator:
             return None
-        entry = None
-        if acc.evidence:  # the accused's signed report; without one, the accusation is that it never reported
+        entry, unreported = None, not acc.evidence and acc.accused in reports
+        if acc.evidence or unreported:  # the accused's signed report, or (it never reported to the accuser) ours
             try:
-                _, claimed = open_statement(
-                    acc.evidence[0], ReportBody, kind="report", round_id=self.round_id, sender=acc.accused
-                )
+                signed = acc.evidence[0] if acc.evidence else reports[acc.accused][0]
+                _, claimed = open_statement(signed, ReportBody, kind="report", round_id=self.round_id, sender=acc.accused)
             except PeerProtocolError:
                 return None
             if part in claimed.undelivered:
-                return None  # it said the aggregate never reached it: a dispute, not a lie about a report
+                return DISMISSED if unreported else None  # a dispute, not a lie about a report
             entry = next((e for e in claimed.entries if e.part == part), None)
-        elif acc.accused in reports:
-            return None  # we did get its report: judge by that one
         a, b = self.bounds[part]
         try:
             data = await self.service.fetch_part(
@@ -1163,7 +1170,7 @@ class VerifiedRound:
         x = self._part_values(data, part, acc.accused)
         true = report(x, output[a:b], direction(seed, part, b - a), self.config.tau)
         if entry is not None and report_matches((entry.s, entry.norm), true, self.config.tau):
-            return None
+            return DISMISSED if unreported else None
         return true
 
     def _check_aggregates(self, seed, reports, output, corrected, guilty, convict) -> set[int]:

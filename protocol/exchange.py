@@ -116,11 +116,11 @@ class ExchangeService:
         deadline: float,
         send: bool = True,
         expect: Optional[set[str]] = None,
-        payload_for: Optional[dict[str, bytes]] = None,
+        payload_for: Optional[dict[str, Optional[bytes]]] = None,
     ) -> dict[str, bytes]:
         """Send `payload` to every other member (unless `send` is False) and collect theirs until every
         member (or every peer in `expect`) answered or `deadline` (time.monotonic()) passed.
-        `payload_for` sends some members another payload (attacks, for tests)."""
+        `payload_for` sends some members another payload, or None: nothing (attacks, for tests)."""
         box = self._rounds.get(round_id)
         if box is None:
             raise RoundAbortedError("round is not open for exchange")
@@ -133,6 +133,8 @@ class ExchangeService:
             timeout = max(deadline - time.monotonic(), 0.1)
             try:
                 data = payload if payload_for is None else payload_for.get(peer, payload)
+                if data is None:
+                    return
                 await self.transport.call(peer, EXCHANGE_METHOD, header, data, max_reply_payload=0, timeout_s=timeout)
             except (CallFailed, PeerProtocolError) as e:
                 logger.debug(f"{phase} to {peer[-8:]} failed: {e}")

@@ -150,8 +150,9 @@ def test_wrong_aggregate_is_caught_through_fp16_rounding():
     asyncio.run(main())
 
 
-# cover_up is caught only in rounds where the public seed makes the attacker the validator's target
-ONE_ROUND_ATTACKS = sorted(set(PROTOCOL_ATTACKS) - {"cover_up"})
+# cover_up is caught only in rounds where the public seed makes the attacker the validator's target;
+# withhold_report gets nobody banned (who is lying cannot be proven) and changes nothing
+ONE_ROUND_ATTACKS = sorted(set(PROTOCOL_ATTACKS) - {"cover_up", "withhold_report"})
 
 
 @pytest.mark.parametrize("attack", ONE_ROUND_ATTACKS)
@@ -592,11 +593,11 @@ def test_an_aggregate_that_cannot_be_checked_is_not_applied(monkeypatch):
     from protocol.adversary import WrongAggregate
     from protocol.btard import VerifiedRound
 
-    class Mute(Behavior):  # commits, sends its parts, reveals, then never reports
+    class Mute(Behavior):  # commits, sends its parts, reveals, then says nothing more
         name = "mute"
 
         def speaks(self, phase):
-            return phase != "report"
+            return phase not in ("report", "accuse")
 
     reducer_checks = VerifiedRound._check_reports_as_reducer
     colluder = WrongAggregate()
@@ -722,5 +723,23 @@ def test_a_false_accuser_gets_judged_once(monkeypatch):
             # each honest judge fetched once from the accuser; the other 149 accusations cost nothing
             honest = sorted((judge, holder) for judge, holder in fetches if judge != attacker)
             assert honest == sorted((p.peer_id, attacker) for p in peers[:3])
+
+    asyncio.run(main())
+
+
+def test_a_report_kept_from_one_reducer_gets_nobody_banned_and_changes_nothing():
+    """A member that sends its report to everyone but one reducer makes that reducer accuse it of not
+    reporting while the others hold the report: unprovable either way, so the accusation is dismissed;
+    everyone takes the report from the echoes and applies the same aggregates."""
+
+    async def main():
+        async with open_swarm(4, CONFIG, behaviors=[None, None, None, PROTOCOL_ATTACKS["withhold_report"]()]) as peers:
+            outcomes = await _round(peers, _inputs(4))
+            for outcome in outcomes:
+                assert isinstance(outcome, Averaged), outcome
+                assert outcome.verdict.banned == set() and outcome.verdict.bad_parts == set()
+                assert outcome.verdict.accusations >= 1  # the reducer did accuse
+                assert torch.equal(outcome.result.vector, outcomes[0].result.vector)
+            assert all(not p.membership.banned for p in peers)
 
     asyncio.run(main())
