@@ -127,6 +127,7 @@ class _Held:
 
     part: int
     payloads: dict[str, bytes | memoryview]
+    members: frozenset[str] = frozenset()  # who may ask for them: the round's judges
     target: str = ""
     validated: dict[int, bytes | memoryview] = field(default_factory=dict)
 
@@ -187,6 +188,8 @@ class BtardService:
     async def _serve_evidence(self, peer: str, header: bytes, payload) -> tuple[bytes, bytes]:
         request = unpack(header, EvidenceRequest, peer=peer)
         held = self._held.get(request.round_id)
+        if held is not None and peer not in held.members:
+            raise PeerProtocolError("asked for the evidence of a round it was not in", peer=peer)
         data = None if held is None else held.lookup(request.part, request.contributor)
         if data is None:
             raise RoundAbortedError("no such evidence here")
@@ -360,7 +363,7 @@ class VerifiedRound:
         body = AggregateBody(part=part, hash=part_hash(payload), contributors=list(contributors))
         signed = sign_statement(self.identity, "aggregate", self.round_id, body)
         # held from now on: a validator may fetch a part as soon as the seed is public
-        self.service.hold(self.round_id, _Held(part, dict(self.payloads)))
+        self.service.hold(self.round_id, _Held(part, dict(self.payloads), frozenset(self.members)))
         self._record_aggregate(part, signed, body)
         self._patience.append(asyncio.ensure_future(self._stop_waiting_for_bytes()))
         return pack(signed)
@@ -646,7 +649,7 @@ class VerifiedRound:
     async def _verify(self, output, own_rows, own_received) -> Verdict:
         self._verifying = True
         if not self.service.holds(self.round_id):  # a round where this member reduced nothing
-            self.service.hold(self.round_id, _Held(self.me, dict(self.payloads)))
+            self.service.hold(self.round_id, _Held(self.me, dict(self.payloads), frozenset(self.members)))
         t0 = time.monotonic()
         early = self._reveal_task is not None
         if self._reveal_task is None:  # some reducer's statement never came: reveal now

@@ -743,3 +743,34 @@ def test_a_report_kept_from_one_reducer_gets_nobody_banned_and_changes_nothing()
             assert all(not p.membership.banned for p in peers)
 
     asyncio.run(main())
+
+
+def test_held_parts_are_served_to_the_rounds_members_only():
+    """The parts a reducer keeps as evidence are the contributors' gradients: a peer that was not in the
+    round cannot download them (a member can, to judge)."""
+    from protocol.btard import EVIDENCE_METHOD, EvidenceRequest
+    from protocol.transport import CallFailed
+    from security.wire import pack
+
+    async def main():
+        async with open_swarm(4, CONFIG, behaviors=[None, None, None, PROTOCOL_ATTACKS["wrong_aggregate"]()]) as peers:
+            outcomes = await _round(peers, _inputs(4))
+            group = outcomes[0].group
+            reducer, contributor = peers[0], peers[1]
+            assert reducer.engine.btard.holds(group.round_id)  # a contested round: kept for the judges
+            part = group.members.index(reducer.peer_id)
+            request = pack(EvidenceRequest(round_id=group.round_id, part=part, contributor=contributor.peer_id))
+
+            async def ask(peer):
+                return await peer.transport.call(reducer.peer_id, EVIDENCE_METHOD, request, b"", max_reply_payload=1 << 20, timeout_s=10)
+
+            _, data = await ask(contributor)
+            assert len(data) == 4 * (NUMEL // 4)
+            outsider = await open_peer([str(m) for m in reducer.dht.get_visible_maddrs()], CONFIG)
+            try:
+                with pytest.raises(CallFailed, match="not in"):
+                    await ask(outsider)
+            finally:
+                await close_peer(outsider)
+
+    asyncio.run(main())
