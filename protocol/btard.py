@@ -1032,15 +1032,15 @@ class VerifiedRound:
         for signed in echoed:
             try:
                 sender = unpack(signed.statement, Statement).sender
-                if sender not in self.commits:
-                    continue
+                mine = reports.get(sender)
+                if sender not in self.commits or (mine is not None and mine[0].statement == signed.statement):
+                    continue  # the same report: nothing to check (n² of these per round, no signature to verify)
                 _, body = open_statement(signed, ReportBody, kind="report", round_id=self.round_id, sender=sender)
             except PeerProtocolError:
                 continue
-            mine = reports.get(sender)
             if mine is None:
                 reports[sender] = (signed, body)
-            elif mine[0].statement != signed.statement:
+            else:
                 self._equivocators.add(sender)
                 self._prove(sender, Offense.EQUIVOCATION, [mine[0], signed])
 

@@ -9,9 +9,9 @@ import pytest
 from peer.swarm import Swarm
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
-STEPS = 150
+STEPS = 300  # near the plateau: the final accuracy of one run varies by about a point with the public seeds
 ARGS = [
-    "--steps", str(STEPS), "--eval-every", "50", "--aggregator", "centered_clip", "--tau", "1",
+    "--steps", str(STEPS), "--eval-every", "100", "--aggregator", "centered_clip", "--tau", "1",
     "--verify", "--phase-timeout-s", "3",
 ]  # fmt: skip
 MIXES = {
