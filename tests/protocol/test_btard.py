@@ -753,7 +753,8 @@ def test_held_parts_are_served_to_the_rounds_members_only():
     from security.wire import pack
 
     async def main():
-        async with open_swarm(4, CONFIG, behaviors=[None, None, None, PROTOCOL_ATTACKS["wrong_aggregate"]()]) as peers:
+        # a contested round (the weight is proof on sight), so that the parts are kept for the judges
+        async with open_swarm(4, CONFIG, behaviors=[None, None, None, PROTOCOL_ATTACKS["inflate_weight"]()]) as peers:
             outcomes = await _round(peers, _inputs(4))
             group = outcomes[0].group
             reducer, contributor = peers[0], peers[1]
