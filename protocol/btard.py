@@ -127,7 +127,7 @@ class _Held:
 
     part: int
     payloads: dict[str, bytes | memoryview]
-    members: frozenset[str] = frozenset()  # who may ask for them: the round's judges
+    members: frozenset[str]  # who may ask for them: the round's judges
     target: str = ""
     validated: dict[int, bytes | memoryview] = field(default_factory=dict)
 
@@ -944,12 +944,16 @@ class VerifiedRound:
             entry = next((e for e in body.entries if e.part == part), None)
             if entry is not None and entry.aggregate != self.aggregates[part][1].hash:
                 continue  # it reported on another aggregate: its reducer equivocated (the echoes prove it)
-            a, b = self.bounds[part]
-            x = self._part_values(self._target_parts[part], part, target)
-            true = report(x, output[a:b], direction(seed, part, b - a), self.config.tau)
+            true = self._true_report(seed, output, part, target, self._target_parts[part])
             if entry is None or not report_matches((entry.s, entry.norm), true, self.config.tau):
                 lies.append(part)
         return lies
+
+    def _true_report(self, seed, output, part: int, contributor: str, data: bytes | memoryview) -> tuple[float, float]:
+        """What `contributor` should have reported on `part`, from the bytes it committed to."""
+        a, b = self.bounds[part]
+        x = self._part_values(data, part, contributor)
+        return report(x, output[a:b], direction(seed, part, b - a), self.config.tau)
 
     def _validator_and_target(self, seed: bytes) -> tuple[Optional[str], Optional[str]]:
         candidates = sorted(self.commits)
@@ -1170,8 +1174,7 @@ class VerifiedRound:
             if entry.aggregate in self.signed_aggregates.get(part, {}):
                 return None  # the reducer signed another aggregate for it: the reducer equivocated, not the reporter
             entry = None  # a report against an aggregate nobody signed is no report
-        x = self._part_values(data, part, acc.accused)
-        true = report(x, output[a:b], direction(seed, part, b - a), self.config.tau)
+        true = self._true_report(seed, output, part, acc.accused, data)
         if entry is not None and report_matches((entry.s, entry.norm), true, self.config.tau):
             return DISMISSED if unreported else None
         return true
