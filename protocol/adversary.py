@@ -17,7 +17,7 @@ from security.statements import sign_statement
 from security.wire import pack, unpack
 
 if TYPE_CHECKING:
-    from protocol.btard import VerifiedRound
+    from protocol.btard.round import VerifiedRound
 
 
 class Behavior:
@@ -113,7 +113,7 @@ class CoverUp(WrongAggregate):
     name = "cover_up"
 
     async def reported(self, vr, part, s, norm):
-        counted = await vr.counted_projections() if part == vr.me else None
+        counted = await vr.reporter.counted_projections() if part == vr.me else None
         return (s, norm) if counted is None else (s - float(counted[0].sum()), norm)
 
 

@@ -73,7 +73,7 @@ def test_no_member_reveals_before_it_holds_every_aggregate_statement(monkeypatch
     reveal = VerifiedRound._reveal
 
     async def recording(self):
-        bound = self._expected is not None and self._expected <= set(self.aggregates)
+        bound = self.expected is not None and self.expected <= set(self.aggregates)
         seen.append((self.identity.peer_id, bound, self.service.holds(self.round_id)))
         return await reveal(self)
 
@@ -183,13 +183,13 @@ def test_validator_checks_its_target_while_the_gather_runs(monkeypatch):
     """The validator starts as soon as the seed is public (mid-gather): a recomputation that is not
     bit-identical fetches the target's parts from reducers, who hold them from the moment they signed
     their aggregate; an honest target passes, a target that sent another gradient is banned."""
-    from protocol.btard import VerifiedRound
+    from protocol.btard.validator import Validator
 
     async def main():
         async with open_swarm(4, CONFIG) as peers:
             ids = [p.peer_id for p in peers]
             target = [ids[1]]
-            monkeypatch.setattr(VerifiedRound, "_validator_and_target", lambda self, seed: (ids[0], target[0]))
+            monkeypatch.setattr(Validator, "choice", lambda self, seed: (ids[0], target[0]))
             numel = 2_000_000  # 2 MB parts: the aggregates take the direct path, so the seed is out before they land
             xs = [torch.randn(numel, generator=torch.Generator().manual_seed(i)) for i in range(4)]
             honest = {p: x for p, x in zip(ids, xs)}
@@ -218,14 +218,14 @@ def test_a_reducer_covering_up_its_aggregate_with_its_own_report_is_caught_by_th
     """Only a reducer holds its own part, so its report on it is checked by nobody but the validator that
     targets it: a shifted aggregate covered up by that report passes the fixed-point check, and the
     validator (who holds the target's committed parts) proves the lie."""
-    from protocol.btard import VerifiedRound
+    from protocol.btard.validator import Validator
 
     async def main():
         behaviors = [None, None, None, PROTOCOL_ATTACKS["cover_up"]()]
         async with open_swarm(4, CONFIG, behaviors=behaviors) as peers:
             ids = [p.peer_id for p in peers]
             target = [ids[1]]
-            monkeypatch.setattr(VerifiedRound, "_validator_and_target", lambda self, seed: (ids[0], target[0]))
+            monkeypatch.setattr(Validator, "choice", lambda self, seed: (ids[0], target[0]))
             xs = _inputs(4)
             committed = dict(zip(ids, xs))
             noise = 1.0 if recomputation == "bit-identical" else 1 + 1e-7
@@ -391,19 +391,19 @@ def test_a_member_that_relays_wrong_bytes_or_stalls_is_passed_over(monkeypatch, 
     """The victim asks the other members for a refused aggregate; the first to answer sends bytes
     other than those the reducer signed, or stalls them past everyone's patience. The victim takes
     the aggregate from the next one in time (a stalling relay would otherwise get it banned)."""
-    from protocol.btard import VerifiedRound
+    from protocol.btard.relay import AggregateRelay
 
     HoldBack = _holding_back(monkeypatch, "refused")
     victims: set[str] = set()
     liar: list[str] = []
     lied = asyncio.Event()
-    relay_for = VerifiedRound.relay_for
+    serve = AggregateRelay.serve
 
     async def lying_relay_for(self, peer, part, payload):
-        if self.identity.peer_id != liar[0]:
+        if self.vr.identity.peer_id != liar[0]:
             await asyncio.wait_for(lied.wait(), timeout=20.0)  # the liar answers first
-            return await relay_for(self, peer, part, payload)
-        header, data = await relay_for(self, peer, part, payload)
+            return await serve(self, peer, part, payload)
+        header, data = await serve(self, peer, part, payload)
         if payload:
             lied.set()
             if lie == "stall":
@@ -412,7 +412,7 @@ def test_a_member_that_relays_wrong_bytes_or_stalls_is_passed_over(monkeypatch, 
             data[100] ^= 1
         return header, data
 
-    monkeypatch.setattr(VerifiedRound, "relay_for", lying_relay_for)
+    monkeypatch.setattr(AggregateRelay, "serve", lying_relay_for)
 
     async def main():
         lied.__init__()  # bound to this test's event loop
@@ -430,7 +430,7 @@ def test_a_member_gets_no_more_relayed_aggregates_than_an_honest_one_needs():
     """Fewer than half the reducers can fail an honest member, so a member serves any one requester
     at most ⌊(n − 1)/2⌋ relayed aggregates a round (else one member could double another's upload),
     and never the requester's own or the server's own part."""
-    from protocol.btard import RELAY_METHOD, RelayRequest
+    from protocol.btard.messages import RELAY_METHOD, RelayRequest
     from protocol.transport import CallFailed
     from security.commitments import part_hash
     from security.wire import pack
@@ -439,10 +439,10 @@ def test_a_member_gets_no_more_relayed_aggregates_than_an_honest_one_needs():
         async with open_swarm(4, CONFIG) as peers:
             server, asker = peers[0], peers[1]
             rounds = asyncio.ensure_future(_round(peers, _inputs(4)))
-            while not server.engine.btard._open or asker.peer_id not in next(iter(server.engine.btard._open.values())).commits:
+            while not server.engine.btard.open or asker.peer_id not in next(iter(server.engine.btard.open.values())).commits:
                 assert not rounds.done(), "the round ended before the server collected the commitments"
                 await asyncio.sleep(0.01)  # until the server's round is open and has the asker's commitment
-            vr = next(iter(server.engine.btard._open.values()))
+            vr = next(iter(server.engine.btard.open.values()))
             others = [i for i, p in enumerate(vr.members) if p not in (server.peer_id, asker.peer_id)]
 
             async def ask(part):
@@ -591,7 +591,7 @@ def test_an_aggregate_that_cannot_be_checked_is_not_applied(monkeypatch):
     """A wrong aggregate passes no check if one of its contributors withholds its report and the reducer,
     which alone holds that contributor's part, does not show the true one: it must not be applied."""
     from protocol.adversary import WrongAggregate
-    from protocol.btard import VerifiedRound
+    from protocol.btard.reports import Reporter
 
     class Mute(Behavior):  # commits, sends its parts, reveals, then says nothing more
         name = "mute"
@@ -599,14 +599,14 @@ def test_an_aggregate_that_cannot_be_checked_is_not_applied(monkeypatch):
         def speaks(self, phase):
             return phase not in ("report", "accuse")
 
-    reducer_checks = VerifiedRound._check_reports_as_reducer
+    reducer_checks = Reporter.check_as_reducer
     colluder = WrongAggregate()
 
     def checks(self, reports, own_received, truth):
-        if self.behavior is not colluder:  # the colluding reducer does not accuse its silent partner
+        if self.vr.behavior is not colluder:  # the colluding reducer does not accuse its silent partner
             reducer_checks(self, reports, own_received, truth)
 
-    monkeypatch.setattr(VerifiedRound, "_check_reports_as_reducer", checks)
+    monkeypatch.setattr(Reporter, "check_as_reducer", checks)
 
     async def main():
         async with open_swarm(5, CONFIG, behaviors=[None, None, None, colluder, Mute()]) as peers:
@@ -748,7 +748,7 @@ def test_a_report_kept_from_one_reducer_gets_nobody_banned_and_changes_nothing()
 def test_held_parts_are_served_to_the_rounds_members_only():
     """The parts a reducer keeps as evidence are the contributors' gradients: a peer that was not in the
     round cannot download them (a member can, to judge)."""
-    from protocol.btard import EVIDENCE_METHOD, EvidenceRequest
+    from protocol.btard.messages import EVIDENCE_METHOD, EvidenceRequest
     from protocol.transport import CallFailed
     from security.wire import pack
 

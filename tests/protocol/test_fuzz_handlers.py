@@ -11,7 +11,7 @@ import torch
 
 from aggregation.errors import PeerProtocolError
 from protocol.allreduce import PART_METHOD, PartHeader
-from protocol.btard import EVIDENCE_METHOD, RELAY_METHOD, EvidenceRequest, RelayRequest
+from protocol.btard.messages import EVIDENCE_METHOD, RELAY_METHOD, EvidenceRequest, RelayRequest
 from protocol.config import MatchmakingConfig, RoundConfig, verify_config_for
 from protocol.engine import Averaged
 from protocol.exchange import EXCHANGE_METHOD, ExchangeHeader

@@ -1,0 +1,10 @@
+"""BTARD (ALGORITHMS.md §2): the verified round around a butterfly all-reduce. `round` runs one
+member's view of it and composes the rest: `relay` (aggregates a reducer kept from a member),
+`claims` (what reports dispute), `validator` (recomputing one member's gradient), `judge`
+(accusations and ban votes), `service` (per peer: evidence held for judges), `messages` (the wire)."""
+
+from protocol.btard.messages import Recompute, Verdict
+from protocol.btard.round import VerifiedRound
+from protocol.btard.service import BtardService
+
+__all__ = ["BtardService", "Recompute", "Verdict", "VerifiedRound"]

@@ -1,0 +1,452 @@
+"""One member's view of one verified round (BTARD, ALGORITHMS.md §2): phases 2 and 6 around the data.
+
+    commit     every member signs the hashes of the parts it will send + an MPRNG commitment;
+               nobody sends data before all commitments are in (late members are left out)
+    data       parts and aggregates travel with signed statements (protocol.allreduce hooks); an
+               aggregate its reducer keeps from a member reaches it through the others (relay.py)
+    reveal     MPRNG shares + an echo of the commitments and aggregates each member got; a member
+               reveals once it holds every reducer's signed aggregate statement, which heads the
+               aggregate's bytes: every aggregate is fixed before anyone can know the seed, and the
+               reveal and the projections overlap the rest of the gather
+    report     each contributor's projection of its part against each aggregate, and the parts it
+               disputes (claims.py)
+    validate   a validator chosen by the public seed recomputes one member's gradient (validator.py)
+    accuse     accusations with evidence, and an echo of every report judged by
+    judge/vote every member judges every accusation itself; signed ban votes are exchanged (judge.py)
+
+Every member runs the same checks on the same signed inputs, so honest members reach the
+same verdicts and keep the same state version.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Optional
+
+import torch
+
+from aggregation.base import norm_limit
+from aggregation.errors import PeerProtocolError
+from protocol.adversary import Behavior
+from protocol.btard.claims import Claims
+from protocol.btard.judge import Judge, exchange_accusations, failing_aggregates
+from protocol.btard.messages import Accusation, Recompute, Verdict
+from protocol.btard.relay import AggregateRelay
+from protocol.btard.reports import Reporter
+from protocol.btard.service import BtardService, Held
+from protocol.btard.validator import Validator
+from protocol.codec import Codec, decode
+from protocol.config import VerifyConfig
+from security.commitments import (
+    AggregateBody,
+    CommitBody,
+    PartBody,
+    members_digest,
+    new_share,
+    part_hash,
+    part_hasher,
+    public_seed,
+    share_commitment,
+)
+from security.evidence import Offense, RevealBody, check_self_contained
+from security.projection import direction, report
+from security.statements import Signed, Statement, open_statement, sign_statement
+from security.wire import pack, unpack
+
+logger = logging.getLogger(__name__)
+
+
+class VerifiedRound:
+    """One member's view of one verified round; also the data phases' PartGuard."""
+
+    def __init__(
+        self,
+        service: BtardService,
+        *,
+        round_id: bytes,
+        members: tuple[str, ...],
+        group_statement: Signed,
+        bounds: list[tuple[int, int]],
+        codec: Codec,
+        config: VerifyConfig,
+        behavior: Behavior,
+        vector: torch.Tensor,
+        recompute: Optional[Recompute] = None,
+    ) -> None:
+        self.service, self.identity = service, service.identity
+        self.recompute = recompute  # a validator's recomputation of another member's contribution
+        self.vector = vector  # this member's committed contribution (flat, CPU float32)
+        self.round_id, self.members, self.group_statement = round_id, members, group_statement
+        self.bounds, self.codec, self.config, self.behavior = bounds, codec, config, behavior
+        self.me = members.index(self.identity.peer_id)
+        self.share = new_share()
+        self.my_hashes: list[bytes] = []
+        self.commits: dict[str, tuple[Signed, CommitBody]] = {}
+        self.aggregates: dict[int, tuple[Signed, AggregateBody]] = {}
+        self.part_statements: dict[str, Signed] = {}  # contributors to my part -> their signed part statement
+        self.payloads: dict[str, bytes | memoryview] = {}  # contributors to my part -> the exact bytes they sent
+        self.my_contributors: list[int] = []
+        self.accusations: list[Accusation] = []
+        self.signed_aggregates: dict[int, dict[bytes, Signed]] = {}  # part -> hash -> the reducer's statement
+        self.proofs: dict[str, tuple[Offense, list[Signed]]] = {}  # self-contained proofs found locally
+        self.expected: Optional[set[int]] = None  # parts whose aggregate statement we wait for (committed reducers)
+        self.equivocators: set[str] = set()  # members proven to have sent different reports
+        self.landed_parts: set[int] = set()  # parts whose aggregate arrived whole
+        self.relay = AggregateRelay(self)
+        self.validator = Validator(self)
+        self.reporter = Reporter(self)
+        self._reveal_task: Optional[asyncio.Task] = None
+        self._seed: Optional[asyncio.Future] = None  # the public seed, once the reveal is done
+        self._validating: Optional[asyncio.Task] = None  # starts with the seed, while the gather may still run
+        self._verifying = False  # once verification began, the held parts stay for the judges
+        self._echoes: Optional[asyncio.Task] = None  # aggregate statements taken from early reveals
+        service.open[round_id] = self
+
+    @property
+    def committed(self) -> set[str]:
+        return set(self.commits)
+
+    @property
+    def claims(self) -> Claims:
+        return Claims(self.members, len(self.commits), self.aggregates_contributors)
+
+    @property
+    def undelivered(self) -> set[int]:
+        """Parts we stopped waiting for; once the data phase is over, every part that did not land whole."""
+        return self.relay.settled(relayed=False)
+
+    def missing_parts(self) -> set[int]:
+        return (self.expected or set()) - self.landed_parts - {self.me}
+
+    def deadline(self) -> float:
+        return time.monotonic() + self.config.phase_timeout_s
+
+    def prove(self, accused: str, offense: Offense, evidence: list[Signed]) -> None:
+        if accused != self.identity.peer_id and check_self_contained(offense, accused, self.round_id, evidence):
+            self.proofs.setdefault(accused, (offense, evidence))
+
+    # ---- phase 2: commit ----------------------------------------------------------------------
+
+    async def commit(self, payloads: list[bytes | memoryview]) -> None:
+        """Commit to the exact bytes of every part; afterwards `committed` lists who may take part."""
+        loop = asyncio.get_running_loop()  # BLAKE3 releases the GIL: hash the parts side by side, off the loop
+        self.my_hashes = list(await asyncio.gather(*(loop.run_in_executor(None, part_hash, p) for p in payloads)))
+        self.payloads[self.identity.peer_id] = payloads[self.me]  # a view of the vector, which outlives the round
+        body = CommitBody(
+            members=members_digest(self.members),
+            parts=self.behavior.committed_hashes(self.my_hashes),
+            mprng=share_commitment(self.round_id, self.identity.peer_id, self.share),
+        )
+        mine = sign_statement(self.identity, "commit", self.round_id, body)
+        received = await self.service.exchange.all_to_all(
+            self.round_id, "commit", pack(mine), deadline=self.deadline(), send=self.behavior.speaks("commit")
+        )
+        digest = members_digest(self.members)
+        for peer, raw in received.items():
+            try:
+                signed = unpack(raw, Signed, peer=peer)
+                _, commit = open_statement(signed, CommitBody, kind="commit", round_id=self.round_id, sender=peer)
+                if commit.members != digest or len(commit.parts) != len(self.members):
+                    raise PeerProtocolError("commitment for another group", peer=peer)
+            except PeerProtocolError as e:
+                logger.info(f"dropping {peer[-8:]} from round {self.round_id.hex()[:8]}: {e}")
+                continue
+            self.commits[peer] = (signed, commit)
+        self.expected = {self.members.index(peer) for peer in self.commits}
+        self._echoes = asyncio.ensure_future(self._statements_from_reveals())
+
+    # ---- phases 3-5: PartGuard hooks ----------------------------------------------------------
+
+    def sign_part(self, part: int, payload: bytes | memoryview, weight: float) -> bytes:
+        body = PartBody(part=part, hash=self.my_hashes[part], weight=weight)
+        return pack(sign_statement(self.identity, "part", self.round_id, body))
+
+    def hasher(self):
+        return part_hasher()
+
+    def accept_part(self, sender: int, part: int, payload: bytes | memoryview, header, digest: bytes) -> None:
+        peer = self.members[sender]
+        if peer not in self.commits:
+            raise PeerProtocolError("sent a part without a commitment", peer=peer)
+        signed = unpack(header.signature, Signed, peer=peer)
+        _, body = open_statement(signed, PartBody, kind="part", round_id=self.round_id, sender=peer)
+        if body.part != part:
+            raise PeerProtocolError("signed a part statement for another part", peer=peer)
+        if body.weight != 1.0:  # BTARD-SGD counts every member once: the checks assume it
+            self.prove(peer, Offense.INFLATED_WEIGHT, [signed])
+            raise PeerProtocolError(f"claimed weight {body.weight}", peer=peer)
+        if body.weight != header.weight:
+            raise PeerProtocolError("header weight differs from the signed one", peer=peer)
+        commit_signed, commit = self.commits[peer]
+        if body.hash != commit.parts[part]:
+            self.prove(peer, Offense.BAD_COMMITMENT, [commit_signed, signed])
+            raise PeerProtocolError("part does not match its commitment", peer=peer)
+        if digest != body.hash:
+            raise PeerProtocolError("part bytes do not match their signed hash", peer=peer)
+        a, b = self.bounds[part]
+        norm = float(torch.linalg.vector_norm(decode(payload, self.codec, b - a, peer=peer)))
+        if not norm <= norm_limit(torch.float32):
+            # CenteredClip would skip it, but then its sender's report (NaN, Inf) fails every check: the
+            # part is left out instead, and a sender whose parts most reducers left out is banned
+            raise PeerProtocolError(f"sent a part with NaN, Inf or a norm of {norm:.3g}", peer=peer)
+        self.part_statements[peer] = signed
+        # raw float32 parts live on in the reducer's rows (kept for the round): no copy needed
+        self.payloads[peer] = payload if self.codec is Codec.NONE else bytes(payload)
+
+    def counted(self, received: list[int]) -> list[int]:
+        return self.behavior.counted(self, received)
+
+    def sign_aggregate(self, part: int, payload: bytes | memoryview, contributors: list[int]) -> bytes:
+        self.my_contributors = list(contributors)
+        body = AggregateBody(part=part, hash=part_hash(payload), contributors=list(contributors))
+        signed = sign_statement(self.identity, "aggregate", self.round_id, body)
+        # held from now on: a validator may fetch a part as soon as the seed is public
+        self.service.hold(self.round_id, Held(part, dict(self.payloads), frozenset(self.members)))
+        self._record_aggregate(part, signed, body)
+        self.relay.wait_for_reports()
+        return pack(signed)
+
+    async def _statements_from_reveals(self) -> None:
+        """Take the aggregate statements others echo in early reveals: a reducer that holds its statement
+        back from us cannot keep us from revealing in time (each one is signed by its reducer)."""
+        seen: set[str] = set()
+        while self._reveal_task is None:
+            arrived = await self.service.exchange.arrivals(self.round_id, "reveal", seen)
+            seen |= set(arrived)
+            for peer, raw in arrived.items():
+                opened = self._open_reveal(peer, raw)
+                for echoed in opened[1].aggregates if opened is not None else []:
+                    self.adopt_statement(echoed)
+
+    def adopt_statement(self, echoed: Signed) -> None:
+        """Record an echoed aggregate statement we still lack (its signature is checked only then)."""
+        try:
+            sender = unpack(echoed.statement, Statement).sender
+            part = self.members.index(sender) if sender in self.members else -1
+            if part not in (self.expected or set()) or part in self.aggregates or part in self.undelivered:
+                return
+            _, body = open_statement(echoed, AggregateBody, kind="aggregate", round_id=self.round_id, sender=sender)
+        except PeerProtocolError:
+            return
+        if body.part == part and body.well_formed(len(self.members)) and self._reveal_task is None:
+            self._record_aggregate(part, echoed, body)
+
+    def fallback(self, part: int) -> asyncio.Future:
+        return self.relay.fallback(part)
+
+    def reducer_failed(self, part: int) -> None:
+        self.relay.reducer_failed(part)
+
+    def reply_for(self, receiver: int, header: bytes, payload: bytes | memoryview) -> tuple[bytes, bytes | memoryview]:
+        return self.behavior.aggregate_reply(self, receiver, header, payload)
+
+    def announced(self, part: int, header) -> None:
+        """The reducer of `part` signed the aggregate whose bytes now follow."""
+        reducer = self.members[part]
+        if part in self.undelivered:
+            raise PeerProtocolError("aggregate statement came after we stopped waiting for it", peer=reducer)
+        signed = unpack(header.statement, Signed, peer=reducer)
+        _, body = open_statement(signed, AggregateBody, kind="aggregate", round_id=self.round_id, sender=reducer)
+        if body.part != part:
+            raise PeerProtocolError("signed an aggregate statement for another part", peer=reducer)
+        if not body.well_formed(len(self.members)):
+            raise PeerProtocolError("signed an aggregate whose contributors are not a list of members", peer=reducer)
+        if part in self.aggregates and self.aggregates[part][0].statement != signed.statement:  # known from an echo
+            self.prove(reducer, Offense.EQUIVOCATION, [self.aggregates[part][0], signed])
+            raise PeerProtocolError("sent us another aggregate than the one it signed for the others", peer=reducer)
+        self._record_aggregate(part, signed, body)
+
+    def accept_aggregate(self, part: int, payload: bytes | memoryview, header, digest: bytes) -> None:
+        if part in self.undelivered:
+            raise PeerProtocolError("aggregate came after we stopped waiting for it", peer=self.members[part])
+        signed, body = self.aggregates.get(part, (None, None))
+        if signed is None or signed.statement != unpack(header.statement, Signed, peer=self.members[part]).statement:
+            raise PeerProtocolError(
+                "aggregate arrived without the statement that announced it", peer=self.members[part]
+            )
+        if digest != body.hash:
+            raise PeerProtocolError("aggregate does not match its signed statement", peer=self.members[part])
+        self.relay.received[part] = payload  # a fresh buffer per reply (raw parts: their slice of the output)
+
+    def _record_aggregate(self, part: int, signed: Signed, body: AggregateBody) -> None:
+        self.aggregates[part] = (signed, body)
+        self.signed_aggregates.setdefault(part, {})[body.hash] = signed
+        if self._reveal_task is None and self.expected is not None and self.expected <= set(self.aggregates):
+            self._reveal_task = asyncio.ensure_future(self._reveal())  # every aggregate is fixed now
+
+    def landed(self, part: int, value: torch.Tensor, rows: Optional[torch.Tensor] = None, received=()) -> None:
+        """Aggregate `part` is final (as this member will apply it): start its projections off the
+        event loop while other parts are still moving."""
+        self.landed_parts.add(part)
+        self.relay.landed(part)
+        self.reporter.landed(part, value, rows)
+
+    def seed_future(self) -> asyncio.Future:
+        if self._seed is None:
+            self._seed = asyncio.get_running_loop().create_future()
+        return self._seed
+
+    async def close(self) -> None:
+        """Stop the round's background work and hand its buffers back (no thread may still write them)."""
+        self.service.open.pop(self.round_id, None)
+        tasks = [t for t in (self._reveal_task, self._validating, self._echoes) if t is not None]
+        for task in tasks:
+            task.cancel()
+        if not self.seed_future().done():
+            self.seed_future().cancel()
+        await asyncio.gather(self.relay.close(), self.reporter.close(), *tasks, return_exceptions=True)
+        if not self._verifying:  # the data phase failed: nobody will judge this round
+            self.service.release(self.round_id)
+
+    # ---- phase 6: verify and judge ------------------------------------------------------------
+
+    async def verify(
+        self,
+        output: torch.Tensor,
+        own_rows: Optional[torch.Tensor],
+        own_received: tuple[int, ...],
+    ) -> Verdict:
+        """Run reveal, report, validation, accusation and voting; returns who is banned and which
+        aggregates must not be applied. `output` is the gathered result (this member's contribution is `self.vector`)."""
+        try:
+            verdict = await self._verify(output, own_rows, own_received)
+            verdict.relayed = self.relay.settled(relayed=True)
+            return verdict
+        finally:
+            await self.close()
+
+    async def _verify(self, output, own_rows, own_received) -> Verdict:
+        self._verifying = True
+        if not self.service.holds(self.round_id):  # a round where this member reduced nothing
+            self.service.hold(self.round_id, Held(self.me, dict(self.payloads), frozenset(self.members)))
+        t0 = time.monotonic()
+        early = self._reveal_task is not None
+        if self._reveal_task is None:  # some reducer's statement never came: reveal now
+            self._reveal_task = asyncio.ensure_future(self._reveal())
+        seed, revealed = await self._reveal_task
+        t1 = time.monotonic()
+        # What needs only the seed runs while the reports travel: the reducer's own projections of
+        # every part it received (off the event loop) and the validator's recomputation (started with the seed).
+        truth = None
+        if own_rows is not None:
+            truth = asyncio.ensure_future(self.reporter.reducer_truth(seed, output, own_rows, own_received))
+        validating = self._validating
+        try:
+            reports = await self.reporter.exchange(seed, output)
+            t2 = time.monotonic()
+            if truth is not None:
+                self.reporter.check_as_reducer(reports, own_received, await truth)
+            await validating
+            await self.validator.check_target_reports(seed, output, reports)
+        finally:
+            validating.cancel()
+            if truth is not None:
+                await asyncio.gather(truth, return_exceptions=True)  # never leave a thread reading the rows
+        suspects = self._suspects_anything(seed, reports, output, revealed)
+        t3 = time.monotonic()
+        accusations, anyone_suspects = await exchange_accusations(self, suspects, reports)
+        reports = {peer: r for peer, r in reports.items() if peer not in self.equivocators}
+        logger.debug(
+            f"round {self.round_id.hex()[:8]} verify: reveal {t1 - t0:.3f} s{' (started in the data phase)' if early else ''}, report {t2 - t1:.3f} s, "
+            f"checks {t3 - t2:.3f} s, accuse {time.monotonic() - t3:.3f} s"
+        )
+        if not anyone_suspects and not any(accusations.values()):
+            # Every member saw a clean round: nothing to judge, no vote phase, and nobody will ask for the
+            # held parts (validators fetch them before they send their accusations, which we all have).
+            self.service.release(self.round_id)
+            return Verdict(clean=True)
+        return await Judge(self, seed, reports, output).judge(accusations, revealed)
+
+    def _suspects_anything(self, seed, reports, output, revealed) -> bool:
+        """Whether this member will have a verdict to vote on even without accusations."""
+        if self.proofs or self.accusations:
+            return True
+        if any(p not in self.commits or p not in revealed or p not in reports for p in self.members):
+            return True
+        claims = self.claims
+        if claims.disputed(reports) or any(claims.left_out_by_most(peer, body) for peer, (_, body) in reports.items()):
+            return True  # the disputed parts are dropped (and who failed banned) by a verdict everyone computes alike
+        return bool(failing_aggregates(self, seed, reports, output))
+
+    async def _reveal(self) -> tuple[bytes, set[str]]:
+        body = RevealBody(
+            share=self.share,
+            commits=[signed for signed, _ in self.commits.values()],
+            aggregates=[signed for signed, _ in self.aggregates.values()],
+        )
+        mine = sign_statement(self.identity, "reveal", self.round_id, body)
+        received = await self.service.exchange.all_to_all(
+            self.round_id,
+            "reveal",
+            pack(mine),
+            deadline=self.deadline(),
+            send=self.behavior.speaks("reveal"),
+            expect=self.committed,
+        )
+        shares: dict[str, bytes] = {}
+        for peer, raw in received.items():
+            if peer not in self.commits:
+                continue
+            opened = self._open_reveal(peer, raw)
+            if opened is None:
+                continue
+            signed, reveal = opened
+            commit_signed, commit = self.commits[peer]
+            if share_commitment(self.round_id, peer, reveal.share) != commit.mprng:
+                self.prove(peer, Offense.BAD_REVEAL, [commit_signed, signed])
+                continue
+            shares[peer] = reveal.share
+            self._compare_echoes(reveal)
+        seed = public_seed(self.round_id, shares)
+        self.seed_future().set_result(seed)
+        self._validating = asyncio.ensure_future(self.validator.validate(seed))
+        return seed, set(shares)
+
+    def _open_reveal(self, peer: str, raw: bytes) -> Optional[tuple[Signed, RevealBody]]:
+        try:
+            signed = unpack(raw, Signed, peer=peer)
+            return signed, open_statement(signed, RevealBody, kind="reveal", round_id=self.round_id, sender=peer)[1]
+        except PeerProtocolError as e:
+            logger.info(f"bad reveal from {peer[-8:]}: {e}")
+            return None
+
+    def _compare_echoes(self, reveal: RevealBody) -> None:
+        """Two different signed commitments or aggregates for one slot prove equivocation."""
+        for echoed in list(reveal.commits) + list(reveal.aggregates):
+            try:
+                statement = unpack(echoed.statement, Statement)
+            except PeerProtocolError:
+                continue
+            if statement.kind == "commit" and statement.sender in self.commits:
+                mine = self.commits[statement.sender][0]
+                if echoed.statement != mine.statement:
+                    self.prove(statement.sender, Offense.EQUIVOCATION, [mine, echoed])
+            elif statement.kind == "aggregate" and statement.sender in self.members:
+                part = self.members.index(statement.sender)
+                try:
+                    _, body = open_statement(echoed, AggregateBody, kind="aggregate", round_id=self.round_id)
+                except PeerProtocolError:
+                    continue
+                if body.part == part:
+                    self.signed_aggregates.setdefault(part, {})[body.hash] = echoed
+                if part in self.aggregates and echoed.statement != self.aggregates[part][0].statement:
+                    self.prove(statement.sender, Offense.EQUIVOCATION, [self.aggregates[part][0], echoed])
+
+    def part_values(self, data: bytes | memoryview, part: int, peer: str) -> torch.Tensor:
+        a, b = self.bounds[part]
+        return decode(bytearray(data), self.codec, b - a, peer=peer).clone()
+
+    def aggregates_contributors(self, part: int) -> list[int]:
+        if part == self.me:
+            return self.my_contributors
+        if part in self.aggregates:
+            return list(self.aggregates[part][1].contributors)
+        return []
+
+    def true_report(self, seed, output, part: int, contributor: str, data: bytes | memoryview) -> tuple[float, float]:
+        """What `contributor` should have reported on `part`, from the bytes it committed to."""
+        a, b = self.bounds[part]
+        x = self.part_values(data, part, contributor)
+        return report(x, output[a:b], direction(seed, part, b - a), self.config.tau)

@@ -1,0 +1,127 @@
+"""The round's validator (ALGORITHMS.md §2 step 8): the public seed picks one member to recompute
+another's gradient on the same deterministic minibatch and compare it with the parts it committed to.
+
+Holding every part its target committed to, the validator also checks the target's reports: nobody else
+could check what a reducer reports about its own part (it alone holds that part, and one made-up report
+can cancel a wrong aggregate in the fixed-point sum), or what a contributor reports when its reducer
+covers for it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+from typing import TYPE_CHECKING, Optional
+
+import torch
+
+from aggregation.errors import PeerProtocolError, RoundAbortedError
+from protocol.btard.claims import Reports
+from protocol.btard.messages import Accusation, Recompute
+from protocol.codec import decode, encode, encoded_size_bound
+from protocol.transport import CallFailed
+from security.commitments import ReportBody, part_hash, seeded_choice
+from security.evidence import Offense
+from security.projection import report_matches
+
+if TYPE_CHECKING:
+    from protocol.btard.round import VerifiedRound
+
+logger = logging.getLogger(__name__)
+
+
+class Validator:
+    """One member's part in its round's validation: who validates whom, and (if it is this member)
+    the recomputation and the check of the target's reports."""
+
+    def __init__(self, vr: VerifiedRound) -> None:
+        self.vr = vr
+        self.target_parts: dict[int, bytes | memoryview] = {}  # as validator: the target's committed parts
+
+    def choice(self, seed: bytes) -> tuple[Optional[str], Optional[str]]:
+        """(validator, target) for the round's public seed; (None, None) if the round has none."""
+        candidates = sorted(self.vr.commits)
+        if len(candidates) < 2 or self.vr.config.validators < 1:
+            return None, None
+        validator = seeded_choice(seed, "validator", candidates)
+        target = seeded_choice(seed, "target", [p for p in candidates if p != validator])
+        return validator, target
+
+    async def validate(self, seed: bytes) -> None:
+        vr = self.vr
+        validator, target = self.choice(seed)
+        if validator != vr.identity.peer_id or vr.recompute is None:
+            return
+        logger.debug(f"round {vr.round_id.hex()[:8]}: validating {target[-8:]}")
+        parts: dict[int, bytes | memoryview] = {}
+        if await self.contribution_holds(target, vr.recompute, keep=parts):
+            self.target_parts = parts
+        else:
+            vr.accusations.append(Accusation(accused=target, offense=Offense.BAD_CONTRIBUTION, part=-1, evidence=[]))
+
+    async def contribution_holds(self, target: str, recompute_fn: Recompute, keep: Optional[dict] = None) -> bool:
+        """Recompute `target`'s gradient; parts whose hash differs are fetched and compared within tolerance.
+        `keep` collects the bytes the target committed to, part by part."""
+        vr = self.vr
+        honest = (await recompute_fn(target)).detach().float().cpu()
+        _, commit = vr.commits[target]
+        loop = asyncio.get_running_loop()
+        for part, (a, b) in enumerate(vr.bounds):
+            mine = encode(honest[a:b], vr.codec)
+            if await loop.run_in_executor(None, part_hash, mine) == commit.parts[part]:
+                if keep is not None:
+                    keep[part] = mine
+                continue  # bit-identical recomputation
+            try:
+                data = await vr.service.fetch_part(
+                    vr.members[part], vr.round_id, part, target,
+                    encoded_size_bound(b - a, vr.codec), vr.config.phase_timeout_s,
+                )  # fmt: skip
+            except (CallFailed, RoundAbortedError, PeerProtocolError):
+                return False  # nobody can show the part the target committed to
+            if part_hash(data) != commit.parts[part]:
+                return False
+            if keep is not None:
+                keep[part] = data
+            theirs = vr.part_values(data, part, target)
+            expected = decode(bytearray(mine), vr.codec, b - a)
+            diff = float(torch.linalg.vector_norm((theirs - expected).double()))
+            if (
+                not math.isfinite(diff)
+                or diff > vr.config.contribution_rtol * float(torch.linalg.vector_norm(expected.double())) + 1e-12
+            ):
+                return False
+        return True
+
+    async def check_target_reports(self, seed: bytes, output: torch.Tensor, reports: Reports) -> None:
+        """Accuse the target of every report the parts it committed to prove false."""
+        vr = self.vr
+        validator, target = self.choice(seed)
+        if validator != vr.identity.peer_id or not self.target_parts or target not in reports:
+            return
+        signed, body = reports[target]
+        vr.service.hold_target(vr.round_id, target, self.target_parts)
+        lies = await asyncio.get_running_loop().run_in_executor(None, self._false_entries, seed, output, target, body)
+        for part in lies:
+            logger.info(f"round {vr.round_id.hex()[:8]}: validated {target[-8:]} reported falsely on part {part}")
+            vr.accusations.append(
+                Accusation(accused=target, offense=Offense.FALSE_REPORT, part=part, evidence=[signed])
+            )
+
+    def _false_entries(self, seed: bytes, output: torch.Tensor, target: str, body: ReportBody) -> list[int]:
+        """Parts whose aggregate counted `target` and that it reported on falsely (or not at all)."""
+        vr = self.vr
+        index, lies = vr.members.index(target), []
+        for part in sorted(self.target_parts):
+            if part == vr.me or index not in vr.aggregates_contributors(part) or part not in vr.landed_parts:
+                continue  # our own part its reducer (we) checked already; parts we do not hold cannot be judged
+            if part in body.undelivered or part not in vr.aggregates:
+                continue  # a dispute, judged as one
+            entry = next((e for e in body.entries if e.part == part), None)
+            if entry is not None and entry.aggregate != vr.aggregates[part][1].hash:
+                continue  # it reported on another aggregate: its reducer equivocated (the echoes prove it)
+            true = vr.true_report(seed, output, part, target, self.target_parts[part])
+            if entry is None or not report_matches((entry.s, entry.norm), true, vr.config.tau):
+                lies.append(part)
+        return lies
