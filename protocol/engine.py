@@ -246,11 +246,11 @@ class RoundEngine:
             a, b = spec.bounds[part]
             result.vector[a:b] = 0.0
         result.missing_parts = tuple(sorted(set(result.missing_parts) | verdict.bad_parts))
+        # the round's own verdict counts its group as the leader sent it; the swarm needs the commitments
+        self.membership.banned.update(verdict.banned)
         if verdict.votes and self.bans is not None:
             self.stats.bans_voted += len(verdict.votes)
             await self.bans.publish(verdict.votes)
-        elif verdict.banned:
-            self.membership.banned.update(verdict.banned)
         return result, verdict
 
     def _check_group(self, group: GroupSpec) -> Signed:

@@ -7,23 +7,36 @@ Two kinds of proof:
     carrying them is enough, for anyone who checks it.
   * by majority — offenses only the round's members can judge (false projection reports,
     wrong aggregates, contributions that do not recompute, silence): a ban holds once more
-    than half of the round's members (as the leader's signed group lists them) voted it.
-    False accusers are judged the same way. Caveat: a Byzantine leader that invents a group
-    made mostly of Byzantine peers around one honest peer could outvote it; the security
-    model assumes every real group has an honest majority.
+    than half of the round's members (as the leader's signed group lists them) voted it, and
+    the votes carry the accused's own commitment to that group. Anyone can sign a group
+    statement, so without it two colluding identities could vote any peer out of a "group"
+    of three they made up. A member that never committed is banned only by judges that saw
+    the group from its leader themselves (`trusted`: the round's own members).
+    False accusers are judged the same way. Caveat: a Byzantine leader that forms a real
+    group made mostly of Byzantine peers around one honest peer could outvote it; the
+    security model assumes every real group has an honest majority.
 """
 
 from __future__ import annotations
 
 import enum
 from collections import defaultdict
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Annotated, Optional
 
 from pydantic import Field
 
 from aggregation.errors import PeerProtocolError
-from security.commitments import AggregateBody, CommitBody, GroupBody, PartBody, ReportBody, share_commitment
+from security.commitments import (
+    AggregateBody,
+    CommitBody,
+    GroupBody,
+    PartBody,
+    ReportBody,
+    members_digest,
+    share_commitment,
+)
 from security.statements import Signed, open_statement
 from security.wire import PeerIdStr, WireModel
 
@@ -33,7 +46,9 @@ MAX_EVIDENCE = 4
 class Offense(str, enum.Enum):
     BAD_COMMITMENT = "bad_commitment"  # signed part hash differs from the signed commitment
     EQUIVOCATION = "equivocation"  # two different signed commitments, aggregates or reports for one slot
-    INFLATED_WEIGHT = "inflated_weight"  # a signed part claims a weight other than 1 (verified rounds count everyone once)
+    INFLATED_WEIGHT = (
+        "inflated_weight"  # a signed part claims a weight other than 1 (verified rounds count everyone once)
+    )
     BAD_REVEAL = "bad_reveal"  # the revealed share does not open the MPRNG commitment
     FALSE_REPORT = "false_report"  # projection report differs from the committed data
     WRONG_AGGREGATE = "wrong_aggregate"  # the aggregate fails the fixed-point check
@@ -110,9 +125,24 @@ def group_members(evidence: list[Signed], round_id: bytes) -> Optional[list[str]
     return None
 
 
-def banned(votes: list[Vote]) -> set[str]:
+def committed_to(evidence: list[Signed], accused: str, round_id: bytes, members: list[str]) -> bool:
+    """Whether `evidence` holds `accused`'s own signed commitment to round `round_id` with exactly `members`."""
+    digest = members_digest(members)
+    for signed in evidence:
+        try:
+            _, commit = open_statement(signed, CommitBody, kind="commit", round_id=round_id, sender=accused)
+        except PeerProtocolError:
+            continue
+        if commit.members == digest:
+            return True
+    return False
+
+
+def banned(votes: list[Vote], trusted: Iterable[tuple[bytes, tuple[str, ...]]] = ()) -> set[str]:
     """Everyone a set of (verified) votes bans: self-contained proofs count alone, other offenses
-    need votes from more than half of the round's members."""
+    need votes from more than half of the round's members, citing a group the accused committed to
+    or one of the `trusted` (round id, members) groups."""
+    trusted = set(trusted)
     out: set[str] = set()
     # votes add up per accused and round, whatever offense each judge saw first (judges may
     # convict for different offenses of the same peer), and only when they cite the same group
@@ -125,6 +155,9 @@ def banned(votes: list[Vote]) -> set[str]:
             continue
         members = group_members(list(body.evidence), body.round_id)
         if members is None or vote.judge not in members or body.accused not in members:
+            continue
+        trusted_group = (body.round_id, tuple(members)) in trusted
+        if not trusted_group and not committed_to(list(body.evidence), body.accused, body.round_id, members):
             continue
         tallies[(body.accused, body.round_id, tuple(members))].add(vote.judge)
     for (accused, _, members), judges in tallies.items():

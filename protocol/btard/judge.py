@@ -88,13 +88,23 @@ class Judge:
                 convict(reducer, Offense.LEFT_OUT, group)
         bad_parts = self.check_aggregates(convict)
         votes = [
-            sign_statement(vr.identity, "ban", b"", BanVote(accused=p, offense=o, round_id=vr.round_id, evidence=e))
+            sign_statement(
+                vr.identity,
+                "ban",
+                b"",
+                BanVote(accused=p, offense=o, round_id=vr.round_id, evidence=self._evidence(p, o, e)),
+            )
             for p, (o, e) in self.guilty.items()
         ]
         disputes = [signed for signed, body in self.reports.values() if body.undelivered or body.left_out]
         verdict = await self._vote(votes, bad_parts, disputes, claims.disputed(self.reports))
         verdict.accusations = sum(len(items) for items in accusations.values())
         return verdict
+
+    def _evidence(self, accused: str, offense: Offense, evidence: list[Signed]) -> list[Signed]:
+        """A vote by majority carries the group and, for the swarm at large, the accused's commitment to it."""
+        commit = self.vr.commits.get(accused)
+        return evidence if offense.self_contained or commit is None else [*evidence, commit[0]]
 
     async def _judge_accuser(self, accuser: str, items: list[Accusation]) -> None:
         vr = self.vr
@@ -243,7 +253,7 @@ class Judge:
             except PeerProtocolError:
                 continue
             disputed |= self._forwarded_disputes(vote_list.disputes)
-        out = banned(valid)
+        out = banned(valid, trusted=[(vr.round_id, tuple(vr.members))])  # our leader's group, checked by us
         for part, reducer in enumerate(vr.members):
             if reducer in out:
                 bad_parts.add(part)

@@ -694,6 +694,48 @@ def test_banned_peer_is_refused_by_matchmaking_and_handlers():
     asyncio.run(main())
 
 
+def test_bans_by_majority_reach_the_swarm_and_forged_groups_ban_nobody(tmp_path):
+    """A wrong aggregate is judged by the round's majority: its votes carry the leader's group and the
+    reducer's own commitment to it, so a peer that was not in the round learns the ban from the DHT.
+    Two identities that sign a group of themselves and an honest peer, and vote it out, ban nobody:
+    that peer never committed to such a group."""
+    from protocol.bans import open_vote
+    from security.commitments import GroupBody
+    from security.evidence import BanVote, Offense
+    from security.identity import Identity
+    from security.statements import sign_statement
+    from security.wire import pack
+
+    async def main():
+        async with open_swarm(4, CONFIG, behaviors=[None, None, None, PROTOCOL_ATTACKS["wrong_aggregate"]()]) as peers:
+            attacker, victim = peers[3], peers[0]
+            outcomes = await _round(peers, _inputs(4))
+            for outcome in outcomes[:3]:
+                assert outcome.verdict.banned == {attacker.peer_id}
+            votes = [open_vote(pack(v)) for v in outcomes[0].verdict.votes if open_vote(pack(v)).body.accused == attacker.peer_id]
+            assert votes and all(v.body.offense is Offense.WRONG_AGGREGATE and len(v.body.evidence) == 2 for v in votes)
+            sybils = [Identity.generate_ed25519(tmp_path / f"sybil{i}") for i in range(2)]
+            fake_round = b"f" * 16
+            fake = sign_statement(sybils[0], "group", fake_round, GroupBody(members=[s.peer_id for s in sybils] + [victim.peer_id]))
+            forged = [
+                sign_statement(s, "ban", b"", BanVote(accused=victim.peer_id, offense=Offense.WITHHELD, round_id=fake_round, evidence=[fake]))
+                for s in sybils
+            ]
+            await attacker.engine.bans.publish(forged)  # stored in the DHT under the sybils' own subkeys
+            newcomer = await open_peer([str(m) for m in peers[1].dht.get_visible_maddrs()], CONFIG)
+            try:
+                await newcomer.engine.bans.refresh()
+                assert len(newcomer.engine.bans._votes) >= len(votes) + len(forged)  # it read the forged votes too
+                assert newcomer.membership.banned == {attacker.peer_id}
+                for peer in peers[:3]:
+                    await peer.engine.bans.refresh()
+                    assert peer.membership.banned == {attacker.peer_id}
+            finally:
+                await close_peer(newcomer)
+
+    asyncio.run(main())
+
+
 def test_a_false_accuser_gets_judged_once(monkeypatch):
     """Judging a report accusation downloads the part: an accuser found false once (or one that repeats
     itself) costs the judges no more downloads, however many accusations it sends."""
