@@ -128,7 +128,7 @@ class PeerConfig(NetworkSettings):
     torch_threads: Optional[int] = Field(None, ge=1, description="Threads torch may use in this process.")
     events: bool = Field(False, description="Print one JSON progress event per line on stdout (used by `phalanx swarm`).")
     verify: bool = Field(False, description="Byzantine-tolerant rounds (BTARD): commitments, MPRNG, projection checks, validators, bans. Needs --mode sync, --aggregator centered_clip or mean, and --compression none or fp16.")
-    validators: int = Field(1, ge=0, le=8, description="With --verify: members per round that recompute another member's gradient.")
+    validators: int = Field(1, ge=0, le=8, description="With --verify: members per round that each recompute another member's gradient (one training step each; no two check the same member).")
     phase_timeout_s: float = Field(10.0, gt=0, description="With --verify: how long each verification phase waits for the others.")
     admission: Optional[Path] = Field(None, description="Private swarm: the owner's public key (from `phalanx keygen --owner`); peers without a valid certificate are refused.")
     certificate: Optional[Path] = Field(None, description="Private swarm: this peer's certificate (from `phalanx admit`).")

@@ -68,7 +68,7 @@ class VerifyConfig:
     phase_timeout_s: float = 10.0
     """Each verification phase waits at most this long for the other members."""
     validators: int = 1
-    """Members per round that recompute another member's gradient."""
+    """Members per round that each recompute another member's gradient (distinct targets, chosen by the seed)."""
     contribution_rtol: float = 1e-4
     """How far a recomputed gradient part may differ (relative L2) before it counts as forged."""
 

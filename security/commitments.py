@@ -116,9 +116,11 @@ def public_seed(round_id: bytes, shares: dict[str, bytes]) -> bytes:
     return h.digest()
 
 
-def seeded_choice(seed: bytes, purpose: str, options: list[str] | list[int]):
-    """A public, reproducible choice among `options` (e.g. the validator and its target)."""
-    if not options:
-        raise ValueError("nothing to choose from")
-    index = int.from_bytes(hashlib.sha256(seed + purpose.encode()).digest()[:8], "big") % len(options)
-    return options[index]
+def validator_pairs(seed: bytes, members: list[str], count: int) -> list[tuple[str, str]]:
+    """The round's public (validator, target) pairs: the seed orders the members, and each of the first
+    `count` validates the next one (a cycle), so nobody validates itself and no two validators share a
+    target; everyone is validated once `count` reaches the group size."""
+    if count < 1 or len(set(members)) < 2:
+        return []
+    order = sorted(set(members), key=lambda peer: hashlib.sha256(seed + b"validators\0" + peer.encode()).digest())
+    return [(order[k], order[(k + 1) % len(order)]) for k in range(min(count, len(order)))]

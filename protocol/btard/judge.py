@@ -130,8 +130,7 @@ class Judge:
                     self.corrected[(acc.accused, acc.part)] = verdict
                     self.convict(acc.accused, Offense.FALSE_REPORT, [vr.group_statement])
             elif acc.offense is Offense.BAD_CONTRIBUTION:
-                validator, target = vr.validator.choice(self.seed)
-                if accuser != validator or acc.accused != target or vr.recompute is None:
+                if (accuser, acc.accused) not in vr.validator.pairs(self.seed) or vr.recompute is None:
                     self._convict_accuser(accuser)
                 elif await vr.validator.contribution_holds(acc.accused, vr.recompute):
                     self._convict_accuser(accuser)
@@ -146,7 +145,7 @@ class Judge:
         vr, part = self.vr, acc.part
         if part < 0 or part >= len(vr.members) or acc.accused not in vr.commits:
             return None
-        by_validator = (accuser, acc.accused) == vr.validator.choice(self.seed) and bool(acc.evidence)
+        by_validator = (accuser, acc.accused) in vr.validator.pairs(self.seed) and bool(acc.evidence)
         if vr.members[part] != accuser and not by_validator:
             return None
         entry, unreported = None, not acc.evidence and acc.accused in self.reports

@@ -1,7 +1,8 @@
-"""The round's validator (ALGORITHMS.md §2 step 8): the public seed picks one member to recompute
-another's gradient on the same deterministic minibatch and compare it with the parts it committed to.
+"""The round's validators (ALGORITHMS.md §2 step 8): the public seed picks `validators` members, each to
+recompute another's gradient on the same deterministic minibatch and compare it with the parts it
+committed to.
 
-Holding every part its target committed to, the validator also checks the target's reports: nobody else
+Holding every part its target committed to, a validator also checks the target's reports: nobody else
 could check what a reducer reports about its own part (it alone holds that part, and one made-up report
 can cancel a wrong aggregate in the fixed-point sum), or what a contributor reports when its reducer
 covers for it.
@@ -21,7 +22,7 @@ from protocol.btard.claims import Reports
 from protocol.btard.messages import Accusation, Recompute
 from protocol.codec import decode, encode, encoded_size_bound
 from protocol.transport import CallFailed
-from security.commitments import ReportBody, part_hash, seeded_choice
+from security.commitments import ReportBody, part_hash, validator_pairs
 from security.evidence import Offense
 from security.projection import report_matches
 
@@ -32,26 +33,25 @@ logger = logging.getLogger(__name__)
 
 
 class Validator:
-    """One member's part in its round's validation: who validates whom, and (if it is this member)
-    the recomputation and the check of the target's reports."""
+    """One member's part in its round's validation: who validates whom, and (if this member is a
+    validator) the recomputation and the check of its target's reports."""
 
     def __init__(self, vr: VerifiedRound) -> None:
         self.vr = vr
         self.target_parts: dict[int, bytes | memoryview] = {}  # as validator: the target's committed parts
 
-    def choice(self, seed: bytes) -> tuple[Optional[str], Optional[str]]:
-        """(validator, target) for the round's public seed; (None, None) if the round has none."""
-        candidates = sorted(self.vr.commits)
-        if len(candidates) < 2 or self.vr.config.validators < 1:
-            return None, None
-        validator = seeded_choice(seed, "validator", candidates)
-        target = seeded_choice(seed, "target", [p for p in candidates if p != validator])
-        return validator, target
+    def pairs(self, seed: bytes) -> list[tuple[str, str]]:
+        """(validator, target) pairs among the committed members, for the round's public seed."""
+        return validator_pairs(seed, sorted(self.vr.commits), self.vr.config.validators)
+
+    def target(self, seed: bytes) -> Optional[str]:
+        """The member this one validates this round, if any."""
+        return next((t for v, t in self.pairs(seed) if v == self.vr.identity.peer_id), None)
 
     async def validate(self, seed: bytes) -> None:
         vr = self.vr
-        validator, target = self.choice(seed)
-        if validator != vr.identity.peer_id or vr.recompute is None:
+        target = self.target(seed)
+        if target is None or vr.recompute is None:
             return
         logger.debug(f"round {vr.round_id.hex()[:8]}: validating {target[-8:]}")
         parts: dict[int, bytes | memoryview] = {}
@@ -97,8 +97,8 @@ class Validator:
     async def check_target_reports(self, seed: bytes, output: torch.Tensor, reports: Reports) -> None:
         """Accuse the target of every report the parts it committed to prove false."""
         vr = self.vr
-        validator, target = self.choice(seed)
-        if validator != vr.identity.peer_id or not self.target_parts or target not in reports:
+        target = self.target(seed)
+        if target is None or not self.target_parts or target not in reports:
             return
         signed, body = reports[target]
         vr.service.hold_target(vr.round_id, target, self.target_parts)

@@ -189,7 +189,7 @@ def test_validator_checks_its_target_while_the_gather_runs(monkeypatch):
         async with open_swarm(4, CONFIG) as peers:
             ids = [p.peer_id for p in peers]
             target = [ids[1]]
-            monkeypatch.setattr(Validator, "choice", lambda self, seed: (ids[0], target[0]))
+            monkeypatch.setattr(Validator, "pairs", lambda self, seed: [(ids[0], target[0])])
             numel = 2_000_000  # 2 MB parts: the aggregates take the direct path, so the seed is out before they land
             xs = [torch.randn(numel, generator=torch.Generator().manual_seed(i)) for i in range(4)]
             honest = {p: x for p, x in zip(ids, xs)}
@@ -225,7 +225,7 @@ def test_a_reducer_covering_up_its_aggregate_with_its_own_report_is_caught_by_th
         async with open_swarm(4, CONFIG, behaviors=behaviors) as peers:
             ids = [p.peer_id for p in peers]
             target = [ids[1]]
-            monkeypatch.setattr(Validator, "choice", lambda self, seed: (ids[0], target[0]))
+            monkeypatch.setattr(Validator, "pairs", lambda self, seed: [(ids[0], target[0])])
             xs = _inputs(4)
             committed = dict(zip(ids, xs))
             noise = 1.0 if recomputation == "bit-identical" else 1 + 1e-7
@@ -244,6 +244,31 @@ def test_a_reducer_covering_up_its_aggregate_with_its_own_report_is_caught_by_th
 
             target[0] = ids[3]
             outcomes = await verified_round()
+            at = outcomes[0].group.members.index(ids[3])
+            for peer, outcome in zip(peers[:3], outcomes[:3]):
+                assert outcome.verdict.banned == {ids[3]} and peer.membership.banned == {ids[3]}
+                assert outcome.verdict.bad_parts == {at}
+
+    asyncio.run(main())
+
+
+def test_with_a_validator_per_member_a_cover_up_is_caught_in_its_first_round():
+    """`validators` equal to the group size: every member is some validator's target each round, so the
+    reducer that covers up its shifted aggregate with its own report is caught whatever the seed."""
+    config = dataclasses.replace(CONFIG, verify=dataclasses.replace(CONFIG.verify, validators=4))
+
+    async def main():
+        async with open_swarm(4, config, behaviors=[None, None, None, PROTOCOL_ATTACKS["cover_up"]()]) as peers:
+            ids = [p.peer_id for p in peers]
+            xs = _inputs(4)
+            committed = dict(zip(ids, xs))
+
+            async def recompute(peer):
+                return committed[peer]
+
+            for peer in peers:
+                peer.engine.set_state(b"v0", 0)
+            outcomes = await asyncio.gather(*[p.engine.run_round(x, recompute=recompute) for p, x in zip(peers, xs)])
             at = outcomes[0].group.members.index(ids[3])
             for peer, outcome in zip(peers[:3], outcomes[:3]):
                 assert outcome.verdict.banned == {ids[3]} and peer.membership.banned == {ids[3]}

@@ -13,8 +13,8 @@ from security.commitments import (
     part_hash,
     part_hasher,
     public_seed,
-    seeded_choice,
     share_commitment,
+    validator_pairs,
 )
 from security.wire import pack, unpack
 
@@ -48,15 +48,23 @@ def test_public_seed_depends_on_every_share_and_not_on_their_order():
     assert public_seed(b"o" * 16, shares) != seed
 
 
-def test_seeded_choice_is_reproducible_and_reaches_every_option():
-    options = ["a", "b", "c", "d"]
+def test_validator_pairs_are_public_distinct_and_never_self():
+    members = ["a", "b", "c", "d", "e"]
     seeds = [hashlib.sha256(bytes([i])).digest() for i in range(200)]
-    picks = [seeded_choice(s, "validator", options) for s in seeds]
-    assert picks == [seeded_choice(s, "validator", options) for s in seeds]
-    assert set(picks) == set(options)
-    assert picks != [seeded_choice(s, "target", options) for s in seeds]  # purposes draw independently
-    with pytest.raises(ValueError, match="nothing to choose from"):
-        seeded_choice(seeds[0], "validator", [])
+    for count in range(0, 7):
+        for seed in seeds[:20]:
+            pairs = validator_pairs(seed, members, count)
+            assert pairs == validator_pairs(seed, list(reversed(members)), count)  # the order given does not matter
+            assert len(pairs) == min(count, len(members))
+            validators, targets = [v for v, _ in pairs], [t for _, t in pairs]
+            assert len(set(validators)) == len(validators) and len(set(targets)) == len(targets)
+            assert all(v != t for v, t in pairs)
+            if count >= len(members):
+                assert set(targets) == set(members)  # everyone is validated
+    # the seed decides: every member validates, and is validated, for some seeds
+    single = [validator_pairs(seed, members, 1)[0] for seed in seeds]
+    assert {v for v, _ in single} == set(members) and {t for _, t in single} == set(members)
+    assert validator_pairs(seeds[0], ["a"], 3) == [] and validator_pairs(seeds[0], ["a", "a"], 3) == []
 
 
 def test_members_digest_is_order_sensitive():
