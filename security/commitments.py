@@ -39,13 +39,6 @@ def members_digest(members: list[str] | tuple[str, ...]) -> bytes:
     return hashlib.sha256("\n".join(members).encode()).digest()
 
 
-class JoinTicket(WireModel):
-    """A member's signed wish to join through `leader` (kind "join"), embedded in the group statement."""
-
-    leader: PeerIdStr
-    nonce: Hash  # fresh per join: binds the ticket to one matchmaking attempt
-
-
 class GroupBody(WireModel):
     """The leader's signed group (kind "group"): proves who was asked into the round."""
 
