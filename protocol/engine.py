@@ -53,6 +53,10 @@ def initial_version(run_hash: bytes, tensors: dict[str, torch.Tensor], step: int
     return h.digest()
 
 
+GROUP_FRESH_S = 300.0  # how far a group statement's time may be from ours
+USED_ROUNDS = 16_384  # remembered round ids: more than rounds can start in 2 × GROUP_FRESH_S
+
+
 def next_version(version: bytes, round_id: bytes, missing_parts: tuple[int, ...]) -> bytes:
     return hashlib.sha256(version + round_id + repr(sorted(missing_parts)).encode()).digest()
 
@@ -121,6 +125,7 @@ class RoundEngine:
             self.exchange = ExchangeService(transport, wait_for_round_s=config.verify.phase_timeout_s)
             self.btard = BtardService(transport, self.exchange, identity)
         self._output: Optional[torch.Tensor] = None  # reused by every round: see run_round
+        self._used_rounds: dict[bytes, None] = {}  # verified round ids this peer took part in (oldest first)
         self.version = b""
         self.step = 0
         self.stats = EngineStats()
@@ -254,12 +259,26 @@ class RoundEngine:
         return result, verdict
 
     def _check_group(self, group: GroupSpec) -> Signed:
-        """A verified round needs the leader's signed group statement, listing exactly these members."""
+        """A verified round needs the leader's signed group statement, listing exactly these members, for
+        a round id this peer never took part in: two different statements it signed for one round id
+        are proof of equivocation, so a leader that handed out a round id again could get it banned."""
         leader = self.matchmaker.last_leader
         signed = unpack(group.statement, Signed, peer=leader)
         _, body = open_statement(signed, GroupBody, kind="group", round_id=group.round_id, sender=leader)
         if list(body.members) != list(group.members):
             raise PeerProtocolError("group statement lists other members", peer=leader)
+        age = self.matchmaker.wall_clock() - body.issued_at
+        if not abs(age) <= GROUP_FRESH_S:  # the memory of used round ids reaches back that far
+            raise PeerProtocolError(
+                f"group statement issued {age:.0f} s ago by the leader's clock (replayed, or a clock off by over"
+                f" {GROUP_FRESH_S:.0f} s: check both machines' time)",
+                peer=leader,
+            )
+        if group.round_id in self._used_rounds:
+            raise PeerProtocolError("the leader reused a round id", peer=leader)
+        self._used_rounds[group.round_id] = None
+        while len(self._used_rounds) > USED_ROUNDS:
+            self._used_rounds.pop(next(iter(self._used_rounds)))
         return signed
 
     async def completed(self, averaged: Averaged, snapshot_fn) -> None:

@@ -98,6 +98,8 @@ class Matchmaker:
     loss: Callable[[], Optional[float]] = lambda: None  # this peer's recent training loss, for AdaSync
     stats: MatchmakingStats = field(default_factory=MatchmakingStats)
     last_leader: Optional[str] = None  # who answered the last successful join
+    wall_clock: Callable[[], float] = time.time  # stamps the groups this peer leads (members check freshness)
+    new_round_id: Callable[[], bytes] = lambda: secrets.token_bytes(16)
     _pending: dict[str, _Pending] = field(default_factory=dict)
     _expected_next: set[str] = field(default_factory=set)
     _arrived: Optional[asyncio.Event] = None
@@ -276,10 +278,11 @@ class Matchmaker:
         donations = {peer: in_sync[i % len(in_sync)] for i, peer in enumerate(behind)}
         self._expected_next = set(pending)
         for members in chunks:
-            round_id = secrets.token_bytes(16)
+            round_id = self.new_round_id()
             statement = b""
             if self.identity is not None:
-                statement = pack(sign_statement(self.identity, "group", round_id, GroupBody(members=members)))
+                body = GroupBody(members=members, issued_at=self.wall_clock())
+                statement = pack(sign_statement(self.identity, "group", round_id, body))
             group = GroupSpec(
                 round_id=round_id,
                 members=members,

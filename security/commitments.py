@@ -43,6 +43,7 @@ class GroupBody(WireModel):
     """The leader's signed group (kind "group"): proves who was asked into the round."""
 
     members: Annotated[list[PeerIdStr], Field(min_length=1, max_length=MAX_MEMBERS)]
+    issued_at: float = 0.0  # the leader's wall clock (s since the epoch): members refuse stale groups
 
 
 class CommitBody(WireModel):

@@ -4,12 +4,13 @@ gets exactly its attacker banned by every honest member, and a banned peer is re
 import asyncio
 import dataclasses
 import math
+import os
 
 import pytest
 import torch
 
 from aggregation.centered_clip import centered_clip
-from aggregation.errors import RoundAbortedError
+from aggregation.errors import PeerProtocolError, RoundAbortedError
 from protocol.adversary import PROTOCOL_ATTACKS, Behavior
 from protocol.config import Codec, MatchmakingConfig, RoundConfig, verify_config_for
 from protocol.engine import Averaged
@@ -757,6 +758,52 @@ def test_bans_by_majority_reach_the_swarm_and_forged_groups_ban_nobody(tmp_path)
                     assert peer.membership.banned == {attacker.peer_id}
             finally:
                 await close_peer(newcomer)
+
+    asyncio.run(main())
+
+
+def test_a_leader_reusing_a_round_id_cannot_make_members_sign_twice_for_one_round(monkeypatch):
+    """Two different commitments signed for one round id are proof of equivocation (one vote bans). A
+    leader that hands out the same round id again would get every member to sign a second, different
+    commitment for it: members refuse a round id they already took part in, and a stale group."""
+    import time
+
+    from protocol.btard import round as round_module
+
+    signed: list[tuple[str, bytes, object]] = []
+    sign = round_module.sign_statement
+
+    def recording(identity, kind, round_id, body):
+        statement = sign(identity, kind, round_id, body)
+        if kind == "commit":
+            signed.append((identity.peer_id, round_id, statement))
+        return statement
+
+    monkeypatch.setattr(round_module, "sign_statement", recording)
+
+    async def main():
+        async with open_swarm(4, CONFIG) as peers:
+            for peer in peers:
+                peer.engine.matchmaker.new_round_id = lambda: b"R" * 16
+            first = await _round(peers, _inputs(4))
+            assert all(isinstance(o, Averaged) for o in first), first
+            second = await _round(peers, _inputs(4))
+            for outcome in second:
+                assert isinstance(outcome, PeerProtocolError) and "reused a round id" in str(outcome), outcome
+            for peer in peers:
+                mine = [statement for who, round_id, statement in signed if who == peer.peer_id and round_id == b"R" * 16]
+                assert len(mine) == 1, "signed two commitments for one round id"
+                assert not peer.membership.banned
+            # a group statement older than the freshness window is refused too (a leader whose clock is off)
+            leader = peers[0].engine.matchmaker.last_leader
+            for peer in peers:
+                peer.engine.matchmaker.new_round_id = lambda: os.urandom(16)
+                if peer.peer_id == leader:
+                    peer.engine.matchmaker.wall_clock = lambda: time.time() - 3600
+            outcomes = await _round(peers, _inputs(4))
+            for peer, outcome in zip(peers, outcomes):
+                if peer.peer_id != leader:
+                    assert isinstance(outcome, PeerProtocolError) and "group statement issued" in str(outcome), outcome
 
     asyncio.run(main())
 
