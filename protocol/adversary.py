@@ -59,6 +59,10 @@ class Behavior:
     def claimed_undelivered(self, vr: "VerifiedRound", undelivered: set[int]) -> set[int]:
         return undelivered
 
+    def served_state(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The state this member hands to peers that download it (as a donor, or keeps as a witness)."""
+        return tensors
+
     def counted(self, vr: "VerifiedRound", received: list[int]) -> list[int]:
         """As a reducer: the received parts its aggregate is computed from."""
         return received
@@ -224,9 +228,26 @@ class DeflateWeight(Behavior):
         return 0.0
 
 
+class PoisonState(Behavior):
+    """Hands peers that download its state (newcomers, members that fell behind) a model with noise of
+    half each tensor's norm added: refused, because most of the round's members hold another state."""
+
+    name = "poison_state"
+
+    def served_state(self, tensors):
+        g = torch.Generator().manual_seed(0)
+        out = {}
+        for name, t in tensors.items():
+            if t.is_floating_point() and t.numel():
+                noise = torch.randn(t.shape, generator=g, dtype=t.dtype)
+                t = t + noise * (0.5 * float(t.norm()) / max(float(noise.norm()), 1e-12))
+            out[name] = t
+        return out
+
+
 PROTOCOL_ATTACKS: Registry[type[Behavior]] = Registry("protocol attack")
 for _cls in (
     WrongAggregate, Equivocate, FalseReport, FalseAccusation, WithholdReveal, BadCommitment, Silent, InflateWeight,
-    WithholdAggregate, FalseDispute, LeaveOut, DeflateWeight, CoverUp, EquivocateReport, WithholdReport,
+    WithholdAggregate, FalseDispute, LeaveOut, DeflateWeight, CoverUp, EquivocateReport, WithholdReport, PoisonState,
 ):  # fmt: skip
     PROTOCOL_ATTACKS.register(_cls.name, _cls)

@@ -14,6 +14,7 @@ import asyncio
 import dataclasses
 import hashlib
 import logging
+import os
 import time
 from dataclasses import dataclass
 from typing import Awaitable, Callable, Optional, Union
@@ -32,9 +33,10 @@ from protocol.matchmaking import GroupSpec, Matchmaker
 from protocol.membership import Membership
 from protocol.state_sync import StateService, StateSnapshot
 from protocol.sync_policy import SyncPolicy
-from protocol.transport import Transport
+from protocol.transport import CallFailed, Transport
 from security.commitments import GroupBody
 from security.identity import Identity
+from security.projection import fingerprints_match, state_fingerprint
 from security.statements import Signed, open_statement
 from security.wire import unpack
 
@@ -286,16 +288,47 @@ class RoundEngine:
         `snapshot_fn()` returns the tensors to hand over (called only when needed)."""
         self.set_state(next_version(self.version, averaged.group.round_id, averaged.result.missing_parts), self.step + 1)
         self.membership.state = "online"
-        if any(d.donor == self.peer_id for d in averaged.group.donations):
-            snapshot = StateSnapshot(step=self.step, version=self.version, tensors=snapshot_fn())
-            await self.state.publish(snapshot, averaged.group.round_id)
+        donations = averaged.group.donations
+        # verified runs: every member keeps the state as a witness, to check the donor's for the recipients
+        if any(d.donor == self.peer_id for d in donations) or (donations and self.btard is not None):
+            tensors = self.behavior.served_state(snapshot_fn())
+            await self.state.publish(StateSnapshot(step=self.step, version=self.version, tensors=tensors), averaged.group.round_id)
 
     async def fetch_state(self, resync: Resync, template: dict[str, torch.Tensor]) -> StateSnapshot:
         snapshot = await self.state.fetch(
             resync.donor, resync.group.round_id, template, timeout_s=self.config.state_timeout_s
         )
         if snapshot.step != resync.group.step + 1:
-            from aggregation.errors import PeerProtocolError
-
             raise PeerProtocolError(f"donor sent step {snapshot.step}, expected {resync.group.step + 1}", peer=resync.donor)
+        if self.btard is not None:
+            await self._check_state(resync, snapshot)
         return snapshot
+
+    async def _check_state(self, resync: Resync, snapshot: StateSnapshot) -> None:
+        """Accept the donor's state only if most of its round's members hold the same (up to rounding):
+        each sends its own snapshot's fingerprint along directions drawn only now, after the download."""
+        group, donor = resync.group, resync.donor
+        others = [p for p in group.members if p not in (donor, self.peer_id)]
+        seed = os.urandom(32)
+        tensors = list(snapshot.tensors.values())
+        numels = [t.numel() for t in tensors]
+        mine = await asyncio.get_running_loop().run_in_executor(None, state_fingerprint, seed, tensors)
+        timeout_s = 3 * self.config.verify.phase_timeout_s
+        checks = [asyncio.ensure_future(self.state.check(p, group.round_id, seed, timeout_s=timeout_s)) for p in others]
+        agree = 1  # the donor
+        try:
+            for done in asyncio.as_completed(checks):
+                try:
+                    theirs = await done
+                except (CallFailed, RoundAbortedError, PeerProtocolError):
+                    continue
+                agree += fingerprints_match(mine, theirs, numels, self.config.verify.contribution_rtol)
+                if 2 * agree > len(group.members):
+                    return
+        finally:
+            for check in checks:
+                check.cancel()
+            await asyncio.gather(*checks, return_exceptions=True)
+        raise PeerProtocolError(
+            f"state refused: {agree - 1} of the round's {len(others)} other members hold the same", peer=donor
+        )

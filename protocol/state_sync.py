@@ -4,6 +4,11 @@ A member publishes a snapshot (named CPU tensors + step + version) after a round
 which it was named donor, or whenever it likes for newcomers of asynchronous modes; a
 recipient fetches it by round id and checks every tensor's name, dtype and shape
 against its own model before using a byte of it.
+
+In verified runs every member of a round with a recipient keeps its snapshot as a witness,
+and answers `check`: the snapshot's fingerprint along random directions the recipient draws
+after it holds the donor's bytes (security.projection.state_fingerprint). A donor cannot
+shape a poisoned state to directions it did not know.
 """
 
 from __future__ import annotations
@@ -19,11 +24,13 @@ from pydantic import Field
 
 from aggregation.errors import PeerProtocolError, RoundAbortedError
 from protocol.transport import Transport
-from security.wire import WireModel, pack, unpack
+from security.projection import state_fingerprint
+from security.wire import RoundId, WireModel, pack, unpack
 
 logger = logging.getLogger(__name__)
 
 STATE_METHOD = "state"
+CHECK_METHOD = "state_check"
 SNAPSHOT_TTL_S = 120.0
 _DTYPES = {
     "float32": torch.float32,
@@ -46,6 +53,15 @@ class TensorMeta(WireModel):
 
 class StateRequest(WireModel):
     round_id: Optional[bytes]  # the round after which the state is wanted; None: the latest
+
+
+class CheckRequest(WireModel):
+    round_id: RoundId  # the round whose witness snapshot is asked about
+    seed: Annotated[bytes, Field(min_length=32, max_length=32)]  # the recipient's, drawn after the download
+
+
+class CheckReply(WireModel):
+    fingerprint: Annotated[list[float], Field(max_length=3 * 10_000)]  # state_fingerprint of the snapshot
 
 
 class StateHeader(WireModel):
@@ -71,14 +87,16 @@ class StateService:
     def __init__(self, transport: Transport, *, max_state_bytes: int = 1 << 36) -> None:
         self.transport = transport
         self.max_state_bytes = max_state_bytes
-        self._by_round: dict[bytes, tuple[float, StateHeader, bytes]] = {}
-        self._latest: Optional[tuple[StateHeader, bytes]] = None
+        self._by_round: dict[bytes, tuple[float, StateHeader, bytearray]] = {}
+        self._latest: Optional[tuple[StateHeader, bytearray]] = None
         self._published = asyncio.Condition()
+        self._checked: set[tuple[str, bytes]] = set()  # (peer, round id): each fingerprint computed once
         transport.register(STATE_METHOD, self._serve, max_payload=0)
+        transport.register(CHECK_METHOD, self._serve_check, max_payload=0)
 
     async def publish(self, snapshot: StateSnapshot, round_id: Optional[bytes] = None) -> None:
         header = StateHeader(step=snapshot.step, version=snapshot.version, tensors=describe(snapshot.tensors))
-        payload = b"".join(_raw_bytes(t) for t in snapshot.tensors.values())
+        payload = bytearray().join(_raw_bytes(t) for t in snapshot.tensors.values())  # writable: checks view it
         now = time.monotonic()
         async with self._published:
             for rid in [r for r, (t, _, _) in self._by_round.items() if t < now]:
@@ -88,21 +106,42 @@ class StateService:
             self._latest = (header, payload)
             self._published.notify_all()
 
-    async def _serve(self, peer: str, header: bytes, payload: bytearray) -> tuple[bytes, bytes]:
-        request = unpack(header, StateRequest, peer=peer)
+    async def _snapshot_of(self, round_id: Optional[bytes]) -> tuple[StateHeader, bytes]:
+        """The snapshot published after `round_id` (None: the latest), once it is."""
 
         def ready() -> Optional[tuple[StateHeader, bytes]]:
-            if request.round_id is None:
+            if round_id is None:
                 return self._latest
-            entry = self._by_round.get(request.round_id)
+            entry = self._by_round.get(round_id)
             return None if entry is None else entry[1:]
 
         async with self._published:
             try:
-                found = await asyncio.wait_for(self._published.wait_for(ready), timeout=SNAPSHOT_TTL_S)
+                return await asyncio.wait_for(self._published.wait_for(ready), timeout=SNAPSHOT_TTL_S)
             except asyncio.TimeoutError:
                 raise RoundAbortedError("no such snapshot") from None
+
+    async def _serve(self, peer: str, header: bytes, payload: bytearray) -> tuple[bytes, bytes]:
+        request = unpack(header, StateRequest, peer=peer)
+        found = await self._snapshot_of(request.round_id)
         return pack(found[0]), found[1]
+
+    async def _serve_check(self, peer: str, header: bytes, payload: bytearray) -> tuple[bytes, bytes]:
+        request = unpack(header, CheckRequest, peer=peer)
+        if (peer, request.round_id) in self._checked:  # a pass over the whole state each: once per recipient
+            raise PeerProtocolError("asked twice to check one round's state", peer=peer)
+        self._checked.add((peer, request.round_id))
+        state_header, data = await self._snapshot_of(request.round_id)
+        tensors = list(_tensors_from(state_header.tensors, data, copy=False).values())
+        fingerprint = await asyncio.get_running_loop().run_in_executor(None, state_fingerprint, request.seed, tensors)
+        return pack(CheckReply(fingerprint=fingerprint)), b""
+
+    async def check(self, peer: str, round_id: bytes, seed: bytes, *, timeout_s: float) -> list[float]:
+        """`peer`'s fingerprint, along `seed`'s directions, of the snapshot it kept after `round_id`."""
+        raw, _ = await self.transport.call(
+            peer, CHECK_METHOD, pack(CheckRequest(round_id=round_id, seed=seed)), max_reply_payload=0, timeout_s=timeout_s
+        )
+        return list(unpack(raw, CheckReply, peer=peer).fingerprint)
 
     async def fetch(
         self, peer: str, round_id: Optional[bytes], template: dict[str, torch.Tensor], *, timeout_s: float
@@ -125,17 +164,26 @@ class StateService:
             raise PeerProtocolError("state does not match our model (names, dtypes or shapes differ)", peer=peer)
         if len(payload) != size:
             raise PeerProtocolError(f"state payload has {len(payload)} bytes, expected {size}", peer=peer)
-        tensors, pos = {}, 0
-        for meta in expected:
-            n = _nbytes(meta)
-            dtype = _DTYPES[meta.dtype]
-            chunk = payload[pos : pos + n]
-            t = torch.frombuffer(chunk, dtype=dtype).clone() if n else torch.empty(0, dtype=dtype)
-            tensors[meta.name] = t.reshape(meta.shape)
-            pos += n
+        tensors = _tensors_from(expected, payload, copy=True)
         if any(t.is_floating_point() and not torch.isfinite(t).all() for t in tensors.values()):
             raise PeerProtocolError("state contains NaN or Inf", peer=peer)
         return StateSnapshot(step=header.step, version=header.version, tensors=tensors)
+
+
+def _tensors_from(metas: list[TensorMeta], payload: bytes | bytearray, *, copy: bool) -> dict[str, torch.Tensor]:
+    """The named tensors laid out in `payload` (views into it unless `copy`)."""
+    tensors, pos = {}, 0
+    for meta in metas:
+        n = _nbytes(meta)
+        dtype = _DTYPES[meta.dtype]
+        t = torch.frombuffer(payload, dtype=dtype, count=n // _itemsize(dtype), offset=pos) if n else torch.empty(0, dtype=dtype)
+        tensors[meta.name] = (t.clone() if copy else t).reshape(meta.shape)
+        pos += n
+    return tensors
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty(0, dtype=dtype).element_size()
 
 
 def _nbytes(meta: TensorMeta) -> int:

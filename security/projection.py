@@ -159,3 +159,40 @@ def fixed_point_holds(
 ) -> bool:
     total = sum(w * s for (s, _), w in zip(reports, weights))
     return math.isfinite(total) and abs(total) <= tolerance(reports, weights, tau, eps, v_norm, numel, v_error)
+
+
+STATE_PROJECTIONS = 2  # random directions per tensor when checking a downloaded state
+
+
+def state_fingerprint(seed: bytes, tensors: list[Tensor]) -> list[float]:
+    """For each tensor: ‖t‖ and its projections on STATE_PROJECTIONS directions drawn from `seed`.
+    A state checked with a seed its sender could not know when it sent the state: any change to a
+    tensor beyond rounding shows up in a projection with high probability."""
+    out: list[float] = []
+    for index, t in enumerate(tensors):
+        flat = t.detach().reshape(-1).float()
+        out.append(float(torch.linalg.vector_norm(flat.double())))
+        for k in range(STATE_PROJECTIONS):
+            out.append(float(direction(seed, index * STATE_PROJECTIONS + k, flat.numel()).project(flat)) if flat.numel() else 0.0)
+    return out
+
+
+def fingerprints_match(a: list[float], b: list[float], numels: list[int], rtol: float) -> bool:
+    """Whether two states' fingerprints agree up to a relative drift `rtol` per tensor. Honest states
+    differ only by rounding (every member applies the same averaged update), whose projection on a random
+    unit direction is about ‖drift‖/√numel; 6 of those is the margin."""
+    step = 1 + STATE_PROJECTIONS
+    if len(a) != len(b) or len(a) != step * len(numels):
+        return False
+    for i, numel in enumerate(numels):
+        na, nb = a[i * step], b[i * step]
+        values = a[i * step : (i + 1) * step] + b[i * step : (i + 1) * step]
+        if not all(math.isfinite(v) for v in values):
+            return False
+        scale = max(na, nb)
+        if abs(na - nb) > rtol * scale + 1e-12:
+            return False
+        margin = 6 * rtol * scale / math.sqrt(max(numel, 1)) + 1e-12
+        if any(abs(a[i * step + k] - b[i * step + k]) > margin for k in range(1, step)):
+            return False
+    return True

@@ -153,7 +153,8 @@ def test_wrong_aggregate_is_caught_through_fp16_rounding():
 
 # cover_up is caught only in rounds where the public seed makes the attacker the validator's target;
 # withhold_report gets nobody banned (who is lying cannot be proven) and changes nothing
-ONE_ROUND_ATTACKS = sorted(set(PROTOCOL_ATTACKS) - {"cover_up", "withhold_report"})
+# poison_state only touches state downloads (refused, not banned: see its own test)
+ONE_ROUND_ATTACKS = sorted(set(PROTOCOL_ATTACKS) - {"cover_up", "withhold_report", "poison_state"})
 
 
 @pytest.mark.parametrize("attack", ONE_ROUND_ATTACKS)
@@ -804,6 +805,39 @@ def test_a_leader_reusing_a_round_id_cannot_make_members_sign_twice_for_one_roun
             for peer, outcome in zip(peers, outcomes):
                 if peer.peer_id != leader:
                     assert isinstance(outcome, PeerProtocolError) and "group statement issued" in str(outcome), outcome
+
+    asyncio.run(main())
+
+
+def test_a_poisoned_state_download_is_refused_by_the_rounds_majority():
+    """A peer that must catch up downloads the state its donor kept after a round. In verified runs every
+    member of that round keeps its own as a witness, and the recipient compares fingerprints along
+    directions it draws after the download: an honest donor's state is taken, a poisoned one refused."""
+    from protocol.engine import Resync
+    from protocol.matchmaking import Donation
+
+    async def main():
+        async with open_swarm(4, CONFIG, behaviors=[None, None, None, PROTOCOL_ATTACKS["poison_state"]()]) as peers:
+            newcomer = await open_peer([str(m) for m in peers[0].dht.get_visible_maddrs()], CONFIG)
+            try:
+                state = {"w": torch.linspace(-1, 1, 50_000), "b": torch.full((7,), 0.25), "count": torch.tensor([3])}
+                template = {k: torch.zeros_like(v) for k, v in state.items()}
+                for donor in (peers[1], peers[3]):  # honest, then the attacker
+                    outcomes = await _round(peers, _inputs(4))
+                    group = outcomes[0].group.model_copy(
+                        update={"donations": [Donation(recipient=newcomer.peer_id, donor=donor.peer_id)]}
+                    )
+                    for peer, outcome in zip(peers, outcomes):
+                        await peer.engine.completed(dataclasses.replace(outcome, group=group), lambda: dict(state))
+                    resync = Resync(group, donor.peer_id)
+                    if donor is peers[1]:
+                        snapshot = await newcomer.engine.fetch_state(resync, template)
+                        assert all(torch.equal(snapshot.tensors[k], v) for k, v in state.items())
+                    else:
+                        with pytest.raises(PeerProtocolError, match="state refused: 0 of the round's 3 other members"):
+                            await newcomer.engine.fetch_state(resync, template)
+            finally:
+                await close_peer(newcomer)
 
     asyncio.run(main())
 

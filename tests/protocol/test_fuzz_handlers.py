@@ -16,7 +16,7 @@ from protocol.config import MatchmakingConfig, RoundConfig, verify_config_for
 from protocol.engine import Averaged
 from protocol.exchange import EXCHANGE_METHOD, ExchangeHeader
 from protocol.matchmaking import JOIN_METHOD, JoinRequest
-from protocol.state_sync import STATE_METHOD, StateRequest
+from protocol.state_sync import CHECK_METHOD, STATE_METHOD, CheckRequest, StateRequest
 from protocol.transport import HELLO_MAGIC, CallFailed, Status
 from security.statements import Signed
 from security.wire import pack
@@ -57,6 +57,7 @@ def _shaped(rng: random.Random, target_round: bytes) -> list[tuple[str, bytes, b
         (PART_METHOD, pack(PartHeader(round_id=os.urandom(16), part=0, numel=10, codec="none", weight=1.0)), b"\x00" * 40),
         (PART_METHOD, pack(PartHeader(round_id=target_round, part=99, numel=10**9, codec="zip", weight=1e30, signature=bad_sig)), b"\x00" * 8),
         (STATE_METHOD, pack(StateRequest(round_id=os.urandom(16))), b""),
+        (CHECK_METHOD, pack(CheckRequest.model_construct(round_id=os.urandom(16), seed=b"short")), b""),
         (EXCHANGE_METHOD, pack(ExchangeHeader(round_id=os.urandom(16), phase="commit")), bad_sig),
         (EXCHANGE_METHOD, pack(ExchangeHeader(round_id=target_round, phase="reveal")), os.urandom(100)),
         (EVIDENCE_METHOD, pack(EvidenceRequest(round_id=os.urandom(16), part=0, contributor="QmFuzz")), b""),
@@ -71,7 +72,7 @@ def test_handlers_refuse_garbage_and_the_peer_keeps_serving():
         async with open_swarm(3, CONFIG) as peers:
             target, fuzzer, third = peers
             rng = random.Random(0)
-            methods = [JOIN_METHOD, PART_METHOD, STATE_METHOD, EXCHANGE_METHOD, EVIDENCE_METHOD, RELAY_METHOD]
+            methods = [JOIN_METHOD, PART_METHOD, STATE_METHOD, EXCHANGE_METHOD, EVIDENCE_METHOD, RELAY_METHOD, CHECK_METHOD]
             outcomes = []
             for i in range(60):
                 method = methods[i % len(methods)]

@@ -71,3 +71,31 @@ def test_direction_is_public_and_unit():
     ones = torch.zeros(8192)
     ones[:4096] = a.u  # one full block
     assert abs(float(a.project(ones)) - float(a.signs[0]) / math.sqrt(a.signs.numel())) < 1e-6
+
+
+def test_a_state_fingerprint_tells_rounding_from_a_changed_state():
+    """Honest members' states differ by rounding only; a donor's change beyond that shows, along
+    directions drawn after it sent the state, whatever its shape."""
+    from security.projection import fingerprints_match, state_fingerprint
+
+    g = torch.Generator().manual_seed(0)
+    state = [torch.randn(300, 100, generator=g), torch.randn(10, generator=g), torch.tensor([7]), torch.empty(0)]
+    numels = [t.numel() for t in state]
+    rounded = [t * (1 + 1e-7) if t.is_floating_point() else t for t in state]
+    seeds = [bytes([i]) * 32 for i in range(50)]
+    for seed in seeds:
+        assert fingerprints_match(state_fingerprint(seed, state), state_fingerprint(seed, rounded), numels, 1e-4)
+    for relative in (1e-2, 1.0):
+        passed = 0
+        for seed in seeds:
+            poisoned = [t.clone() for t in state]
+            noise = torch.randn(poisoned[0].shape, generator=g)
+            poisoned[0] += noise * (relative * float(state[0].norm()) / float(noise.norm()))
+            passed += fingerprints_match(state_fingerprint(seed, state), state_fingerprint(seed, poisoned), numels, 1e-4)
+        assert passed == 0, (relative, passed)
+    # an integer counter, a NaN, or a fingerprint of another shape do not match either
+    other = [state[0], state[1], torch.tensor([8]), state[3]]
+    assert not fingerprints_match(state_fingerprint(seeds[0], state), state_fingerprint(seeds[0], other), numels, 1e-4)
+    bad = state_fingerprint(seeds[0], state)
+    assert not fingerprints_match(bad, [float("nan")] * len(bad), numels, 1e-4)
+    assert not fingerprints_match(bad, bad[:-1], numels, 1e-4)
