@@ -113,8 +113,9 @@ class RoundEngine:
         if bans is not None:
             bans.banned = membership.banned
         self.matchmaker = Matchmaker(
-            transport, membership, config.matchmaking, run_hash, identity=identity, sync_policy=sync_policy, loss=loss
-        )
+            transport, membership, config.matchmaking, run_hash, identity=identity, sync_policy=sync_policy, loss=loss,
+            majority_state=config.verify is not None,
+        )  # fmt: skip
         self.allreduce = AllReduceService(transport, registration_wait_s=config.matchmaking.join_timeout_s)
         self.state = StateService(transport)
         self.reducer = self.behavior.wrap_reducer(config.make_reducer())

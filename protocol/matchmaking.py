@@ -94,6 +94,9 @@ class Matchmaker:
     config: MatchmakingConfig
     run_hash: bytes
     identity: Optional[Identity] = None  # signs the groups this peer leads (verified runs)
+    # verified runs: a round starts from the state most joiners hold (ties: the later one), not from the
+    # latest anyone claims, or one peer claiming a step far ahead would make everyone download its state
+    majority_state: bool = False
     sync_policy: Optional[SyncPolicy] = None  # K per round; None: everyone expected (or target_group_size)
     loss: Callable[[], Optional[float]] = lambda: None  # this peer's recent training loss, for AdaSync
     stats: MatchmakingStats = field(default_factory=MatchmakingStats)
@@ -263,7 +266,10 @@ class Matchmaker:
     def _announce_groups(self, pending: dict[str, _Pending], k: int, size: Optional[int] = None) -> list[str]:
         """Answer every joiner that fits a group; returns the ones left over (fewer than a group)."""
         counts = Counter((p.request.step, p.request.version) for p in pending.values())
-        step, version = max(counts, key=lambda sv: (sv[0], counts[sv], sv[1]))
+        if self.majority_state:
+            step, version = max(counts, key=lambda sv: (counts[sv], sv[0], sv[1]))
+        else:
+            step, version = max(counts, key=lambda sv: (sv[0], counts[sv], sv[1]))
         if self.config.lockstep:
             in_sync = sorted(p for p, entry in pending.items() if entry.request.version == version and entry.request.step == step)
         else:

@@ -842,6 +842,26 @@ def test_a_poisoned_state_download_is_refused_by_the_rounds_majority():
     asyncio.run(main())
 
 
+def test_a_peer_claiming_a_later_step_does_not_become_everyones_donor():
+    """The state a round starts from is the one most joiners hold: a peer that claims a step far ahead
+    of everyone is told to catch up with them, instead of them all downloading its state."""
+    from protocol.engine import Resync
+
+    async def main():
+        async with open_swarm(4, CONFIG) as peers:
+            honest, liar = peers[:3], peers[3]
+            for peer in honest:
+                peer.engine.set_state(b"v" * 32, 5)
+            liar.engine.set_state(b"x" * 32, 10**9)
+            xs = _inputs(4)
+            outcomes = await asyncio.gather(*[p.engine.run_round(x) for p, x in zip(peers, xs)], return_exceptions=True)
+            for outcome in outcomes[:3]:
+                assert isinstance(outcome, Averaged) and liar.peer_id not in outcome.group.members, outcome
+            assert isinstance(outcomes[3], Resync) and outcomes[3].donor in {p.peer_id for p in honest}
+
+    asyncio.run(main())
+
+
 def test_a_false_accuser_gets_judged_once(monkeypatch):
     """Judging a report accusation downloads the part: an accuser found false once (or one that repeats
     itself) costs the judges no more downloads, however many accusations it sends."""
