@@ -101,6 +101,7 @@ class StateService:
         async with self._published:
             for rid in [r for r, (t, _, _) in self._by_round.items() if t < now]:
                 del self._by_round[rid]
+            self._checked = {(p, r) for p, r in self._checked if r in self._by_round}  # forget expired rounds
             if round_id is not None:
                 self._by_round[round_id] = (now + SNAPSHOT_TTL_S, header, payload)
             self._latest = (header, payload)
