@@ -157,11 +157,17 @@ def test_wrong_aggregate_is_caught_through_fp16_rounding():
 ONE_ROUND_ATTACKS = sorted(set(PROTOCOL_ATTACKS) - {"cover_up", "withhold_report", "poison_state"})
 
 
+# phases wait 6 s here, not 3: one full-suite run saw an honest peer banned next to withhold_reveal (which
+# makes everyone wait out the reveal), and an honest member stalled past a phase by the loaded machine is
+# the likeliest cause; it did not recur in 40 runs of this test, several under load
+ATTACK_CONFIG = dataclasses.replace(CONFIG, verify=dataclasses.replace(CONFIG.verify, phase_timeout_s=6.0))
+
+
 @pytest.mark.parametrize("attack", ONE_ROUND_ATTACKS)
 def test_each_protocol_attack_bans_exactly_the_attacker(attack):
     async def main():
         behaviors = [None, None, None, PROTOCOL_ATTACKS[attack]()]
-        async with open_swarm(4, CONFIG, behaviors=behaviors) as peers:
+        async with open_swarm(4, ATTACK_CONFIG, behaviors=behaviors) as peers:
             attacker = peers[3].peer_id
             outcomes = await _round(peers, _inputs(4))
             honest = list(zip(peers[:3], outcomes[:3]))
