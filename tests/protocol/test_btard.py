@@ -159,7 +159,7 @@ ONE_ROUND_ATTACKS = sorted(set(PROTOCOL_ATTACKS) - {"cover_up", "withhold_report
 
 # phases wait 6 s here, not 3: one full-suite run saw an honest peer banned next to withhold_reveal (which
 # makes everyone wait out the reveal), and an honest member stalled past a phase by the loaded machine is
-# the likeliest cause; it did not recur in 40 runs of this test, several under load
+# the likeliest cause; it did not recur in about 25 runs of this test, 13 of them under load
 ATTACK_CONFIG = dataclasses.replace(CONFIG, verify=dataclasses.replace(CONFIG.verify, phase_timeout_s=6.0))
 
 
