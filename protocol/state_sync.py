@@ -175,23 +175,22 @@ def _tensors_from(metas: list[TensorMeta], payload: bytes | bytearray, *, copy: 
     """The named tensors laid out in `payload` (views into it unless `copy`)."""
     tensors, pos = {}, 0
     for meta in metas:
-        n = _nbytes(meta)
-        dtype = _DTYPES[meta.dtype]
-        t = torch.frombuffer(payload, dtype=dtype, count=n // _itemsize(dtype), offset=pos) if n else torch.empty(0, dtype=dtype)
+        dtype, count = _DTYPES[meta.dtype], _numel(meta)
+        t = torch.frombuffer(payload, dtype=dtype, count=count, offset=pos) if count else torch.empty(0, dtype=dtype)
         tensors[meta.name] = (t.clone() if copy else t).reshape(meta.shape)
-        pos += n
+        pos += _nbytes(meta)
     return tensors
 
 
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty(0, dtype=dtype).element_size()
-
-
-def _nbytes(meta: TensorMeta) -> int:
+def _numel(meta: TensorMeta) -> int:
     n = 1
     for s in meta.shape:
         n *= s
-    return n * torch.empty(0, dtype=_DTYPES[meta.dtype]).element_size()
+    return n
+
+
+def _nbytes(meta: TensorMeta) -> int:
+    return _numel(meta) * _DTYPES[meta.dtype].itemsize
 
 
 def _raw_bytes(t: torch.Tensor) -> bytes:
