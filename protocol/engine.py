@@ -129,6 +129,9 @@ class RoundEngine:
             self.btard = BtardService(transport, self.exchange, identity)
         self._output: Optional[torch.Tensor] = None  # reused by every round: see run_round
         self._used_rounds: dict[bytes, None] = {}  # verified round ids this peer took part in (oldest first)
+        # the memory of used round ids dies with the process: groups stamped before it started are refused, so
+        # a peer restarted under the same identity cannot be replayed a group it signed for in its last life
+        self.started_at = self.matchmaker.wall_clock()
         self.version = b""
         self.step = 0
         self.stats = EngineStats()
@@ -264,7 +267,8 @@ class RoundEngine:
     def _check_group(self, group: GroupSpec) -> Signed:
         """A verified round needs the leader's signed group statement, listing exactly these members, for
         a round id this peer never took part in: two different statements it signed for one round id
-        are proof of equivocation, so a leader that handed out a round id again could get it banned."""
+        are proof of equivocation, so a leader that handed out a round id again could get it banned.
+        Round ids are remembered in memory, as far back as statements are fresh and this process lived."""
         leader = self.matchmaker.last_leader
         signed = unpack(group.statement, Signed, peer=leader)
         _, body = open_statement(signed, GroupBody, kind="group", round_id=group.round_id, sender=leader)
@@ -275,6 +279,12 @@ class RoundEngine:
             raise PeerProtocolError(
                 f"group statement issued {age:.0f} s ago by the leader's clock (replayed, or a clock off by over"
                 f" {GROUP_FRESH_S:.0f} s: check both machines' time)",
+                peer=leader,
+            )
+        if body.issued_at < self.started_at:
+            raise PeerProtocolError(
+                f"group statement issued {self.started_at - body.issued_at:.1f} s before this peer started (replayed,"
+                " or the leader's clock is behind ours)",
                 peer=leader,
             )
         if group.round_id in self._used_rounds:

@@ -811,6 +811,20 @@ def test_a_leader_reusing_a_round_id_cannot_make_members_sign_twice_for_one_roun
             for peer, outcome in zip(peers, outcomes):
                 if peer.peer_id != leader:
                     assert isinstance(outcome, PeerProtocolError) and "group statement issued" in str(outcome), outcome
+            # a member restarted under the same identity forgot its round ids: the leader replays the group it
+            # signed for in its last life, stamped then, and the member refuses it as older than its process
+            restarted = next(p for p in peers if p.peer_id != leader)
+            restarted.engine._used_rounds.clear()
+            restarted.engine.started_at = time.time()
+            for peer in peers:
+                peer.engine.matchmaker.new_round_id = lambda: b"R" * 16
+                if peer.peer_id == leader:
+                    peer.engine.matchmaker.wall_clock = lambda: restarted.engine.started_at - 60
+            outcomes = await _round(peers, _inputs(4))
+            outcome = outcomes[peers.index(restarted)]
+            assert isinstance(outcome, PeerProtocolError) and "before this peer started" in str(outcome), outcome
+            mine = [statement for who, round_id, statement in signed if who == restarted.peer_id and round_id == b"R" * 16]
+            assert len(mine) == 1, "signed two commitments for one round id after a restart"
 
     asyncio.run(main())
 
