@@ -26,7 +26,7 @@ from protocol.admission import AdmissionGate
 from protocol.bans import BanBook, BanVoteValidator
 from protocol.dht_calls import DHT_DIED, in_dht
 from protocol.engine import RoundEngine
-from protocol.membership import Membership
+from protocol.membership import LEADER_PERIOD_S, Membership
 from protocol.sync_policy import parse_sync_policy
 from protocol.transport import Transport
 from security.admission import load_owner_public
@@ -278,7 +278,9 @@ async def open_node(config: PeerConfig, *, loss: Callable[[], Optional[float]] =
             announce_hosts=hosts,
             upload_limit_bytes_per_s=config.upload_limit_mbps * 1e6 / 8,
         )
-        membership = Membership(dht, key + ".peers", transport.peer_id)
+        membership = Membership(
+            dht, key + ".peers", transport.peer_id, leader_period_s=LEADER_PERIOD_S if config.verify else None
+        )
         await add_validators(dht, [BanVoteValidator(key + ".bans")])
         bans = BanBook(dht, key + ".bans", membership.banned)
         behavior, _ = parse_attack(config.attack, config.seed)

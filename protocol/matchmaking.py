@@ -1,15 +1,17 @@
 """Phase 1 of a round: peers that are ready form a group around a leader.
 
-The leader is the lowest peer ID in the membership view. Every ready peer sends it a
-join carrying the version of the state it holds; the leader closes the group when every
-peer it expects has joined, when `target_group_size` is reached, or at the deadline
-with at least `min_group_size` joiners. It then answers all of them at once:
+The leader is the lowest peer ID in the membership view (verified runs: drawn anew each period,
+see `Membership.leader`). Every ready peer sends it a join carrying the version of the state it
+holds; the leader closes the group when every peer it expects has joined, when
+`target_group_size` is reached, or at the deadline with at least `min_group_size` joiners. It
+then answers all of them at once:
   * members: joiners whose version is the swarm's current one (highest step; ties go to
     the larger count, then the larger hash) get the ordered member list and round id;
   * everyone else (newcomers, stragglers that missed a round, the losing side of a
     split) is told to resync: download the state a named donor holds after this round,
     then join the next one, which waits for them.
-A peer that is not the leader in its own view redirects the joiner to the one it sees.
+A peer that is not the leader in its own view redirects the joiner to the one it sees, and a
+forming group whose leader stops leading sends its joiners there too.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ logger = logging.getLogger(__name__)
 
 JOIN_METHOD = "join"
 MAX_REDIRECTS = 3
+LEADER_RECHECK_S = 1.0  # a forming group checks this often that its former still leads
 
 
 class JoinRequest(WireModel):
@@ -241,6 +244,7 @@ class Matchmaker:
                 self._release_all(JoinReply(kind="retry"))
                 return
             wake_at = min(deadline, window_end) if window_end is not None and enough else deadline
+            wake_at = min(wake_at, now + LEADER_RECHECK_S)  # a new leader in view (or period) releases the joiners
             try:
                 await asyncio.wait_for(self._arrived.wait(), timeout=max(wake_at - now, 0.001))
             except asyncio.TimeoutError:

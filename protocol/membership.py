@@ -8,6 +8,7 @@ choice and the set of peers a group waits for. Banned peers are never in the vie
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import time
 from dataclasses import dataclass, field
@@ -23,6 +24,7 @@ from security.wire import WireModel
 logger = logging.getLogger(__name__)
 
 PeerState = Literal["joining", "online", "leaving"]
+LEADER_PERIOD_S = 600.0  # verified runs: how long one leader serves (a change costs a round in formation a redirect)
 
 
 class PeerRecord(WireModel):
@@ -58,6 +60,9 @@ class Membership:
     _task: Optional[asyncio.Task] = None
     _refreshed: Optional[asyncio.Event] = None
     admitted: Optional[Callable[[str], bool]] = None  # private swarms: peers without a certificate are invisible
+    # verified runs: the leader is drawn anew each period (see `leader`); None: the lowest peer ID leads
+    leader_period_s: Optional[float] = None
+    leader_clock: Callable[[], float] = get_dht_time  # numbers the periods (every peer's clock is the DHT's)
 
     async def start(self) -> None:
         self._refreshed = asyncio.Event()
@@ -137,11 +142,17 @@ class Membership:
         return True
 
     def leader(self) -> str:
-        """The lowest peer ID among announced, unsuspected peers, or ourselves: every peer computes the same
-        answer from the same view, and disagreement only costs a redirect or a resync."""
+        """Every peer computes the same answer from the same view (disagreement only costs a redirect or a
+        resync): among announced, unsuspected peers and ourselves, the lowest peer ID, or with
+        `leader_period_s` the lowest hash of (period number, peer ID). The leader forms the groups, and
+        anyone can make a key with a low peer ID; no key has a low hash in every period, so a Byzantine
+        peer leads about its share of the periods, not all of them."""
         candidates = [p for p in self.peers() if not self.is_suspect(p)]
         candidates.append(self.peer_id)
-        return min(candidates)
+        if self.leader_period_s is None:
+            return min(candidates)
+        period = int(self.leader_clock() // self.leader_period_s).to_bytes(8, "little")
+        return min(candidates, key=lambda p: hashlib.sha256(period + p.encode()).digest())
 
 
 def _valid_peer_id(value: object) -> str:

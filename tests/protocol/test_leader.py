@@ -1,0 +1,96 @@
+"""Who leads matchmaking: the lowest peer ID, or in verified runs a draw per period that no key wins
+every time; a forming group whose leader's period ends sends its joiners to the new leader."""
+
+import asyncio
+from collections import Counter
+
+import pytest
+import torch
+from hivemind.utils import get_dht_time
+
+from protocol.config import MatchmakingConfig, RoundConfig
+from protocol.engine import Averaged
+from protocol.membership import Membership, PeerRecord
+from swarm_fixture import open_swarm
+
+PERIOD_S = 600.0
+PEERS = [f"12D3KooW{i:02d}" + "x" * 44 for i in range(8)]  # fixed IDs: the draw is deterministic
+
+
+def _membership(me: str, period_s=None, clock=lambda: 0.0) -> Membership:
+    membership = Membership(None, "k.peers", me, leader_period_s=period_s, leader_clock=clock)
+    far = get_dht_time() + 3600
+    membership._view = {p: (PeerRecord(state="online", step=0), far) for p in PEERS}
+    return membership
+
+
+def test_without_periods_the_lowest_peer_id_leads():
+    assert {_membership(me).leader() for me in PEERS} == {min(PEERS)}
+
+
+def test_each_period_every_peer_draws_the_same_leader_and_no_key_leads_every_period():
+    now = [0.0]
+    views = [_membership(me, PERIOD_S, lambda: now[0]) for me in PEERS]
+    leaders = Counter()
+    for period in range(400):
+        now[0] = period * PERIOD_S + 1.0
+        drawn = {m.leader() for m in views}
+        assert len(drawn) == 1, f"period {period}: peers disagree on the leader: {drawn}"
+        leaders[drawn.pop()] += 1
+        now[0] = (period + 1) * PERIOD_S - 1.0  # the same period, later: the same leader
+        assert len({m.leader() for m in views}) == 1
+    assert set(leaders) == set(PEERS), leaders  # everyone leads some periods ...
+    assert leaders[min(PEERS)] < 100, leaders  # ... and the lowest peer ID about its share (50 of 400)
+
+
+def test_a_suspected_leader_is_passed_over():
+    now = [0.0]
+    membership = _membership(PEERS[0], PERIOD_S, lambda: now[0])
+    first = membership.leader()
+    membership.suspect(first, for_s=60)
+    assert membership.leader() not in (first,) and membership.leader() in PEERS
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(300)
+def test_a_new_leader_period_during_formation_sends_the_joiners_to_the_new_leader():
+    """Three peers wait at the period's leader when the period ends; the fourth joins the new leader.
+    The old leader's group never reaches its deadline (an hour): it notices it no longer leads and
+    redirects its joiners, and all four average in one group formed by the new leader."""
+    config = RoundConfig(matchmaking=MatchmakingConfig(matchmaking_timeout_s=3600.0, join_timeout_s=7200.0))
+
+    async def main():
+        async with open_swarm(4, config) as peers:
+            now = [1e9]
+            for peer in peers:
+                peer.membership.leader_period_s = PERIOD_S
+                peer.membership.leader_clock = lambda: now[0]
+                peer.engine.set_state(b"v0", 0)
+            old = peers[0].membership.leader()
+            later = now[0]
+            while True:  # the next period another peer leads in
+                later += PERIOD_S
+                now[0] = later
+                new = peers[0].membership.leader()
+                if new != old:
+                    break
+            now[0] = 1e9
+            assert {p.membership.leader() for p in peers} == {old}
+            by_id = {p.peer_id: p for p in peers}
+            early = [p for p in peers if p.peer_id != new]
+            xs = [torch.full((1000,), float(i)) for i in range(4)]
+            rounds = {p.peer_id: asyncio.create_task(p.engine.run_round(xs[i])) for i, p in enumerate(early)}
+            async with asyncio.timeout(120):  # a hang here is the old leader waiting out its deadline
+                while len(by_id[old].engine.matchmaker._pending) < len(early):
+                    await asyncio.sleep(0.01)
+                now[0] = later  # the period ends while the three wait at the old leader
+                rounds[new] = asyncio.create_task(by_id[new].engine.run_round(xs[3]))
+                outcomes = {peer: await task for peer, task in rounds.items()}
+            for peer, outcome in outcomes.items():
+                assert isinstance(outcome, Averaged), outcome
+                assert sorted(outcome.group.members) == sorted(by_id)
+                assert by_id[peer].engine.matchmaker.last_leader == new
+            for peer in early:
+                assert peer.engine.matchmaker.stats.redirects >= 1
+
+    asyncio.run(main())
