@@ -42,7 +42,8 @@ class MatchmakingConfig:
     """Members must hold the same state version and the rest resync (sync mode); False: everyone
     who joins is a member, whatever its version (lasgd, gossip)."""
     window_s: Optional[float] = None
-    """Asynchronous modes: close a group this long after its first join, with whoever joined."""
+    """Asynchronous modes: close a group this long after its first join, with whoever joined (sooner
+    once every expected peer joined)."""
 
     def __post_init__(self) -> None:
         if self.window_s is not None and self.window_s <= 0:

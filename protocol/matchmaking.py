@@ -232,7 +232,7 @@ class Matchmaker:
             enough = len(joined) >= self.config.min_group_size
             if target is not None and len(joined) >= target:
                 break
-            if target is None and window_end is None and joined >= self._expected():
+            if target is None and joined >= self._expected():  # (asynchronous modes too: no one left to wait for)
                 break
             now = time.monotonic()
             if window_end is not None and enough and now >= window_end:
