@@ -177,6 +177,13 @@ class RoundEngine:
             logger.info(f"state {self.step} is behind the swarm's {reply.group.step}: resyncing from {reply.donor[-8:]}")
             return Resync(reply.group, reply.donor)
         group = reply.group
+        known = sorted(p[-8:] for p in group.members if p in self.membership.banned)
+        if known:
+            logger.info(f"the leader's group includes peers we banned ({known}): they take part in this round")
+        with self.transport.round_with(group.members):
+            return await self._run_group(group, started, vector, weight, recompute, prepare)
+
+    async def _run_group(self, group: GroupSpec, started: float, vector, weight: float, recompute, prepare):
         if prepare is not None:
             vector, weight = await prepare(group)
         spec = RoundSpec(

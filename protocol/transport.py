@@ -13,13 +13,15 @@ same records flow over a libp2p stream (already encrypted) instead.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import enum
 import logging
 import secrets
 import socket
 import time
+from collections import Counter
 from dataclasses import dataclass
-from typing import Awaitable, Callable, NamedTuple, Optional
+from typing import Awaitable, Callable, Iterable, Iterator, NamedTuple, Optional
 
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from google.protobuf.wrappers_pb2 import BytesValue
@@ -164,6 +166,7 @@ class Transport(ServicerBase):
         self._unary: set[asyncio.Task] = set()  # libp2p unary calls, finishing after their caller left
         self.stats = TransportStats()
         self.banned: set[str] = set()  # shared with membership and the ban book: calls from these are refused
+        self._in_round: Counter[str] = Counter()  # members of the rounds under way (see `round_with`)
         self.admission = None  # private swarms: a protocol.admission.AdmissionGate; callers need its approval
         self.prefer_direct = True  # benchmarks turn this off to measure the libp2p path alone
         self._stream_proto = f"{namespace}.stream"
@@ -445,8 +448,23 @@ class Transport(ServicerBase):
         except CallFailed as e:
             logger.debug(f"reply to {peer[-8:]} failed: {e!r}")
 
+    @contextlib.contextmanager
+    def round_with(self, members: Iterable[str]) -> Iterator[None]:
+        """Serve a round's members for its duration even if we banned one. Bans reach peers at different
+        times (the DHT), so the leader may not know one yet: refusing that member would make us the one
+        that failed the round, and its other members would ban us. The round's checks handle the member."""
+        members = list(members)
+        self._in_round.update(members)
+        try:
+            yield
+        finally:
+            self._in_round.subtract(members)
+            for peer in members:
+                if self._in_round[peer] <= 0:
+                    del self._in_round[peer]
+
     async def _check_caller(self, peer: str) -> None:
-        if peer in self.banned:
+        if peer in self.banned and peer not in self._in_round:
             raise PeerProtocolError("banned peer", peer=peer)
         if self.admission is not None and not await self.admission.admitted(peer):
             raise PeerProtocolError("not admitted to this swarm (no valid certificate)", peer=peer)

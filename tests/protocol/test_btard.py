@@ -969,3 +969,24 @@ def test_held_parts_are_served_to_the_rounds_members_only():
                 await close_peer(outsider)
 
     asyncio.run(main())
+
+
+def test_a_member_that_banned_a_peer_the_leader_has_not_yet_still_takes_part_and_nobody_is_banned():
+    """Bans reach peers at different times. A member that already banned a peer its leader put in the
+    group used to refuse that peer's calls, fail its own part of the round, and get banned by everyone."""
+
+    async def main():
+        async with open_swarm(4, CONFIG) as peers:
+            leader = peers[0].membership.leader()
+            member, other = [p for p in peers if p.peer_id != leader][:2]
+            member.membership.banned.add(other.peer_id)
+            outcomes = await _round(peers, _inputs(4))
+            for outcome in outcomes:
+                assert isinstance(outcome, Averaged), outcome
+                assert not outcome.verdict.banned and not outcome.verdict.bad_parts, outcome.verdict
+            assert member.membership.banned == {other.peer_id}
+            assert all(not p.membership.banned for p in peers if p is not member)
+            assert other.peer_id in member.transport.banned  # outside rounds with it, its calls are refused again
+            assert not member.transport._in_round
+
+    asyncio.run(main())
