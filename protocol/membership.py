@@ -24,7 +24,7 @@ from security.wire import WireModel
 logger = logging.getLogger(__name__)
 
 PeerState = Literal["joining", "online", "leaving"]
-LEADER_PERIOD_S = 600.0  # verified runs: how long one leader serves (a change costs a round in formation a redirect)
+LEADER_PERIOD_S = 600.0  # verified runs: how long one leader serves (a change redirects a forming group's joiners)
 
 
 class PeerRecord(WireModel):

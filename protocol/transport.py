@@ -461,7 +461,7 @@ class Transport(ServicerBase):
             self._in_round.subtract(members)
             for peer in members:
                 if self._in_round[peer] <= 0:
-                    del self._in_round[peer]
+                    self._in_round.pop(peer, None)
 
     async def _check_caller(self, peer: str) -> None:
         if peer in self.banned and peer not in self._in_round:
