@@ -96,15 +96,17 @@ def clipped_reports(proj: Tensor, norms: Tensor, tau: float) -> Tensor:
     return clip_factor(norms, tau) * proj
 
 
-def report(x: Tensor, v: Tensor, z: Direction, tau: float) -> tuple[float, float]:
-    """A contributor's (s, ‖x − v‖) for its part x (numel,) against the aggregate v."""
-    s, norms = recompute(x.reshape(1, -1), v, z, tau)
+def report(x: Tensor, v: Tensor, z: Direction, tau: float, out: Tensor | None = None) -> tuple[float, float]:
+    """A contributor's (s, ‖x − v‖) for its part x (numel,) against the aggregate v; `out` (1, numel)
+    float32 is work space."""
+    s, norms = recompute(x.reshape(1, -1), v, z, tau, out)
     return float(s[0]), float(norms[0])
 
 
-def recompute(rows: Tensor, v: Tensor, z: Direction, tau: float) -> tuple[Tensor, Tensor]:
-    """(s, norms) float64 (k,) each for every row (k, numel), in one go (judges; tests)."""
-    diff = torch.empty(rows.shape, dtype=torch.float32, device=rows.device)
+def recompute(rows: Tensor, v: Tensor, z: Direction, tau: float, out: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """(s, norms) float64 (k,) each for every row (k, numel), in one go (judges; tests); `out` (k, numel)
+    float32 is work space (fresh memory when None)."""
+    diff = torch.empty(rows.shape, dtype=torch.float32, device=rows.device) if out is None else out
     norms = differences(rows, v, diff)
     return clipped_reports(project_differences(diff, z), norms, tau), norms
 

@@ -333,17 +333,17 @@ class VerifiedRound:
         if own_rows is not None:
             truth = asyncio.ensure_future(self.reporter.reducer_truth(seed, output, own_rows, own_received))
         validating = self._validating
+        target_truths = asyncio.ensure_future(self.validator.target_truths(validating, seed, output))
         try:
             reports = await self.reporter.exchange(seed, output)
             t2 = time.monotonic()
             if truth is not None:
                 self.reporter.check_as_reducer(reports, own_received, await truth)
-            await validating
-            await self.validator.check_target_reports(seed, output, reports)
+            self.validator.check_target_reports(seed, reports, await target_truths)
         finally:
             validating.cancel()
-            if truth is not None:
-                await asyncio.gather(truth, return_exceptions=True)  # never leave a thread reading the rows
+            # never leave a thread reading the rows or the target's parts
+            await asyncio.gather(*(t for t in (truth, target_truths) if t is not None), return_exceptions=True)
         suspects = self._suspects_anything(seed, reports, output, revealed)
         t3 = time.monotonic()
         accusations, anyone_suspects = await exchange_accusations(self, suspects, reports)
@@ -435,8 +435,12 @@ class VerifiedRound:
                     self.prove(statement.sender, Offense.EQUIVOCATION, [self.aggregates[part][0], echoed])
 
     def part_values(self, data: bytes | memoryview, part: int, peer: str) -> torch.Tensor:
+        """The part's values, read in place from writable float32 bytes (a held row, a recomputed part):
+        a fresh 10 MB copy costs more in page faults than the projection that reads it."""
         a, b = self.bounds[part]
-        return decode(bytearray(data), self.codec, b - a, peer=peer).clone()
+        if self.codec is Codec.NONE and not (isinstance(data, memoryview) and not data.readonly):
+            data = bytearray(data)  # torch reads float32 only from a writable buffer
+        return decode(data, self.codec, b - a, peer=peer)
 
     def aggregates_contributors(self, part: int) -> list[int]:
         if part == self.me:
@@ -449,4 +453,8 @@ class VerifiedRound:
         """What `contributor` should have reported on `part`, from the bytes it committed to."""
         a, b = self.bounds[part]
         x = self.part_values(data, part, contributor)
-        return report(x, output[a:b], direction(seed, part, b - a), self.config.tau)
+        scratch = self.service.scratch(1, b - a)
+        try:
+            return report(x, output[a:b], direction(seed, part, b - a), self.config.tau, out=scratch)
+        finally:
+            self.service.return_scratch(scratch)

@@ -22,7 +22,7 @@ from protocol.btard.claims import Reports
 from protocol.btard.messages import Accusation, Recompute
 from protocol.codec import decode, encode, encoded_size_bound
 from protocol.transport import CallFailed
-from security.commitments import ReportBody, part_hash, validator_pairs
+from security.commitments import part_hash, validator_pairs
 from security.evidence import Offense
 from security.projection import report_matches
 
@@ -94,34 +94,44 @@ class Validator:
                 return False
         return True
 
-    async def check_target_reports(self, seed: bytes, output: torch.Tensor, reports: Reports) -> None:
-        """Accuse the target of every report the parts it committed to prove false."""
+    async def target_truths(
+        self, validating: asyncio.Future, seed: bytes, output: torch.Tensor
+    ) -> dict[int, tuple[float, float]]:
+        """What the target should report on every part we hold that counted it: computed off the event loop
+        as soon as `validating` checked its parts, while the reports still travel."""
+        await validating
+        vr, target = self.vr, self.target(seed)
+        if target is None or not self.target_parts:
+            return {}
+        index = vr.members.index(target)
+        # our own part we checked as its reducer; parts we do not hold cannot be judged
+        parts = [
+            part for part in sorted(self.target_parts)
+            if part != vr.me and part in vr.aggregates and part in vr.landed_parts
+            and index in vr.aggregates_contributors(part)
+        ]  # fmt: skip
+
+        def truths() -> dict[int, tuple[float, float]]:
+            return {part: vr.true_report(seed, output, part, target, self.target_parts[part]) for part in parts}
+
+        return await asyncio.get_running_loop().run_in_executor(None, truths)
+
+    def check_target_reports(self, seed: bytes, reports: Reports, truths: dict[int, tuple[float, float]]) -> None:
+        """Accuse the target of every report the parts it committed to prove false (or of a missing one)."""
         vr = self.vr
         target = self.target(seed)
         if target is None or not self.target_parts or target not in reports:
             return
         signed, body = reports[target]
         vr.service.hold_target(vr.round_id, target, self.target_parts)
-        lies = await asyncio.get_running_loop().run_in_executor(None, self._false_entries, seed, output, target, body)
-        for part in lies:
-            logger.info(f"round {vr.round_id.hex()[:8]}: validated {target[-8:]} reported falsely on part {part}")
-            vr.accusations.append(
-                Accusation(accused=target, offense=Offense.FALSE_REPORT, part=part, evidence=[signed])
-            )
-
-    def _false_entries(self, seed: bytes, output: torch.Tensor, target: str, body: ReportBody) -> list[int]:
-        """Parts whose aggregate counted `target` and that it reported on falsely (or not at all)."""
-        vr = self.vr
-        index, lies = vr.members.index(target), []
-        for part in sorted(self.target_parts):
-            if part == vr.me or index not in vr.aggregates_contributors(part) or part not in vr.landed_parts:
-                continue  # our own part its reducer (we) checked already; parts we do not hold cannot be judged
-            if part in body.undelivered or part not in vr.aggregates:
+        for part, true in truths.items():
+            if part in body.undelivered:
                 continue  # a dispute, judged as one
             entry = next((e for e in body.entries if e.part == part), None)
             if entry is not None and entry.aggregate != vr.aggregates[part][1].hash:
                 continue  # it reported on another aggregate: its reducer equivocated (the echoes prove it)
-            true = vr.true_report(seed, output, part, target, self.target_parts[part])
             if entry is None or not report_matches((entry.s, entry.norm), true, vr.config.tau):
-                lies.append(part)
-        return lies
+                logger.info(f"round {vr.round_id.hex()[:8]}: validated {target[-8:]} reported falsely on part {part}")
+                vr.accusations.append(
+                    Accusation(accused=target, offense=Offense.FALSE_REPORT, part=part, evidence=[signed])
+                )
