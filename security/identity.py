@@ -9,7 +9,9 @@ supported: RSA (what hivemind writes to `identity_path`) and Ed25519.
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -70,6 +72,7 @@ def decode_key(message: bytes) -> tuple[int, bytes]:
     return key_type, data
 
 
+@functools.lru_cache(maxsize=1024)  # every signature check derives it; a round sees a handful of keys
 def peer_id_of(public_key_message: bytes) -> str:
     """The base58 peer ID of a protobuf-encoded public key (libp2p peer-ids spec)."""
     if len(public_key_message) <= 42:
@@ -141,12 +144,42 @@ class Identity:
         return self.private_key.sign(data)
 
 
+class _Verified:
+    """Signatures already checked, by (key, SHA-256 of the data, signature): a verified round checks
+    each statement several times (as it arrives, then echoed inside others' reveals and reports)."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self._seen: dict[tuple[bytes, bytes, bytes], None] = {}
+        self._lock = threading.Lock()
+
+    def __contains__(self, key: tuple[bytes, bytes, bytes]) -> bool:
+        return key in self._seen
+
+    def add(self, key: tuple[bytes, bytes, bytes]) -> None:
+        with self._lock:
+            self._seen[key] = None
+            if len(self._seen) > self.size:
+                del self._seen[next(iter(self._seen))]  # the oldest
+
+
+_verified = _Verified(4096)
+
+
 def verify(peer_id: str, public_key: bytes, data: bytes, signature: bytes) -> None:
     """Raise PeerProtocolError unless `signature` over `data` was made by the key behind `peer_id`."""
     if len(public_key) > MAX_PUBLIC_KEY_BYTES or len(signature) > 1024:
         raise PeerProtocolError("oversized key or signature", peer=peer_id)
     if peer_id_of(public_key) != peer_id:
         raise PeerProtocolError("public key does not belong to the claimed peer ID", peer=peer_id)
+    key = (public_key, hashlib.sha256(data).digest(), signature)
+    if key in _verified:
+        return
+    _check_signature(public_key, data, signature, peer_id)
+    _verified.add(key)
+
+
+def _check_signature(public_key: bytes, data: bytes, signature: bytes, peer_id: str) -> None:
     try:
         key_type, data_bytes = decode_key(public_key)
         if key_type == _RSA:

@@ -55,3 +55,28 @@ def test_unreadable_identity_is_a_config_error(tmp_path):
     path.write_bytes(b"\x08\x05\x12\x01x")
     with pytest.raises(ConfigError, match="--identity-path: cannot read a libp2p private key"):
         Identity.load(path)
+
+
+def test_a_checked_signature_is_remembered_but_never_for_other_data_or_another_peer(tmp_path, monkeypatch):
+    import security.identity as identity_module
+
+    me = Identity.generate_ed25519(tmp_path / "me.id")
+    other = Identity.generate_ed25519(tmp_path / "other.id")
+    checks = []
+    real = identity_module._check_signature
+    monkeypatch.setattr(identity_module, "_check_signature", lambda *a: (checks.append(a[1]), real(*a)))
+    monkeypatch.setattr(identity_module, "_verified", identity_module._Verified(2))
+    signature = me.sign(b"commit")
+    verify(me.peer_id, me.public_key, b"commit", signature)
+    verify(me.peer_id, me.public_key, b"commit", signature)  # echoed in a reveal: not checked again
+    assert checks == [b"commit"]
+    with pytest.raises(PeerProtocolError, match="bad signature"):
+        verify(me.peer_id, me.public_key, b"commit!", signature)
+    with pytest.raises(PeerProtocolError, match="public key does not belong"):
+        verify(other.peer_id, me.public_key, b"commit", signature)
+    with pytest.raises(PeerProtocolError, match="bad signature"):
+        verify(me.peer_id, me.public_key, b"commit", signature[:-1] + bytes([signature[-1] ^ 1]))
+    for text in (b"a", b"b"):  # the memory holds 2: the first entry is forgotten and checked again
+        verify(me.peer_id, me.public_key, text, me.sign(text))
+    verify(me.peer_id, me.public_key, b"commit", signature)
+    assert checks == [b"commit", b"commit!", b"commit", b"a", b"b", b"commit"]
