@@ -13,7 +13,8 @@ from protocol.channel import RECORD_BYTES
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 
 
-def test_verify_bench_runs_every_case_and_honours_the_upload_cap():
+def test_verify_bench_runs_every_case_and_honours_the_upload_cap(monkeypatch):
+    monkeypatch.setattr("os.cpu_count", lambda: 1)  # the peers share fewer cores than there are peers: said so
     out = io.StringIO()
     numel, cap_mbps = 1_000_000, 200.0
     rows = run_verify_bench([2], numel, 1, (0.0, cap_mbps), console=Console(file=out, width=200))
@@ -31,3 +32,4 @@ def test_verify_bench_runs_every_case_and_honours_the_upload_cap():
     text = out.getvalue()
     assert "CClip+verify" in text and "200 Mbit/s" in text
     assert text.count("goal at 2 peers") == 2
+    assert "the 2 peers share 1 CPU core here" in text
