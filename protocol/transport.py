@@ -453,15 +453,12 @@ class Transport(ServicerBase):
         """Serve a round's members for its duration even if we banned one. Bans reach peers at different
         times (the DHT), so the leader may not know one yet: refusing that member would make us the one
         that failed the round, and its other members would ban us. The round's checks handle the member."""
-        members = list(members)
-        self._in_round.update(members)
+        members = Counter(members)
+        self._in_round += members
         try:
             yield
         finally:
-            self._in_round.subtract(members)
-            for peer in members:
-                if self._in_round[peer] <= 0:
-                    self._in_round.pop(peer, None)
+            self._in_round -= members  # a Counter keeps positive counts only: members of no other round go
 
     async def _check_caller(self, peer: str) -> None:
         if peer in self.banned and peer not in self._in_round:

@@ -438,7 +438,8 @@ class VerifiedRound:
         """The part's values, read in place from writable float32 bytes (a held row, a recomputed part):
         a fresh 10 MB copy costs more in page faults than the projection that reads it."""
         a, b = self.bounds[part]
-        if self.codec is Codec.NONE and not (isinstance(data, memoryview) and not data.readonly):
+        writable = isinstance(data, memoryview) and not data.readonly
+        if self.codec is Codec.NONE and not writable:
             data = bytearray(data)  # torch reads float32 only from a writable buffer
         return decode(data, self.codec, b - a, peer=peer)
 
