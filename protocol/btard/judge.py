@@ -235,7 +235,7 @@ class Judge:
         same parts."""
         vr = self.vr
         received = await vr.service.exchange.all_to_all(
-            vr.round_id, "vote", pack(VoteList(votes=votes, disputes=disputes)), deadline=vr.deadline(),
+            vr.round_id, "vote", pack(VoteList(votes=votes, disputes=disputes)), deadline=vr.next_deadline(),
             expect=vr.committed,
         )  # fmt: skip
         disputed = set(disputed)
@@ -279,7 +279,7 @@ async def exchange_accusations(
     body = AccuseBody(accusations=vr.accusations, suspects=suspects, reports=echo)
     mine = sign_statement(vr.identity, "accuse", vr.round_id, body)
     received = await vr.service.exchange.all_to_all(
-        vr.round_id, "accuse", pack(mine), deadline=vr.deadline(), expect=vr.committed,
+        vr.round_id, "accuse", pack(mine), deadline=vr.next_deadline(), expect=vr.committed,
         send=vr.behavior.speaks("accuse"),
     )  # fmt: skip
     out: dict[str, list[Accusation]] = {}

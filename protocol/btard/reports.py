@@ -126,7 +126,7 @@ class Reporter:
         )
         mine_signed = sign_statement(vr.identity, "report", vr.round_id, body)
         received = await vr.service.exchange.all_to_all(
-            vr.round_id, "report", pack(mine_signed), deadline=vr.deadline(), send=vr.behavior.speaks("report"),
+            vr.round_id, "report", pack(mine_signed), deadline=vr.next_deadline(), send=vr.behavior.speaks("report"),
             expect=vr.committed, payload_for=vr.behavior.reports_for(vr, body),
         )  # fmt: skip
         reports = {}

@@ -102,6 +102,7 @@ class VerifiedRound:
         self._validating: Optional[asyncio.Task] = None  # starts with the seed, while the gather may still run
         self._verifying = False  # once verification began, the held parts stay for the judges
         self._echoes: Optional[asyncio.Task] = None  # aggregate statements taken from early reveals
+        self._deadline = 0.0  # the last phase's (time.monotonic())
         service.open[round_id] = self
 
     @property
@@ -120,8 +121,13 @@ class VerifiedRound:
     def missing_parts(self) -> set[int]:
         return (self.expected or set()) - self.landed_parts - {self.me}
 
-    def deadline(self) -> float:
-        return time.monotonic() + self.config.phase_timeout_s
+    def next_deadline(self) -> float:
+        """The next phase's deadline: a phase timeout after the previous phase's, or after now once that
+        passed. A member may wait out a whole phase for a message kept from it alone (a withheld report)
+        and start the next phase a phase timeout after the others; counted from the previous deadline,
+        they still wait for what it sends there."""
+        self._deadline = max(time.monotonic(), self._deadline) + self.config.phase_timeout_s
+        return self._deadline
 
     def prove(self, accused: str, offense: Offense, evidence: list[Signed]) -> None:
         if accused != self.identity.peer_id and check_self_contained(offense, accused, self.round_id, evidence):
@@ -141,7 +147,7 @@ class VerifiedRound:
         )
         mine = sign_statement(self.identity, "commit", self.round_id, body)
         received = await self.service.exchange.all_to_all(
-            self.round_id, "commit", pack(mine), deadline=self.deadline(), send=self.behavior.speaks("commit")
+            self.round_id, "commit", pack(mine), deadline=self.next_deadline(), send=self.behavior.speaks("commit")
         )
         digest = members_digest(self.members)
         for peer, raw in received.items():
@@ -381,7 +387,7 @@ class VerifiedRound:
             self.round_id,
             "reveal",
             pack(mine),
-            deadline=self.deadline(),
+            deadline=self.next_deadline(),
             send=self.behavior.speaks("reveal"),
             expect=self.committed,
         )
