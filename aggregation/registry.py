@@ -22,7 +22,7 @@ from aggregation.bucketing import bucketing
 from aggregation.centered_clip import TAU_HINT, centered_clip
 from aggregation.coordinatewise import coordinate_median, mean, trimmed_mean
 from aggregation.errors import ConfigError
-from aggregation.geometric_median import geometric_median
+from aggregation.geometric_median import MAX_ITERS, geometric_median
 from aggregation.krum import krum, multi_krum
 
 T = TypeVar("T")
@@ -154,7 +154,7 @@ def _multi_krum(*, b: int, m: int) -> Aggregator:
 
 
 @register_aggregator("geometric_median")
-def _geometric_median(*, nu: float = 0.1, iters: int = 8, eps: float = 1e-6) -> Aggregator:
+def _geometric_median(*, nu: float = 0.1, iters: int = MAX_ITERS, eps: float = 1e-6) -> Aggregator:
     nu, eps = check_positive("nu", nu), check_nonnegative("eps", eps)
     return functools.partial(geometric_median, nu=nu, iters=check_int("iters", iters, minimum=1), eps=eps)
 
