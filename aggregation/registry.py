@@ -94,6 +94,15 @@ def make_aggregator(name: str, **params: Any) -> BoundAggregator:
     return BoundAggregator(name, dict(params), fn)
 
 
+def name_parameters(name: str) -> frozenset[str]:
+    """Parameters of aggregator ``name`` that take a registry name, not a number (bucketing's ``inner``):
+    a config parser keeps their values as text. Empty for an unknown aggregator."""
+    if name not in AGGREGATORS:
+        return frozenset()
+    sig = inspect.signature(AGGREGATORS[name], eval_str=True)
+    return frozenset(p.name for p in sig.parameters.values() if p.annotation is str)
+
+
 def check_params(
     what: str, fn: Callable[..., Any], params: Mapping[str, Any], *, skip: int = 0, runtime: tuple[str, ...] = ()
 ) -> None:
@@ -172,6 +181,9 @@ def _bucketing(*, s: int, inner: str, seed: int = 0, **inner_params: Any) -> Agg
         raise ConfigError(f"inner must be an aggregator name, got {inner!r}")
     if inner == "bucketing":
         raise ConfigError("inner must be another aggregator than 'bucketing'")
+    if inner not in AGGREGATORS:
+        valid = ", ".join(name for name in AGGREGATORS if name != "bucketing")
+        raise ConfigError(f"inner: unknown aggregator {inner!r}; valid names: {valid}")
     inner_agg = make_aggregator(inner, **inner_params)
     generator = torch.Generator().manual_seed(seed)
     return lambda x, weights=None: bucketing(x, s, inner_agg, weights, generator=generator)

@@ -114,7 +114,7 @@ class PeerConfig(NetworkSettings):
     eval_every: int = Field(25, ge=1, description="Evaluate on the test split every N steps.")
     aggregator: str = Field("mean", description="Rule each reducer applies: mean, centered_clip, median, trimmed_mean, krum, multi_krum, geometric_median, bucketing; clipped_gossip (gossip/lasgd: each member gets its own clipped average).")
     tau: Optional[float] = Field(None, gt=0, description="Clipping radius for centered_clip (shorthand for --aggregator-params tau=…).")
-    aggregator_params: str = Field("", description="Extra aggregator parameters as name=number pairs, e.g. 'tau=1,max_iter=100'.")
+    aggregator_params: str = Field("", description="Extra aggregator parameters as name=value pairs, e.g. 'tau=1,max_iter=100'; bucketing: 's=2,inner=mean' (inner: the rule applied to the bucket means).")
     compression: Literal["none", "fp16", "8bit"] = Field("none", description="Codec for tensors on the wire.")
     min_group_size: int = Field(1, ge=1, description="Fewest peers a round may close with at its deadline.")
     target_group_size: Optional[int] = Field(None, ge=2, description="Most peers per group (default: everyone ready).")
@@ -181,8 +181,8 @@ class PeerConfig(NetworkSettings):
             raise ValueError(f"--aggregator {self.aggregator}: {e} (parameters go in --aggregator-params name=value)") from None
         return self
 
-    def aggregator_kwargs(self) -> tuple[tuple[str, float], ...]:
-        params = dict(parse_aggregator_params(self.aggregator_params))
+    def aggregator_kwargs(self) -> tuple[tuple[str, float | str], ...]:
+        params = dict(parse_aggregator_params(self.aggregator_params, self.aggregator))
         if self.tau is not None:
             params["tau"] = self.tau
         return tuple(sorted(params.items()))

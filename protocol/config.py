@@ -81,8 +81,8 @@ class RoundConfig:
     matchmaking: MatchmakingConfig = field(default_factory=MatchmakingConfig)
     aggregator: str = "mean"
     """Registry name of the rule each reducer applies to its part (see aggregation.registry)."""
-    aggregator_params: tuple[tuple[str, float], ...] = ()
-    """Keyword parameters of the aggregator, e.g. (("tau", 1.0),)."""
+    aggregator_params: tuple[tuple[str, float | str], ...] = ()
+    """Keyword parameters of the aggregator, e.g. (("tau", 1.0),) or (("inner", "mean"), ("s", 2.0))."""
     compression: Codec = Codec.NONE
     allreduce_timeout_s: float = 30.0
     """Reducers stop waiting for parts this long after the group forms; stalled members are dropped."""
@@ -104,17 +104,31 @@ class RoundConfig:
         return lambda rows, weights: aggregate(rows, weights).value
 
 
-def parse_aggregator_params(text: str) -> tuple[tuple[str, float], ...]:
-    """'tau=1,eps=1e-6' -> (('eps', 1e-6), ('tau', 1.0)); sorted so equal settings hash equally."""
-    params = []
+def parse_aggregator_params(text: str, aggregator: str = "") -> tuple[tuple[str, float | str], ...]:
+    """'tau=1,eps=1e-6' -> (('eps', 1e-6), ('tau', 1.0)); sorted so equal settings hash equally.
+
+    Values are numbers, except for the parameters of `aggregator` that name another rule
+    (bucketing's inner=mean), which stay text; the aggregator checks the name.
+    """
+    params: list[tuple[str, float | str]] = []
+    names: frozenset[str] | None = None
     for item in filter(None, (x.strip() for x in text.split(","))):
-        key, sep, value = item.partition("=")
-        try:
-            params.append((key.strip(), float(value)))
-        except ValueError:
-            raise ConfigError(f"--aggregator-params takes name=number pairs like tau=1, not {item!r}") from None
-        if not sep or not key.strip():
+        key, sep, value = (part.strip() for part in item.partition("="))
+        if not sep or not key:
             raise ConfigError(f"--aggregator-params takes name=number pairs like tau=1, not {item!r}")
+        try:
+            params.append((key, float(value)))
+            continue
+        except ValueError:
+            pass
+        if names is None:
+            from aggregation.registry import name_parameters  # imports torch: only once a value is text
+
+            names = name_parameters(aggregator)
+        if key not in names or not value:
+            hint = f" (--aggregator {aggregator} takes a name for {', '.join(sorted(names))})" if names else ""
+            raise ConfigError(f"--aggregator-params takes name=number pairs like tau=1, not {item!r}{hint}")
+        params.append((key, value))
     return tuple(sorted(params))
 
 

@@ -47,12 +47,34 @@ def test_lists_accept_commas_and_spaces_from_env(monkeypatch):
         ({"verify": True, "aggregator": "centered_clip", "tau": 1.0, "compression": "8bit"}, "--verify needs --compression none or fp16"),
         ({"verify": True, "aggregator": "centered_clip", "tau": 1.0, "mode": "lasgd"}, "--verify runs BTARD-SGD and needs --mode sync"),
         ({"upload_limit_mbps": -1}, "--upload-limit-mbps: Input should be greater than or equal to 0"),
+        (
+            {"aggregator": "bucketing", "aggregator_params": "s=2,inner=nope"},
+            "inner: unknown aggregator 'nope'; valid names: mean, centered_clip, median, trimmed_mean, krum, multi_krum, geometric_median (",
+        ),
+        ({"aggregator": "bucketing", "aggregator_params": "s=two,inner=mean"}, "not 's=two' (--aggregator bucketing takes a name for inner)"),
+        ({"aggregator": "centered_clip", "aggregator_params": "tau=mean"}, "--aggregator-params takes name=number pairs like tau=1, not 'tau=mean'"),
     ],
 )
 def test_errors_name_the_flag(overrides, message):
     with pytest.raises(ConfigError) as info:
         load_settings(PeerConfig, overrides)
     assert message in str(info.value)
+
+
+def test_bucketing_takes_its_inner_rule_by_name():
+    import torch
+
+    from aggregation.bucketing import bucketing
+    from aggregation.coordinatewise import coordinate_median
+
+    settings = load_settings(PeerConfig, {"aggregator": "bucketing", "aggregator_params": "s=2, inner=median, seed=5"})
+    assert settings.aggregator_kwargs() == (("inner", "median"), ("s", 2.0), ("seed", 5.0))
+    reduce = settings.round_config().make_reducer()  # what every reducer of a round runs
+    x = torch.randn(7, 50, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    expected = bucketing(x, 2, coordinate_median, generator=torch.Generator().manual_seed(5)).value
+    assert torch.equal(reduce(x, None), expected)
+    other = load_settings(PeerConfig, {"aggregator": "bucketing", "aggregator_params": "s=2,inner=mean,seed=5"})
+    assert other.run_hash() != settings.run_hash()
 
 
 def test_missing_config_file_is_a_config_error(tmp_path):
@@ -74,6 +96,16 @@ def test_cli_prints_one_line_and_exits_2_on_a_user_mistake():
     assert result.returncode == 2
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("error: --aggregator nope: unknown aggregator")
+
+
+def test_cli_names_valid_inner_rules_in_one_line():
+    result = subprocess.run(
+        [sys.executable, "-m", "peer.cli", "join", "--aggregator", "bucketing", "--aggregator-params", "s=2,inner=meen"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert result.returncode == 2
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "inner: unknown aggregator 'meen'; valid names: mean, centered_clip" in lines[0], lines
 
 
 def test_every_command_has_help_with_examples():
