@@ -19,7 +19,7 @@ from pydantic import Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, PydanticBaseSettingsSource, SettingsConfigDict, TomlConfigSettingsSource
 
 from aggregation.errors import ConfigError
-from protocol.config import Codec, MatchmakingConfig, RoundConfig, parse_aggregator_params, verify_config_for
+from protocol.config import Codec, MatchmakingConfig, RoundConfig, parse_aggregator_params, protocol_fields, verify_config_for
 
 PROTOCOL_VERSION = 1
 _config_file: contextvars.ContextVar[Optional[Path]] = contextvars.ContextVar("phalanx_config_file", default=None)
@@ -230,12 +230,11 @@ class PeerConfig(NetworkSettings):
             "momentum": self.momentum,
             "weight_decay": self.weight_decay,
             "seed": self.seed,
-            "aggregator": self.aggregator,
-            "aggregator_params": self.aggregator_kwargs(),
-            "compression": self.compression,
-            "verify": [self.verify, self.validators] if self.verify else False,
+            # the round itself: aggregator, codec, group sizes, timeouts the others depend on, verification
+            "round": protocol_fields(self.round_config()),
             "sync_policy": self.sync_policy,
             "average_optimizer_state": self.average_optimizer_state,
+            "exchanges": [self.sync_every, self.staleness, self.dana] if self.mode != "sync" else None,
             # peers of different private swarms (different owners) never meet
             "owner": hashlib.sha256(self.admission.read_bytes()).hexdigest() if self.admission else None,
         }

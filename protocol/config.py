@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import math
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 from aggregation.errors import ConfigError
 
@@ -28,7 +29,7 @@ class Codec(str, enum.Enum):
 
 @dataclass(frozen=True, kw_only=True)
 class MatchmakingConfig:
-    """How groups form. Protocol-relevant: part of the run's configuration hash."""
+    """How groups form. Protocol-relevant: part of the run's configuration hash (but see LOCAL_FIELDS)."""
 
     min_group_size: int = 1
     """Fewest joiners (members plus resyncing peers) a group may close with at its deadline."""
@@ -102,6 +103,34 @@ class RoundConfig:
             params.setdefault("max_iter", 100_000)  # the projection check assumes it ran to convergence
         aggregate = make_aggregator(self.aggregator, **params)
         return lambda rows, weights: aggregate(rows, weights).value
+
+
+# Fields of the round's configs (dotted names) that only this peer's own waiting depends on: peers
+# may set them differently and still train together. Every other field is hashed into the run key
+# (protocol_fields), so a field added later is hashed unless it is listed here.
+LOCAL_FIELDS = frozenset(
+    {
+        "matchmaking.join_timeout_s",  # how long this peer keeps trying to get into a group
+        "state_timeout_s",  # how long this peer waits for a state download when it resyncs
+    }
+)
+
+
+def protocol_fields(config: RoundConfig) -> dict[str, Any]:
+    """Every field of `config` but LOCAL_FIELDS, nested configs by dotted name (None where one is
+    absent): what peers must agree on, for the run's hash. Values are JSON-serializable."""
+    fields: dict[str, Any] = {}
+
+    def walk(obj: Any, prefix: str) -> None:
+        for f in dataclasses.fields(obj):
+            name, value = prefix + f.name, getattr(obj, f.name)
+            if dataclasses.is_dataclass(value):
+                walk(value, name + ".")
+            elif name not in LOCAL_FIELDS:
+                fields[name] = value.value if isinstance(value, enum.Enum) else value
+
+    walk(config, "")
+    return fields
 
 
 def parse_aggregator_params(text: str, aggregator: str = "") -> tuple[tuple[str, float | str], ...]:
