@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import ipaddress
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Optional
@@ -131,7 +132,7 @@ async def ping(p2p, peer_id: str) -> tuple[float, float]:
         PING_TIMEOUT_S,
     )
     received = time.time()
-    if not reply.dht_time or not (reply.dht_time == reply.dht_time) or abs(reply.dht_time) > 1e11:  # unset or NaN/absurd
+    if not math.isfinite(reply.dht_time) or not 0 < reply.dht_time < 1e11:  # unset, NaN or absurd
         raise ValueError("the reply carries no usable time")
     return received - sent, reply.dht_time - (sent + received) / 2
 
@@ -192,6 +193,8 @@ async def reachability_row(p2p, settings: PeerConfig, probes: list[Probe]) -> Ro
     if relayed:
         return ok(check, f"relayed: {short(target.peer_id)} could not dial us directly, peers reach us through {relayed[0]}")
     listed = ", ".join(str(m) for m in own) or "none"
+    if answer.status == autonat.E_DIAL_ERROR and settings.use_auto_relay:
+        return warned(check, f"not directly: {short(target.peer_id)} could not dial back any of {listed}, and no relay reserved yet", "--use-auto-relay is on: it becomes reachable once it finds a relay (the reach column of `phalanx health`); else use --client-mode")
     if answer.status == autonat.E_DIAL_ERROR:
         return failed(check, f"unreachable: {short(target.peer_id)} could not dial back any of {listed}", "behind NAT or a firewall: use --use-auto-relay (reachable through a relay) or --client-mode (dial out only); or forward --port and pass --public-ip")
     status = autonat.STATUS_NAMES.get(answer.status, str(answer.status))

@@ -11,8 +11,8 @@ import sys
 from aggregation.errors import ConfigError
 from peer.config import PeerConfig
 from peer.doctor import network
-from peer.doctor.local import cheap_rows, multiaddr_row
-from peer.doctor.rows import Row, exit_code, render_table, rows_json, skipped
+from peer.doctor.local import cheap_rows, listen_host, multiaddr_row
+from peer.doctor.rows import Row, exit_code, ok, render_table, rows_json, skipped
 from peer.doctor.swarm import clock_row, fetch_records, swarm_rows
 
 logger = logging.getLogger(__name__)
@@ -27,9 +27,17 @@ def preflight(settings: PeerConfig) -> None:
 
 async def network_rows(settings: PeerConfig, initial_peers: list[str]) -> list[Row]:
     p2p, daemon = await network.start_daemon(settings)
-    if p2p is None:
-        return [daemon, *(skipped(n, "the p2p daemon did not start") for n in ("initial peers", "reachable from outside", "clock"))]
     rows = [daemon]
+    free_port = f"/ip4/{listen_host(settings)}/tcp/0"
+    if p2p is None and settings.listen_maddrs() != [free_port]:
+        # the peer checks below still tell something from a daemon on any free port
+        p2p, retry = await network.start_daemon(settings.model_copy(update={"host_maddrs": [free_port], "announce_maddrs": [], "public_ip": None}))
+        if p2p is not None:
+            rows.append(ok("p2p daemon on a free port", f"{retry.detail}, for the checks below"))
+    if p2p is None:
+        why = "the p2p daemon did not start"
+        peers = network.reached_row([], 0) if not initial_peers else skipped("initial peers", why)
+        return rows + [peers, skipped("reachable from outside", why), skipped("clock", why), *swarm_rows(None, settings, why)]
     try:
         usable = [a for a in initial_peers if multiaddr_row(a).status == "pass"]
         probes = list(await asyncio.gather(*(network.probe_initial_peer(p2p, a) for a in usable)))

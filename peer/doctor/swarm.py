@@ -31,7 +31,7 @@ def clock_row(offsets_s: dict[str, float], *, strict: bool) -> Row:
         return ok(check, seen)
     if abs(offset) > GROUP_FRESH_S and strict:
         return failed(check, seen + f"; verified runs and certificates refuse anything over {GROUP_FRESH_S:.0f} s off", CLOCK_FIX)
-    refused = f"; over {GROUP_FRESH_S:.0f} s, --verify and --admission runs refuse its statements" if abs(offset) <= GROUP_FRESH_S else f"; this run would refuse it with --verify or --admission"
+    refused = f"; over {GROUP_FRESH_S:.0f} s, --verify and --admission runs refuse its statements" if abs(offset) <= GROUP_FRESH_S else "; this run would refuse it with --verify or --admission"
     return warned(check, seen + f": health records expire in each other's views{refused}", CLOCK_FIX)
 
 
