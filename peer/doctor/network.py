@@ -219,3 +219,28 @@ async def ping_more(p2p, probes: list[Probe], addresses: dict[str, list[str]]) -
         except Exception:
             pass  # a peer in view we cannot reach is the health table's business; the clock row says how many answered
         probes.append(probe)
+
+
+async def identity_free_row(p2p, settings: PeerConfig, probes: list[Probe]) -> Optional[Row]:
+    """Is another live peer (often the orphaned DHT process of a killed run) using our identity file?
+    hivemind refuses to start then; this names the cause. None without --identity-path."""
+    from hivemind.p2p import PeerID
+
+    check = "identity free"
+    path = settings.identity_path
+    if path is None or not path.is_file():
+        return None
+    from aggregation.errors import ConfigError
+    from security.identity import Identity
+
+    try:
+        peer_id = PeerID.from_base58(Identity.load(path).peer_id)
+    except ConfigError:
+        return skipped(check, "the identity file is unreadable (see its row)")
+    if not any(p.reached for p in probes):
+        return skipped(check, "no initial peer reached to look for its peer ID")
+    try:  # as hivemind's own check does: the daemon looks the peer ID up through the peers it knows
+        await asyncio.wait_for(p2p._client.connect(peer_id, []), HANDSHAKE_TIMEOUT_S)
+    except Exception:
+        return ok(check, f"no live peer of the swarm runs as {short(peer_id.to_base58())}")
+    return failed(check, f"a live peer already runs as {peer_id.to_base58()} (this file's ID)", "stop that peer first (after a kill -9, its DHT process and p2pd may still run: find them with `ps -ef | grep p2pd`), or give this one its own --identity-path")

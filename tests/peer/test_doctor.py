@@ -9,6 +9,7 @@ import os
 import socket
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -23,6 +24,7 @@ from peer.doctor.local import identity_row, multiaddr_row, port_rows, task_rows 
 from peer.doctor.rows import exit_code  # noqa: E402
 from peer.doctor.swarm import CLOCK_FIX, clock_row, swarm_rows  # noqa: E402
 from peer.health.record import HealthRecord  # noqa: E402
+from security.identity import Identity  # noqa: E402
 
 PEER = "QmaDnkJn14L31L9kNtpb1q1BjmENLgXCn6hcG7FqP4Gcyn"
 OTHER = "QmBbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbb"
@@ -154,6 +156,12 @@ def by_check(report: dict) -> dict[str, dict]:
     return {row["check"]: row for row in report["rows"]}
 
 
+@dataclass(frozen=True)
+class LiveSwarm:
+    initial_peers: str  # the bootstrap's --initial-peers value
+    bootstrap_identity: Path
+
+
 @pytest.fixture(scope="module")
 def swarm(tmp_path_factory):
     """A bootstrap and one trainer (slowed down: it trains alone for the whole module)."""
@@ -169,7 +177,7 @@ def swarm(tmp_path_factory):
         procs.append(trainer)
         # its HTTP server opens after its first health record is stored
         wait_until(lambda: get_json(trainer.url + "/api/v1/status")[1]["peer_id"], "the trainer's status", procs)
-        yield initial_peers
+        yield LiveSwarm(initial_peers, workdir / "b.id")
     finally:
         for p in procs:
             p.terminate()
@@ -179,24 +187,38 @@ def swarm(tmp_path_factory):
 
 @pytest.mark.integration
 @pytest.mark.timeout(300)
-def test_healthy_swarm_passes_every_row(swarm):
-    code, report, _ = doctor("--initial-peers", swarm)
+def test_healthy_swarm_passes_every_row(swarm, tmp_path):
+    Identity.generate_ed25519(tmp_path / "me.id")
+    code, report, _ = doctor("--initial-peers", swarm.initial_peers, "--identity-path", str(tmp_path / "me.id"))
     assert code == 0 and report["ok"], report
     assert [r for r in report["rows"] if r["status"] != "pass"] == []
     rows = by_check(report)
-    peer = "…" + swarm.rsplit("/p2p/", 1)[1][-8:]
+    peer = "…" + swarm.initial_peers.rsplit("/p2p/", 1)[1][-8:]
     for stage in ("address", "tcp", "libp2p", "dht ping"):
         assert f"initial peer {peer}: {stage}" in rows
     assert rows["reachable from outside"]["detail"].startswith("local network:")
     assert rows["run config"]["detail"].endswith("as all 1 trainers in view")
-    code, table, _ = doctor("--initial-peers", swarm, json_out=False)
+    assert rows["identity free"]["detail"].startswith("no live peer of the swarm runs as")
+    code, table, _ = doctor("--initial-peers", swarm.initial_peers, json_out=False)
     assert code == 0 and "17 checks, 0 failed" in table
 
 
 @pytest.mark.integration
 @pytest.mark.timeout(300)
+def test_identity_of_a_live_peer_fails_its_row(swarm):
+    """The restart-after-kill-9 case: another process still runs as this identity file's peer."""
+    code, report, _ = doctor("--initial-peers", swarm.initial_peers, "--identity-path", str(swarm.bootstrap_identity))
+    assert code == 1
+    failing = [r for r in report["rows"] if r["status"] != "pass"]
+    assert [r["check"] for r in failing] == ["identity free"]
+    assert failing[0]["detail"] == f"a live peer already runs as {swarm.initial_peers.rsplit('/p2p/', 1)[1]} (this file's ID)"
+    assert failing[0]["fix"].startswith("stop that peer first (after a kill -9, its DHT process and p2pd may still run")
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(300)
 def test_other_run_flags_fail_the_run_config_row(swarm):
-    code, report, _ = doctor("--initial-peers", swarm, "--lr", "0.5")
+    code, report, _ = doctor("--initial-peers", swarm.initial_peers, "--lr", "0.5")
     assert code == 1
     failing = [r for r in report["rows"] if r["status"] != "pass"]
     assert [r["check"] for r in failing] == ["run config"]
@@ -208,7 +230,7 @@ def test_other_run_flags_fail_the_run_config_row(swarm):
 def test_busy_data_port_fails_its_row(swarm):
     with socket.create_server(("127.0.0.1", 0)) as busy:
         port = busy.getsockname()[1]
-        code, report, _ = doctor("--initial-peers", swarm, "--direct-port", str(port))
+        code, report, _ = doctor("--initial-peers", swarm.initial_peers, "--direct-port", str(port))
     assert code == 1
     failing = [r for r in report["rows"] if r["status"] != "pass"]
     assert failing == [
@@ -226,7 +248,7 @@ def test_busy_data_port_fails_its_row(swarm):
 def test_busy_libp2p_port_fails_the_daemon_row_and_checks_the_peers_anyway(swarm):
     with socket.create_server(("127.0.0.1", 0)) as busy:
         port = busy.getsockname()[1]
-        code, report, _ = doctor("--initial-peers", swarm, "--host-maddrs", f"/ip4/127.0.0.1/tcp/{port}")
+        code, report, _ = doctor("--initial-peers", swarm.initial_peers, "--host-maddrs", f"/ip4/127.0.0.1/tcp/{port}")
     assert code == 1
     rows = by_check(report)
     assert rows["libp2p port"]["detail"] == f"127.0.0.1:{port} is in use by another process"
