@@ -45,18 +45,18 @@ def multiaddr_row(addr: str) -> Row:
         return failed(check, "has no /p2p/<peer id> part (libp2p cannot verify whom it reaches)", f"append /p2p/<the peer's ID>: {BOOTSTRAP_LINE}")
     if not is_peer_id(peer):
         return failed(check, f"/p2p/{peer} is not a peer ID", BOOTSTRAP_LINE)
-    if not {"ip4", "ip6", "dns", "dns4", "dns6"} & set(names) or "tcp" not in names:
-        return failed(check, "names no host and TCP port", f"use the form /ip4/1.2.3.4/tcp/31337/p2p/{peer}")
+    if not {"ip4", "ip6", "dns", "dns4", "dns6"} & set(names) or not {"tcp", "udp"} & set(names):
+        return failed(check, "names no host and port", f"use the form /ip4/1.2.3.4/tcp/31337/p2p/{peer}")
     return ok(check, f"{addr}: peer {short(peer)} at {host_port(maddr)}")
 
 
 def host_port(maddr) -> str:
     for proto in ("ip4", "ip6", "dns", "dns4", "dns6"):
-        try:
-            host = maddr.value_for_protocol(proto)
-            return f"{host}:{maddr.value_for_protocol('tcp')}"
-        except Exception:
-            continue
+        for transport in ("tcp", "udp"):
+            try:
+                return f"{maddr.value_for_protocol(proto)}:{maddr.value_for_protocol(transport)}"
+            except Exception:
+                continue
     return str(maddr)
 
 
@@ -145,7 +145,8 @@ def task_rows(settings: PeerConfig) -> list[Row]:
     try:
         device = resolve_device(settings.device)
     except ConfigError as e:
-        rows.append(failed("device", str(e).split(": ", 1)[-1], "use --device cpu (or auto), or install a CUDA build of torch"))
+        seen = str(e).split(": ", 1)[-1].split("; ")[0]  # the message without its flag and advice, which the fix gives
+        rows.append(failed("device", seen, f"--device {settings.device} is not usable here: use --device cpu or auto, or a cuda:N that exists (a CUDA build of torch sees the GPUs)"))
     else:
         rows.append(ok("device", _describe(device)))
     rows.append(disk_row(settings, task))

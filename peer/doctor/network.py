@@ -83,6 +83,18 @@ async def probe_initial_peer(p2p, addr: str) -> Probe:
     name = f"initial peer {short(peer)}"
     where = host_port(maddr)
     host, _, port = where.rpartition(":")
+    if "/tcp/" not in addr:
+        probe.rows.append(skipped(f"{name}: tcp", "a UDP (QUIC) address: only the libp2p handshake can tell"))
+    elif not await _tcp(probe, where, host, port, name):
+        return probe
+    if not await _handshake(p2p, probe, maddr, name):
+        probe.rows.append(skipped(f"{name}: dht ping", "no libp2p connection"))
+        return probe
+    probe.rows.append(await ping_row(p2p, probe, name))
+    return probe
+
+
+async def _tcp(probe: Probe, where: str, host: str, port: str, name: str) -> bool:
     try:
         _, writer = await asyncio.wait_for(asyncio.open_connection(host.strip("[]"), int(port)), TCP_TIMEOUT_S)
         writer.close()
@@ -90,13 +102,9 @@ async def probe_initial_peer(p2p, addr: str) -> Probe:
         reason = "timed out" if isinstance(e, asyncio.TimeoutError) else (getattr(e, "strerror", None) or _first_line(e))
         probe.rows.append(failed(f"{name}: tcp", f"cannot connect to {where}: {reason}", f"is the peer running there and its port open to you? {BOOTSTRAP_LINE} (it names the right host and port)"))
         probe.rows += [skipped(f"{name}: libp2p", "no TCP connection"), skipped(f"{name}: dht ping", "no TCP connection")]
-        return probe
+        return False
     probe.rows.append(ok(f"{name}: tcp", f"{where} accepts connections"))
-    if not await _handshake(p2p, probe, maddr, name):
-        probe.rows.append(skipped(f"{name}: dht ping", "no libp2p connection"))
-        return probe
-    probe.rows.append(await ping_row(p2p, probe, name))
-    return probe
+    return True
 
 
 async def _handshake(p2p, probe: Probe, maddr, name: str) -> bool:
@@ -167,6 +175,14 @@ def _is_private(addr: str) -> bool:
     return False  # a DNS name: assume it is meant to be public
 
 
+async def guarded(check: str, step) -> Optional[Row]:
+    """`await step`, or a fail row carrying the error: an unexpected answer is a finding, not a crash."""
+    try:
+        return await step
+    except Exception as e:
+        return failed(check, f"could not be checked: {_first_line(e)}", "rerun with --debug for the details")
+
+
 async def reachability_row(p2p, settings: PeerConfig, probes: list[Probe]) -> Row:
     """Can peers outside reach this one? Asks a reached peer's AutoNAT service to dial us back."""
     from hivemind.p2p import PeerID
@@ -186,7 +202,10 @@ async def reachability_row(p2p, settings: PeerConfig, probes: list[Probe]) -> Ro
     except Exception as e:
         return warned(check, f"{short(target.peer_id)} could not be asked to dial back ({_first_line(e)})", "try another --initial-peers; if peers cannot reach you, use --use-auto-relay or --client-mode")
     if answer.status == autonat.OK:
-        seen = str(Multiaddr(answer.addr)) if answer.addr else "an address of ours"
+        try:
+            seen = str(Multiaddr(answer.addr))
+        except Exception:  # absent, or not a multiaddr: the verdict stands without it
+            seen = "an address of ours"
         return ok(check, f"public: {short(target.peer_id)} dialed back {seen}")
     if answer.status == autonat.E_DIAL_REFUSED and all(_is_private(a) for a in target.maddrs):
         return ok(check, f"local network: {short(target.peer_id)} is on a private address, as this peer is; a dial-back from outside does not apply")

@@ -44,8 +44,8 @@ async def network_rows(settings: PeerConfig, initial_peers: list[str]) -> list[R
         for probe in probes:
             rows += probe.rows
         rows.append(network.reached_row(probes, len(initial_peers)))
-        rows.append(await network.reachability_row(p2p, settings, probes))
-        identity = await network.identity_free_row(p2p, settings, probes)
+        rows.append(await network.guarded("reachable from outside", network.reachability_row(p2p, settings, probes)))
+        identity = await network.guarded("identity free", network.identity_free_row(p2p, settings, probes))
         rows += [identity] if identity is not None else []
         reached = [p.maddrs[0] for p in probes if p.rtt_s is not None]
         records = None

@@ -58,7 +58,7 @@ def test_clock_row_from_injected_offsets(offsets, strict, status, words):
         ("/ip4/127.0.0.1/tcp/31337", "has no /p2p/<peer id> part", "append /p2p/<the peer's ID>"),
         ("/ip4/127.0.0.1/tcp/31337/p2p/Qmnotapeerid", "not a multiaddr (", "use the form /ip4/1.2.3.4/tcp/31337/p2p/12D3KooW…"),
         ("/ip4/300.0.0.1/tcp/1/p2p/" + PEER, "not a multiaddr", "use the form /ip4/1.2.3.4/tcp/31337/p2p/12D3KooW…"),
-        (f"/p2p/{PEER}", "names no host and TCP port", f"use the form /ip4/1.2.3.4/tcp/31337/p2p/{PEER}"),
+        (f"/p2p/{PEER}", "names no host and port", f"use the form /ip4/1.2.3.4/tcp/31337/p2p/{PEER}"),
     ],
 )
 def test_malformed_initial_peer_addresses_fail_with_the_fix(addr, detail, fix):
@@ -67,10 +67,14 @@ def test_malformed_initial_peer_addresses_fail_with_the_fix(addr, detail, fix):
     assert row.detail.startswith(detail) and row.fix.startswith(fix)
 
 
-def test_a_full_initial_peer_address_passes():
-    row = multiaddr_row(f"/ip4/127.0.0.1/tcp/31337/p2p/{PEER}")
+@pytest.mark.parametrize(
+    "addr, where",
+    [("/ip4/127.0.0.1/tcp/31337", "127.0.0.1:31337"), ("/dns4/example.org/tcp/1", "example.org:1"), ("/ip4/1.2.3.4/udp/1/quic-v1", "1.2.3.4:1")],
+)
+def test_a_full_initial_peer_address_passes(addr, where):
+    row = multiaddr_row(f"{addr}/p2p/{PEER}")
     assert (row.check, row.status) == ("initial peer …FqP4Gcyn: address", "pass")
-    assert row.detail.endswith("peer …FqP4Gcyn at 127.0.0.1:31337")
+    assert row.detail.endswith(f"peer …FqP4Gcyn at {where}")
 
 
 def test_a_busy_direct_port_fails_and_names_the_flag():
@@ -103,6 +107,16 @@ def test_task_without_its_data_fails_with_the_fix(tmp_path):
 def test_checkpoint_disk_counts_the_kept_checkpoints(tmp_path):
     rows = {r.check: r for r in task_rows(PeerConfig(checkpoint_dir=tmp_path / "ckpt", checkpoint_keep=3))}
     assert rows["checkpoint disk"].status == "pass" and "MiB needed)" in rows["checkpoint disk"].detail
+
+
+def test_a_missing_gpu_fails_the_device_row():
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("SKIPPED: this machine has a CUDA GPU, so --device cuda is usable here")
+    row = next(r for r in task_rows(PeerConfig(device="cuda")) if r.check == "device")
+    assert (row.status, row.detail) == ("fail", "this machine has no CUDA GPU visible to torch")
+    assert row.fix.startswith("--device cuda is not usable here: use --device cpu or auto")
 
 
 def _record(peer: str, **changes) -> HealthRecord:
