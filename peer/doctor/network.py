@@ -50,7 +50,7 @@ async def start_daemon(settings: PeerConfig):
             startup_timeout=P2PD_STARTUP_TIMEOUT_S,
         )
     except Exception as e:
-        return None, failed("p2p daemon", _first_line(e), _daemon_fix(str(e)))
+        return None, failed("p2p daemon", first_line(e), _daemon_fix(str(e)))
     return p2p, ok("p2p daemon", f"p2pd started in {time.monotonic() - started:.1f} s (limit {P2PD_STARTUP_TIMEOUT_S:.0f} s)")
 
 
@@ -67,7 +67,7 @@ def _daemon_fix(text: str) -> str:
     return "rerun with --debug to see p2pd's log"
 
 
-def _first_line(e: BaseException) -> str:
+def first_line(e: BaseException) -> str:
     text = (str(e) or type(e).__name__).strip().splitlines()
     return text[0][:300] if text else type(e).__name__
 
@@ -99,7 +99,7 @@ async def _tcp(probe: Probe, where: str, host: str, port: str, name: str) -> boo
         _, writer = await asyncio.wait_for(asyncio.open_connection(host.strip("[]"), int(port)), TCP_TIMEOUT_S)
         writer.close()
     except (OSError, asyncio.TimeoutError, ValueError) as e:
-        reason = "timed out" if isinstance(e, asyncio.TimeoutError) else (getattr(e, "strerror", None) or _first_line(e))
+        reason = "timed out" if isinstance(e, asyncio.TimeoutError) else (getattr(e, "strerror", None) or first_line(e))
         probe.rows.append(failed(f"{name}: tcp", f"cannot connect to {where}: {reason}", f"is the peer running there and its port open to you? {BOOTSTRAP_LINE} (it names the right host and port)"))
         probe.rows += [skipped(f"{name}: libp2p", "no TCP connection"), skipped(f"{name}: dht ping", "no TCP connection")]
         return False
@@ -116,7 +116,7 @@ async def _handshake(p2p, probe: Probe, maddr, name: str) -> bool:
         transport = Multiaddr(str(maddr).rsplit("/p2p/", 1)[0])
         await asyncio.wait_for(p2p._client.connect(PeerID.from_base58(probe.peer_id), [transport]), HANDSHAKE_TIMEOUT_S)
     except Exception as e:
-        text = _first_line(e) if not isinstance(e, asyncio.TimeoutError) else f"no answer in {HANDSHAKE_TIMEOUT_S:.0f} s"
+        text = first_line(e) if not isinstance(e, asyncio.TimeoutError) else f"no answer in {HANDSHAKE_TIMEOUT_S:.0f} s"
         if "peer id mismatch" in text.lower() or "remote key matches" in text.lower():
             fix = f"another peer answers at this address (restarted without --identity-path?): {BOOTSTRAP_LINE} again"
         else:
@@ -149,7 +149,7 @@ async def ping_row(p2p, probe: Probe, name: str) -> Row:
     try:
         probe.rtt_s, probe.offset_s = await ping(p2p, probe.peer_id)
     except Exception as e:
-        text = _first_line(e) if not isinstance(e, asyncio.TimeoutError) else f"no answer in {PING_TIMEOUT_S:.0f} s"
+        text = first_line(e) if not isinstance(e, asyncio.TimeoutError) else f"no answer in {PING_TIMEOUT_S:.0f} s"
         return failed(f"{name}: dht ping", text, "the peer speaks libp2p but serves no DHT: give the address of a `phalanx bootstrap` or `phalanx join` peer")
     return ok(f"{name}: dht ping", f"answered in {probe.rtt_s * 1000:.0f} ms")
 
@@ -180,7 +180,7 @@ async def guarded(check: str, step) -> Optional[Row]:
     try:
         return await step
     except Exception as e:
-        return failed(check, f"could not be checked: {_first_line(e)}", "rerun with --debug for the details")
+        return failed(check, f"could not be checked: {first_line(e)}", "rerun with --debug for the details")
 
 
 async def reachability_row(p2p, settings: PeerConfig, probes: list[Probe]) -> Row:
@@ -200,7 +200,7 @@ async def reachability_row(p2p, settings: PeerConfig, probes: list[Probe]) -> Ro
     try:
         answer = await autonat.request_dial_back(p2p, PeerID.from_base58(target.peer_id), [m.to_bytes() for m in own], timeout_s=DIAL_BACK_TIMEOUT_S)
     except Exception as e:
-        return warned(check, f"{short(target.peer_id)} could not be asked to dial back ({_first_line(e)})", "try another --initial-peers; if peers cannot reach you, use --use-auto-relay or --client-mode")
+        return warned(check, f"{short(target.peer_id)} could not be asked to dial back ({first_line(e)})", "try another --initial-peers; if peers cannot reach you, use --use-auto-relay or --client-mode")
     if answer.status == autonat.OK:
         try:
             seen = str(Multiaddr(answer.addr))

@@ -56,7 +56,7 @@ async def network_rows(settings: PeerConfig, initial_peers: list[str]) -> list[R
                 if invalid:
                     logger.warning(f"dropped {invalid} invalid health record(s)")
             except Exception as e:
-                why_not = f"could not read health records ({network._first_line(e)})"
+                why_not = f"could not read health records ({network.first_line(e)})"
         if records:
             await network.ping_more(p2p, probes, {p: r.addresses for p, r in records.items()})
         offsets = {p.peer_id: p.offset_s for p in probes if p.offset_s is not None}
