@@ -89,6 +89,7 @@ class Redialer:
     stats: RedialStats = field(default_factory=RedialStats)
     known: dict[str, KnownPeer] = field(default_factory=dict)
     _task: Optional[asyncio.Task] = None
+    _dials: set[asyncio.Task] = field(default_factory=set)  # one per peer being dialed
 
     def __post_init__(self) -> None:
         now = self.clock()
@@ -162,10 +163,11 @@ class Redialer:
         self._task = asyncio.create_task(self._run(), name="redial")
 
     async def aclose(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
-            self._task = None
+        tasks = [t for t in (self._task, *self._dials) if t is not None]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self._task, self._dials = None, set()
 
     async def _run(self) -> None:
         while True:
@@ -178,17 +180,30 @@ class Redialer:
                 logger.debug(f"redial failed: {e!r}")
 
     async def tick(self) -> None:
+        """Dial every peer whose dial is due, each in its own task: a dial into a partition waits out its
+        timeout, and must not hold up the dial that would get through once the partition heals."""
         if self.watch is not None:
             present, gone = self.watch()
             self.observe(present, gone)
-        targets = self.due()
-        if not targets or self.dht is None:
+        if self.dht is None:
             return
-        answered = set(await in_dht(self.dht, partial(_ping_all, targets=targets), timeout=DIAL_TIMEOUT_S + 5))
-        for peer, _ in targets:
-            self.dialed(peer, peer in answered)
-        if answered:  # "back in view" follows once their records arrive
-            logger.debug(f"re-dialed {len(answered)} lost peer(s): {sorted(p[-8:] for p in answered)}")
+        for peer, addresses in self.due():
+            self.known[peer].next_dial_at = float("inf")  # in flight; `dialed` schedules the next one
+            task = asyncio.create_task(self._dial(peer, addresses), name=f"redial-{peer[-8:]}")
+            self._dials.add(task)
+            task.add_done_callback(self._dials.discard)
+
+    async def _dial(self, peer: str, addresses: tuple[str, ...]) -> None:
+        answered = False
+        try:
+            answered = bool(await in_dht(self.dht, partial(_ping_all, targets=[(peer, addresses)]), DIAL_TIMEOUT_S + 5))
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            logger.debug(f"redial of {peer[-8:]} failed: {e!r}")
+        self.dialed(peer, answered)
+        if answered:  # "back in view" follows once its records arrive
+            logger.debug(f"re-dialed lost peer {peer[-8:]}: it answered")
 
 
 async def _ping_all(_dht: hivemind.DHT, node: DHTNode, targets: list[tuple[str, tuple[str, ...]]]) -> list[str]:

@@ -130,3 +130,39 @@ def test_a_tick_polls_the_watch_for_the_membership_view():
     r = redialer(clock, watch=lambda: ({PEER: []}, []))
     asyncio.run(r.tick())
     assert PEER in r.known and r.known[PEER].seen_at == clock.t
+
+
+def test_each_due_peer_is_dialed_in_its_own_task_and_rescheduled_when_it_ends(monkeypatch):
+    import protocol.redial as redial
+
+    started: list[str] = []
+    release = asyncio.Event()
+
+    async def fake_in_dht(_dht, call, timeout):
+        (peer, _), = call.keywords["targets"]
+        started.append(peer)
+        if peer == BOOT:
+            await release.wait()  # a dial into a partition: hangs until its timeout
+            return []
+        return [peer]
+
+    monkeypatch.setattr(redial, "in_dht", fake_in_dht)
+
+    async def main() -> None:
+        clock = Clock()
+        r = Redialer(object(), ME, [BOOT_ADDR], clock=clock, rng=random.Random(0))
+        r.observe({PEER: []})
+        clock.t += OUT_OF_VIEW_S + 1
+        await r.tick()
+        await asyncio.sleep(0)
+        assert sorted(started) == sorted([BOOT, PEER])
+        assert r.known[PEER].next_dial_at < float("inf") and r.stats.answered == 1  # not held up by BOOT
+        await r.tick()
+        assert len(started) == 2  # BOOT still in flight: not dialed twice
+        release.set()
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)
+        assert r.known[BOOT].failures == 1 and r.stats.dials == 2
+        await r.aclose()
+
+    asyncio.run(main())
