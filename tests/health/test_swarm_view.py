@@ -133,3 +133,38 @@ def test_the_observer_shows_the_split_on_every_online_trainer_and_what_each_peer
     split = "split: 2 groups (2 at step 100; 2 at step 90)"
     assert all(problems[p] == [split] for p in (A, B, C, D))
     assert problems[BOOT] == ["cut off: sees 1 of 5 peers"]
+
+
+class _LiveDHT:
+    def is_alive(self) -> bool:
+        return True
+
+
+def test_a_cut_off_bootstrap_is_unready_with_the_reason_and_its_metrics_say_so(tmp_path):
+    from hivemind.utils import get_dht_time
+
+    from peer.config import NetworkSettings
+    from peer.health.metrics import PeerMetrics, render
+    from peer.health.service import HealthService
+    from security.identity import Identity
+
+    identity = Identity.generate_ed25519(tmp_path / "boot.id")
+    service = HealthService(
+        dht=_LiveDHT(), identity=identity, metrics=PeerMetrics(role="bootstrap"), settings=NetworkSettings()
+    )
+    now = get_dht_time()
+    service.published_at = now
+    fresh = {p: rec(p, (A, B, C, D), ago_s=0.0).model_copy(update={"published_at": now}) for p in (A, B, C, D)}
+    for p, r in fresh.items():  # the swarm's last round finished just now
+        fresh[p] = r.model_copy(update={"last_round": r.last_round.model_copy(update={"finished_at": now})})
+    service.records = fresh
+    service._track_swarm()
+    assert service.readiness() == (True, [])
+    service.records = {}  # a cut: the others' records expired
+    service._track_swarm()
+    assert service.readiness() == (False, ["cut off: sees 1 of 5 peers"])
+    text = render(service.metrics.registry).decode()
+    assert "phalanx_ready 0.0" in text and "phalanx_swarm_problems 1.0" in text and "phalanx_peers_recent 5.0" in text
+    service.recent.seen_at = {p: t - RECENT_S - 1 for p, t in service.recent.seen_at.items()}  # two minutes on
+    service._track_swarm()
+    assert service.readiness() == (True, [])  # the lost peers no longer count
