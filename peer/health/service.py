@@ -176,11 +176,12 @@ class HealthService:
             role=self.metrics.role,
             step=self.metrics.step,
             lockstep=engine is not None and engine.config.matchmaking.lockstep,
+            config_hash=self.config_hash,
             last_round_members=tuple(last.members) if last is not None else (),
         )
         now = get_dht_time()
         problems = swarm_reasons(me, self.records, self.recent.count(), now=now)[:MAX_VIOLATIONS]
-        groups = len(training_groups(self.records, now=now))
+        groups = len(training_groups(self.records, now=now, config_hash=self.config_hash or None))
         if groups > 1 and self.groups_seen <= 1:
             self.splits_seen += 1
         self.groups_seen = max(groups, 1)

@@ -16,6 +16,7 @@ Readiness used to check only that a peer's own view was fresh, so a peer cut off
 from __future__ import annotations
 
 import statistics
+from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Optional
@@ -65,14 +66,18 @@ class Group:
     leaders: tuple[str, ...]  # the leaders its members follow
 
 
-def training_groups(records: Mapping[str, HealthRecord], *, now: float) -> list[Group]:
-    """Online trainers with a round in the last SPLIT_WINDOW_S, grouped: members of one recent round
-    belong together, and so do groups that follow a common leader (one leader can form several groups
-    at once, as `--sync-policy k:<K>` does). Largest group first."""
+def training_groups(records: Mapping[str, HealthRecord], *, now: float, config_hash: Optional[str] = None) -> list[Group]:
+    """Online trainers of one configuration (default: the most common) with a round in the last
+    SPLIT_WINDOW_S, grouped: members of one recent round belong together, and so do groups that follow a
+    common leader (one leader can form several groups at once, as `--sync-policy k:<K>` does). Trainers
+    of another configuration never train with these (legality flags them). Largest group first."""
+    if config_hash is None:
+        counts = Counter(r.config_hash for r in records.values() if r.role == "trainer")
+        config_hash = counts.most_common(1)[0][0] if counts else ""
     active = {
         p: r for p, r in records.items()
-        if r.role == "trainer" and r.state == "online" and r.last_round is not None
-        and now - r.last_round.finished_at <= SPLIT_WINDOW_S
+        if r.role == "trainer" and r.state == "online" and r.config_hash == config_hash
+        and r.last_round is not None and now - r.last_round.finished_at <= SPLIT_WINDOW_S
     }  # fmt: skip
     parent = {p: p for p in active}
 
@@ -121,6 +126,7 @@ class Self:
     role: str  # "trainer" or "bootstrap"
     step: int
     lockstep: bool  # sync mode: every member's step moves together
+    config_hash: str  # only trainers of the same configuration can train together
     last_round_members: tuple[str, ...]  # () before its first round
 
 
@@ -135,14 +141,17 @@ def swarm_reasons(me: Self, records: Mapping[str, HealthRecord], recent: int, *,
     if me.role != "trainer":
         split = split_problem(training_groups(records, now=now))
         return reasons + ([split] if split else [])
-    others = {p: r for p, r in records.items() if p != me.peer_id and r.role == "trainer" and r.state != "offline"}
+    others = {
+        p: r for p, r in records.items()
+        if p != me.peer_id and r.role == "trainer" and r.state != "offline" and r.config_hash == me.config_hash
+    }  # fmt: skip
     if me.last_round_members == (me.peer_id,) and (others or recent > 2):
         reasons.append("training alone: its last round had no other member while other trainers are around")
     if me.lockstep and others:
         swarm_step = statistics.median_low(r.step for r in others.values())
         if swarm_step - me.step > BEHIND_STEPS:
             reasons.append(f"behind: step {me.step}, the swarm is at step {swarm_step}")
-    split = split_problem(training_groups(records, now=now))
+    split = split_problem(training_groups(records, now=now, config_hash=me.config_hash))
     if split:
         reasons.append(split)
     return reasons

@@ -45,7 +45,7 @@ def boot() -> HealthRecord:
 
 
 def me(peer: str = A, *, step: int = 100, members: tuple[str, ...] = (A, B, C), lockstep: bool = True) -> Self:
-    return Self(peer_id=peer, role="trainer", step=step, lockstep=lockstep, last_round_members=members)
+    return Self(peer_id=peer, role="trainer", step=step, lockstep=lockstep, config_hash="ab", last_round_members=members)
 
 
 def test_a_whole_swarm_has_no_problems():
@@ -93,6 +93,11 @@ def test_a_peer_far_behind_the_others_median_step_is_behind_in_lockstep_modes_on
     assert swarm_reasons(me(step=100), records, 3, now=NOW) == ["behind: step 100, the swarm is at step 500"]
     assert swarm_reasons(me(step=500 - BEHIND_STEPS), records, 3, now=NOW) == []
     assert swarm_reasons(me(step=100, lockstep=False), records, 3, now=NOW) == []
+
+
+def test_trainers_of_another_configuration_are_not_the_swarm_it_is_behind_or_trains_without():
+    records = {A: rec(A, (A,)), B: rec(B, (B,), step=10**6, config_hash="cd")}
+    assert swarm_reasons(me(step=100, members=(A,)), records, 2, now=NOW) == []
 
 
 def test_one_peer_claiming_a_huge_step_does_not_make_the_others_behind():
