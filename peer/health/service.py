@@ -185,7 +185,7 @@ class HealthService:
         if groups > 1 and self.groups_seen <= 1:
             self.splits_seen += 1
         self.groups_seen = max(groups, 1)
-        if problems != self.swarm_problems:
+        if [p.split(":")[0] for p in problems] != [p.split(":")[0] for p in self.swarm_problems]:  # not every step
             logger.info(f"swarm view: {'; '.join(problems)}" if problems else "swarm view: sees the whole swarm again")
         self.swarm_problems = problems
 
