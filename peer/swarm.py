@@ -215,7 +215,7 @@ class Swarm:
             style = "red" if is_failure(reason) else ""
             self.console.print(
                 f"[{self._elapsed():6.1f} s] {view.name} exited with code {view.exit_code}: {reason} (log: {view.log_path})",
-                style=style, markup=False, highlight=False,
+                style=style, markup=False, highlight=False, soft_wrap=True,
             )  # fmt: skip
 
     def startup(self) -> dict[str, Optional[float]]:
@@ -340,7 +340,7 @@ class Swarm:
                 else:
                     shutil.rmtree(self.workdir, ignore_errors=True)
             if kept is not None and sys.exc_info()[0] is not None:
-                self.console.print(f"logs of this run are kept in {kept}")
+                self.console.print(f"logs of this run are kept in {kept}", soft_wrap=True)
         accs = [v.accuracy for v in self.views if v.accuracy is not None and v.attack is None]
         return SwarmResult(
             reached_target=self.target_hit.is_set(),
@@ -427,7 +427,7 @@ def run_swarm(
 
     console = Console(stderr=True)
     if not console.is_terminal:
-        console.width = 120  # logs and CI: do not squeeze the report into 80 columns
+        console.width = 160  # logs and CI: do not squeeze the report into 80 columns
     swarm = Swarm(
         peers, join_args, target_accuracy=target_accuracy, workdir=workdir, console=console, attacks=attacks,
         stragglers=stragglers, straggler_args=straggler_args,

@@ -25,6 +25,7 @@ _ERROR_LINES = (
     re.compile(r'"level": "(?:error|critical)"'),  # --log-format json
 )
 TAIL_BYTES = 64 << 10
+MAX_LINE = 2000
 
 
 def last_error_line(log: Path) -> Optional[str]:
@@ -39,8 +40,8 @@ def last_error_line(log: Path) -> Optional[str]:
     lines = [line.strip() for line in text.splitlines() if line.strip()]
     for line in reversed(lines):
         if any(p.search(line) for p in _ERROR_LINES):
-            return line[:300]
-    return lines[-1][:300] if lines else None
+            return line[:MAX_LINE]
+    return lines[-1][:MAX_LINE] if lines else None
 
 
 def signal_name(number: int) -> str:
@@ -56,6 +57,8 @@ def exit_reason(view: "PeerView", *, steps: Optional[int], swarm_reached_target:
     if code is None:
         return "still running"
     if code < 0:
+        if view.stop_sent and -code == signal.SIGTERM:
+            return "stopped by the launcher (SIGTERM, before it was up)"
         return f"killed by {signal_name(-code)}" + (" (it did not stop in time)" if view.stop_sent else "")
     if code in (0, TARGET_NOT_REACHED) and view.report is not None:
         if report.get("reached_target"):
@@ -97,7 +100,7 @@ def print_report(result: "SwarmResult", console: Console, target: Optional[float
     columns = ("peer", "id", "steps", "accuracy", "rounds ok", "partial", "failed", "resyncs", "sent MB", "banned", "exit", "why")
     for col in columns:
         if col == "why":  # the whole line was printed when the peer exited
-            table.add_column(col, max_width=48, no_wrap=True, overflow="ellipsis")
+            table.add_column(col, max_width=40, no_wrap=True, overflow="ellipsis")
         else:
             table.add_column(col, justify="left" if col in ("peer", "id", "banned") else "right")
     for v in result.peers:
@@ -121,7 +124,7 @@ def print_report(result: "SwarmResult", console: Console, target: Optional[float
     if byzantine:
         kinds = ", ".join(sorted({v.attack for v in byzantine}))
         console.print(f"banned: how many peers each one saw banned, and how many of those are the {len(byzantine)} attackers ({kinds})")
-    console.print(startup_line(result))
+    console.print(startup_line(result), soft_wrap=True)
     best = "n/a" if result.best_accuracy is None else f"{result.best_accuracy:.4f}"
     line = f"wall time {result.wall_s:.1f} s, best test accuracy {best}"
     if target is not None:
@@ -131,4 +134,4 @@ def print_report(result: "SwarmResult", console: Console, target: Optional[float
             line += f", target {target} NOT reached"
     console.print(line)
     if result.kept_workdir is not None:
-        console.print(f"logs, identities and checkpoints of this run are kept in {result.kept_workdir}")
+        console.print(f"logs, identities and checkpoints of this run are kept in {result.kept_workdir}", soft_wrap=True)

@@ -62,6 +62,7 @@ def _view(code, report=None, *, stop_sent=False, last_error=None):
         (_view(-signal.SIGKILL), False, "killed by SIGKILL"),
         (_view(-signal.SIGKILL, stop_sent=True), False, "killed by SIGKILL (it did not stop in time)"),
         (_view(-signal.SIGTERM), False, "killed by SIGTERM"),
+        (_view(-signal.SIGTERM, stop_sent=True), False, "stopped by the launcher (SIGTERM, before it was up)"),
         (_view(None), False, "still running"),
     ],
 )
