@@ -37,6 +37,11 @@ def last_error_line(log: Path) -> Optional[str]:
             text = f.read().decode(errors="replace")
     except OSError:
         return None
+    return error_line(text)
+
+
+def error_line(text: str) -> Optional[str]:
+    """The last line of `text` that reports an error (else its last line; None if it is empty)."""
     lines = [line.strip() for line in text.splitlines() if line.strip()]
     for line in reversed(lines):
         if any(p.search(line) for p in _ERROR_LINES):
