@@ -142,10 +142,22 @@ class Swarm:
             start_new_session=True,  # its DHT process and p2pd die with its process group
         )
 
+    def _identity(self, name: str) -> str:
+        """An Ed25519 identity file for `name` in the work folder (kept if it is there). A missing file
+        would make the peer generate an RSA key, and hivemind then starts a second p2p daemon at each
+        start to check that no other peer uses an RSA identity: about a second per trainer here. Keys
+        made by this launcher for its own peers cannot be in use elsewhere."""
+        from security.identity import Identity
+
+        path = self.workdir / f"{name}.id"
+        if not path.exists():
+            Identity.generate_ed25519(path)
+        return str(path)
+
     async def _start_bootstrap(self) -> list[str]:
         self.bootstrap = await self._spawn(
             "bootstrap",
-            ["bootstrap", "--host-maddrs", LOOPBACK, "--identity-path", str(self.workdir / "bootstrap.id")],
+            ["bootstrap", "--host-maddrs", LOOPBACK, "--identity-path", self._identity("bootstrap")],
             {},
         )
         log = self.workdir / "bootstrap.log"
@@ -165,7 +177,7 @@ class Swarm:
             "join",
             "--initial-peers", *initial_peers,
             "--host-maddrs", LOOPBACK,
-            "--identity-path", str(self.workdir / f"{view.name}.id"),
+            "--identity-path", self._identity(view.name),
             "--events",
             *self.join_args,
             *(["--attack", view.attack] if view.attack else []),
