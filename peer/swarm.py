@@ -303,7 +303,7 @@ class Swarm:
         failed = True  # until the run got to its end
         try:
             display = Live(get_renderable=self._table, console=self.console, refresh_per_second=4) if live else None
-            with display or contextlib.nullcontext():
+            with display if display is not None else contextlib.nullcontext():
                 if not live:
                     self.console.print(f"starting a bootstrap peer and {self.n} trainers in {self.workdir}")
                 initial_peers = await self._start_bootstrap()
@@ -327,13 +327,14 @@ class Swarm:
                     if not live:
                         self._print_progress(last)
             if not target_task.done() and all(f.done() for f in honest) and not all(f.done() for f in followers):
-                self.console.print("no honest trainer is left: stopping the run")
+                self.console.print("every honest trainer has exited: stopping the others")
             target_task.cancel()
             self.stopping = True
             await self._stop_trainers(grace_s=30)
             await asyncio.wait(followers, timeout=60)  # stragglers are killed in _cleanup
             failed = False
         finally:
+            error = sys.exc_info()[1]  # what is unwinding the run, if anything
             self.stopping = True
             if target_task is not None:
                 target_task.cancel()
@@ -344,14 +345,14 @@ class Swarm:
             failed = failed or any(is_failure(r) for r in reasons.values())
             if self.target_accuracy is not None and not self.target_hit.is_set():
                 failed = True
-            interrupted = isinstance(sys.exc_info()[1], asyncio.CancelledError)  # Ctrl-C: the user knows why
+            interrupted = isinstance(error, asyncio.CancelledError)  # Ctrl-C: the user knows why
             kept = None
             if self.own_workdir:
                 if failed and not interrupted:
                     kept = self.workdir
                 else:
                     shutil.rmtree(self.workdir, ignore_errors=True)
-            if kept is not None and sys.exc_info()[0] is not None:
+            if kept is not None and error is not None:
                 self.console.print(f"logs of this run are kept in {kept}", soft_wrap=True)
         accs = [v.accuracy for v in self.views if v.accuracy is not None and v.attack is None]
         return SwarmResult(

@@ -67,6 +67,6 @@ def test_the_run_stops_once_no_honest_trainer_is_left(tmp_path):
     text = out.getvalue()
     assert result.reasons["straggler-0"].startswith("error: ") and "lacks train-images" in result.reasons["straggler-0"]
     assert result.reasons["byzantine-0"].startswith("stopped by the launcher"), text  # (or before it was up)
-    assert "no honest trainer is left: stopping the run" in text
+    assert "every honest trainer has exited: stopping the others" in text
     assert "straggler-0 exited with code 2" in text
     assert result.kept_workdir is None and (tmp_path / "run" / "straggler-0.log").exists()  # a folder given is the caller's

@@ -118,3 +118,24 @@ def test_startup_line_gives_time_to_first_step_and_each_stage():
         startup={"bootstrap up": 2.0, "all on the DHT": 5.25, "all see their peers": 5.5, "first step": 6.0},
     )  # fmt: skip
     assert startup_line(result) == "time to first step 6.0 s (bootstrap up 2.0 s, all on the DHT 5.2 s, all see their peers 5.5 s)"
+
+
+def test_startup_stages_count_trainers_and_take_the_last_one_to_get_there(tmp_path):
+    from peer.swarm import Swarm
+
+    swarm = Swarm(3, ["--steps", "50"], target_accuracy=None, workdir=tmp_path, live=False)
+    assert swarm.steps == 50
+    assert swarm._stage().startswith("starting the bootstrap peer…")
+    swarm.bootstrap_s = 1.0
+    a, b, c = swarm.views
+    a.process = b.process = c.process = object()  # spawned
+    a.connected_s, b.connected_s = 2.0, 3.0
+    a.ready_s = 3.5
+    assert swarm._stage() == "bootstrap up · 3/3 started · 2/3 on the DHT · 1/3 see their peers · 0/3 training"
+    assert swarm.startup() == {"bootstrap up": 1.0, "all on the DHT": None, "all see their peers": None, "first step": None}
+    c.connected_s, b.ready_s, c.ready_s = 4.0, 4.5, 4.25
+    a.first_step_s, b.first_step_s = 5.0, 4.75
+    c.exit_code = 1
+    assert swarm._stage().endswith("· 2/3 training · 1 exited")
+    assert swarm.startup() == {"bootstrap up": 1.0, "all on the DHT": 4.0, "all see their peers": 4.5, "first step": 4.75}
+    assert not swarm._starting()  # every trainer trains or has exited
