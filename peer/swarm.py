@@ -24,9 +24,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-from rich.console import Console
+from rich.console import Console, Group, RenderableType
 from rich.live import Live
 from rich.table import Table
+from rich.text import Text
 
 from aggregation.errors import PhalanxError
 from peer.swarm_report import exit_reason, is_failure, last_error_line, print_report
@@ -254,10 +255,7 @@ class Swarm:
         ready = sum(v.ready_s is not None for v in self.views)
         training = sum(v.first_step_s is not None for v in self.views)
         exited = sum(v.exit_code is not None for v in self.views)
-        line = (
-            f"bootstrap up · {started}/{n} started · {connected}/{n} on the DHT · {ready}/{n} see their peers"
-            f" · {training}/{n} training"
-        )
+        line = f"bootstrap up · {started}/{n} started · {connected}/{n} on the DHT · {ready}/{n} see peers · {training}/{n} training"
         return line + (f" · {exited} exited" if exited else "")
 
     def _starting(self) -> bool:
@@ -265,8 +263,6 @@ class Swarm:
 
     def _table(self) -> Table:
         table = Table(title=f"phalanx swarm — {self._elapsed():.1f} s", expand=False)
-        if self._starting():
-            table.caption = self._stage()
         for col in ("peer", "id", "step", "loss", "accuracy", "group", "sent"):
             table.add_column(col, justify="right" if col not in ("peer", "id") else "left")
         for v in self.views:
@@ -280,6 +276,10 @@ class Swarm:
                 f"{v.bytes_sent / 1e6:.2f} MB",
             )
         return table
+
+    def _live_view(self) -> RenderableType:
+        """The table, under it the start-up stage while some trainer has not taken a step."""
+        return Group(self._table(), Text(self._stage())) if self._starting() else self._table()
 
     def _print_progress(self, last: list[float]) -> None:
         """Without a terminal: each change of the start-up stage, then a line every 5 s."""
@@ -302,7 +302,7 @@ class Swarm:
         live = self.live and self.console.is_terminal
         failed = True  # until the run got to its end
         try:
-            display = Live(get_renderable=self._table, console=self.console, refresh_per_second=4) if live else None
+            display = Live(get_renderable=self._live_view, console=self.console, refresh_per_second=4) if live else None
             with display if display is not None else contextlib.nullcontext():
                 if not live:
                     self.console.print(f"starting a bootstrap peer and {self.n} trainers in {self.workdir}")

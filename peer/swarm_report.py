@@ -105,7 +105,10 @@ def print_report(result: "SwarmResult", console: Console, target: Optional[float
     columns = ("peer", "id", "steps", "accuracy", "rounds ok", "partial", "failed", "resyncs", "sent MB", "banned", "exit", "why")
     for col in columns:
         if col == "why":  # the whole line was printed when the peer exited
-            table.add_column(col, max_width=40, no_wrap=True, overflow="ellipsis")
+            room = max(14, min(40, console.width - 100))  # the other columns need about 100 characters
+            table.add_column(col, min_width=14, max_width=room, no_wrap=True, overflow="ellipsis")
+        elif col == "peer":
+            table.add_column(col, no_wrap=True, min_width=11)
         else:
             table.add_column(col, justify="left" if col in ("peer", "id", "banned") else "right")
     for v in result.peers:

@@ -131,7 +131,7 @@ def test_startup_stages_count_trainers_and_take_the_last_one_to_get_there(tmp_pa
     a.process = b.process = c.process = object()  # spawned
     a.connected_s, b.connected_s = 2.0, 3.0
     a.ready_s = 3.5
-    assert swarm._stage() == "bootstrap up · 3/3 started · 2/3 on the DHT · 1/3 see their peers · 0/3 training"
+    assert swarm._stage() == "bootstrap up · 3/3 started · 2/3 on the DHT · 1/3 see peers · 0/3 training"
     assert swarm.startup() == {"bootstrap up": 1.0, "all on the DHT": None, "all see their peers": None, "first step": None}
     c.connected_s, b.ready_s, c.ready_s = 4.0, 4.5, 4.25
     a.first_step_s, b.first_step_s = 5.0, 4.75
