@@ -3,12 +3,15 @@ loopback — with live progress, a final report and cleanup of everything it sta
 
 Each process runs in its own session so that its DHT process and p2pd daemon can be
 killed with it; Ctrl-C stops the trainers gracefully (they checkpoint), then kills
-whatever is left.
+whatever is left. Start-up is shown as it happens (from the trainers' JSON events); a peer
+that exits early is reported with its log's last error line, the run stops once no honest
+trainer is left, and the work folder of a failed run is kept.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -21,11 +24,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-from rich.console import Console
+from rich.console import Console, Group, RenderableType
 from rich.live import Live
 from rich.table import Table
+from rich.text import Text
 
 from aggregation.errors import PhalanxError
+from peer.swarm_report import exit_reason, is_failure, last_error_line, print_report
 
 logger = logging.getLogger(__name__)
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"
@@ -48,6 +53,14 @@ class PeerView:
     attack: Optional[str] = None
     extra_args: list[str] = field(default_factory=list)  # this peer's own flags (e.g. a straggler's --slowdown)
     events: list[dict[str, Any]] = field(default_factory=list)
+    log_path: Optional[Path] = None
+    last_error: Optional[str] = None  # its log's last error line, read when it exited
+    stop_sent: bool = False  # the launcher asked it to stop (SIGTERM)
+    # start-up, in seconds since the launcher started: on the DHT ("started" event), sees the peers
+    # it waits for ("training" event), first step done
+    connected_s: Optional[float] = None
+    ready_s: Optional[float] = None
+    first_step_s: Optional[float] = None
 
 
 @dataclass
@@ -57,6 +70,13 @@ class SwarmResult:
     time_to_target_s: Optional[float]
     peers: list[PeerView]
     best_accuracy: Optional[float]
+    reasons: dict[str, str] = field(default_factory=dict)  # peer name -> why it exited
+    startup: dict[str, Optional[float]] = field(default_factory=dict)  # stage -> seconds since start (every trainer)
+    kept_workdir: Optional[Path] = None  # a failed run's own work folder, not removed
+
+    @property
+    def first_step_s(self) -> Optional[float]:
+        return self.startup.get("first step")
 
 
 class Swarm:
@@ -100,6 +120,13 @@ class Swarm:
         self.time_to_target: Optional[float] = None
         self.target_hit = asyncio.Event()
         self.logs: list[Any] = []
+        self.steps = _flag_value(join_args, "--steps")
+        self.bootstrap_s: Optional[float] = None
+        self.stopping = False  # set once the launcher stops the run: exits from then on are expected
+        self._last_stage = ""
+
+    def _elapsed(self) -> float:
+        return time.monotonic() - self.started
 
     def _command(self, *args: str) -> list[str]:
         return [sys.executable, "-m", "peer.cli", *args]
@@ -116,18 +143,34 @@ class Swarm:
             start_new_session=True,  # its DHT process and p2pd die with its process group
         )
 
+    def _identity(self, name: str) -> str:
+        """An Ed25519 identity file for `name` in the work folder (kept if it is there). A missing file
+        would make the peer generate an RSA key, and hivemind then starts a second p2p daemon at each
+        start to check that no other peer uses an RSA identity: about a second per trainer here. Keys
+        made by this launcher for its own peers cannot be in use elsewhere."""
+        from security.identity import Identity
+
+        path = self.workdir / f"{name}.id"
+        if not path.exists():
+            Identity.generate_ed25519(path)
+        return str(path)
+
     async def _start_bootstrap(self) -> list[str]:
         self.bootstrap = await self._spawn(
             "bootstrap",
-            ["bootstrap", "--host-maddrs", LOOPBACK, "--identity-path", str(self.workdir / "bootstrap.id")],
+            ["bootstrap", "--host-maddrs", LOOPBACK, "--identity-path", self._identity("bootstrap")],
             {},
         )
+        log = self.workdir / "bootstrap.log"
         while True:
             line = await asyncio.wait_for(self.bootstrap.stdout.readline(), timeout=120)
             if not line:
-                raise PhalanxError(f"bootstrap peer exited early; see {self.workdir / 'bootstrap.log'}")
+                code = await self.bootstrap.wait()
+                why = last_error_line(log) or "nothing in its log"
+                raise PhalanxError(f"the bootstrap peer exited with code {code} before it was up: {why} (log: {log})")
             text = line.decode().strip()
             if text.startswith("--initial-peers "):
+                self.bootstrap_s = self._elapsed()
                 return [text.split(maxsplit=1)[1]]
 
     async def _start_trainer(self, view: PeerView, initial_peers: list[str]) -> None:
@@ -135,13 +178,14 @@ class Swarm:
             "join",
             "--initial-peers", *initial_peers,
             "--host-maddrs", LOOPBACK,
-            "--identity-path", str(self.workdir / f"{view.name}.id"),
+            "--identity-path", self._identity(view.name),
             "--events",
             *self.join_args,
             *(["--attack", view.attack] if view.attack else []),
             *view.extra_args,
         ]  # fmt: skip
         env = {"PHALANX_TORCH_THREADS": "1"} if "--torch-threads" not in self.join_args else {}
+        view.log_path = self.workdir / f"{view.name}.log"
         view.process = await self._spawn(view.name, args, {**env, **self.join_env})
 
     async def _follow(self, view: PeerView) -> None:
@@ -151,28 +195,74 @@ class Swarm:
                 event = json.loads(line)
             except ValueError:
                 continue
+            if not isinstance(event, dict):
+                continue
             view.events.append(event)
             kind = event.get("event")
             if kind == "started":
                 view.peer_id, view.step = event["peer_id"], event["step"]
+                view.connected_s = self._elapsed()
+            elif kind == "training":
+                view.ready_s = self._elapsed()
             elif kind == "step":
                 view.step, view.loss, view.group = event["step"], event["loss"], event["group"]
                 view.bytes_sent = event.get("bytes_sent", view.bytes_sent)
+                if view.first_step_s is None:
+                    view.first_step_s = self._elapsed()
             elif kind == "eval":
                 view.step, view.accuracy = event["step"], event["accuracy"]
                 honest = view.attack is None  # a banned attacker may train on alone: only honest peers count
                 if honest and self.target_accuracy is not None and event["accuracy"] >= self.target_accuracy:
                     if self.time_to_target is None:
-                        self.time_to_target = time.monotonic() - self.started
+                        self.time_to_target = self._elapsed()
                     self.target_hit.set()
             elif kind == "resynced":
                 view.step = event["step"]
             elif kind == "done":
                 view.report = event
         view.exit_code = await view.process.wait()
+        if view.exit_code != 0 and view.log_path is not None:
+            view.last_error = last_error_line(view.log_path)
+        if not self.stopping:
+            reason = exit_reason(view, steps=self.steps, swarm_reached_target=self.target_hit.is_set())
+            style = "red" if is_failure(reason) else ""
+            self.console.print(
+                f"[{self._elapsed():6.1f} s] {view.name} exited with code {view.exit_code}: {reason} (log: {view.log_path})",
+                style=style, markup=False, highlight=False, soft_wrap=True,
+            )  # fmt: skip
+
+    def startup(self) -> dict[str, Optional[float]]:
+        """When every trainer had reached each start-up stage (None: not all of them did)."""
+
+        def every(times: list[Optional[float]]) -> Optional[float]:
+            return None if not times or None in times else max(times)  # type: ignore[type-var]
+
+        first = [v.first_step_s for v in self.views if v.first_step_s is not None]
+        return {
+            "bootstrap up": self.bootstrap_s,
+            "all on the DHT": every([v.connected_s for v in self.views]),
+            "all see their peers": every([v.ready_s for v in self.views]),
+            "first step": min(first) if first else None,
+        }
+
+    def _stage(self) -> str:
+        """One line: how far start-up got."""
+        n = len(self.views)
+        if self.bootstrap_s is None:
+            return f"starting the bootstrap peer… {self._elapsed():.1f} s"
+        started = sum(v.process is not None for v in self.views)
+        connected = sum(v.connected_s is not None for v in self.views)
+        ready = sum(v.ready_s is not None for v in self.views)
+        training = sum(v.first_step_s is not None for v in self.views)
+        exited = sum(v.exit_code is not None for v in self.views)
+        line = f"bootstrap up · {started}/{n} started · {connected}/{n} on the DHT · {ready}/{n} see peers · {training}/{n} training"
+        return line + (f" · {exited} exited" if exited else "")
+
+    def _starting(self) -> bool:
+        return any(v.first_step_s is None and v.exit_code is None for v in self.views)
 
     def _table(self) -> Table:
-        table = Table(title=f"phalanx swarm — {time.monotonic() - self.started:.1f} s", expand=False)
+        table = Table(title=f"phalanx swarm — {self._elapsed():.1f} s", expand=False)
         for col in ("peer", "id", "step", "loss", "accuracy", "group", "sent"):
             table.add_column(col, justify="right" if col not in ("peer", "id") else "left")
         for v in self.views:
@@ -187,61 +277,105 @@ class Swarm:
             )
         return table
 
+    def _live_view(self) -> RenderableType:
+        """The table, under it the start-up stage while some trainer has not taken a step."""
+        return Group(self._table(), Text(self._stage())) if self._starting() else self._table()
+
+    def _print_progress(self, last: list[float]) -> None:
+        """Without a terminal: each change of the start-up stage, then a line every 5 s."""
+        if self._starting():
+            stage = self._stage()
+            if stage != self._last_stage:
+                self._last_stage = stage
+                self.console.print(f"[{self._elapsed():6.1f} s] {stage}", markup=False, highlight=False)
+            return
+        if time.monotonic() - last[0] > 5:
+            last[0] = time.monotonic()
+            steps = [v.step for v in self.views]
+            accs = [v.accuracy for v in self.views if v.accuracy is not None]
+            best = f"{max(accs):.4f}" if accs else "n/a"
+            self.console.print(f"[{self._elapsed():6.1f} s] steps {min(steps)}–{max(steps)} best accuracy {best}")
+
     async def run(self) -> SwarmResult:
         followers: list[asyncio.Task] = []
         target_task: Optional[asyncio.Task] = None
+        live = self.live and self.console.is_terminal
+        failed = True  # until the run got to its end
         try:
-            initial_peers = await self._start_bootstrap()
-            for view in self.views:
-                await self._start_trainer(view, initial_peers)
-                followers.append(asyncio.create_task(self._follow(view)))
-            target_task = asyncio.create_task(self.target_hit.wait())
-            waiting = {target_task, *followers}
+            display = Live(get_renderable=self._live_view, console=self.console, refresh_per_second=4) if live else None
+            with display if display is not None else contextlib.nullcontext():
+                if not live:
+                    self.console.print(f"starting a bootstrap peer and {self.n} trainers in {self.workdir}")
+                initial_peers = await self._start_bootstrap()
+                honest: list[asyncio.Task] = []
+                for view in self.views:
+                    await self._start_trainer(view, initial_peers)
+                    followers.append(asyncio.create_task(self._follow(view)))
+                    if view.attack is None:
+                        honest.append(followers[-1])
+                target_task = asyncio.create_task(self.target_hit.wait())
+                waiting = {target_task, *followers}
+                last = [time.monotonic()]
 
-            async def wait_a_bit(timeout: float) -> bool:
-                """True once the target is hit or every trainer has exited."""
-                await asyncio.wait(waiting, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
-                return target_task.done() or all(f.done() for f in followers)
+                async def wait_a_bit(timeout: float) -> bool:
+                    """True once the target is hit or no honest trainer is left."""
+                    await asyncio.wait(waiting, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+                    waiting.difference_update(f for f in followers if f.done())
+                    return target_task.done() or all(f.done() for f in honest)
 
-            if self.live and self.console.is_terminal:
-                with Live(self._table(), console=self.console, refresh_per_second=4) as live:
-                    while not await wait_a_bit(0.25):
-                        live.update(self._table())
-                    live.update(self._table())
-            else:
-                last = time.monotonic()
-                while not await wait_a_bit(1.0):
-                    if time.monotonic() - last > 5:
-                        last = time.monotonic()
-                        steps = [v.step for v in self.views]
-                        accs = [v.accuracy for v in self.views if v.accuracy is not None]
-                        best = f"{max(accs):.4f}" if accs else "n/a"
-                        self.console.print(
-                            f"[{time.monotonic() - self.started:6.1f} s] steps {min(steps)}–{max(steps)} best accuracy {best}"
-                        )
+                while not await wait_a_bit(0.25 if live else 0.5):
+                    if not live:
+                        self._print_progress(last)
+            if not target_task.done() and all(f.done() for f in honest) and not all(f.done() for f in followers):
+                self.console.print("every honest trainer has exited: stopping the others")
             target_task.cancel()
+            self.stopping = True
             await self._stop_trainers(grace_s=30)
             await asyncio.wait(followers, timeout=60)  # stragglers are killed in _cleanup
+            failed = False
         finally:
+            error = sys.exc_info()[1]  # what is unwinding the run, if anything
+            self.stopping = True
             if target_task is not None:
                 target_task.cancel()
             await self._cleanup(followers)
+            reasons = {
+                v.name: exit_reason(v, steps=self.steps, swarm_reached_target=self.target_hit.is_set()) for v in self.views
+            }
+            failed = failed or any(is_failure(r) for r in reasons.values())
+            if self.target_accuracy is not None and not self.target_hit.is_set():
+                failed = True
+            interrupted = isinstance(error, asyncio.CancelledError)  # Ctrl-C: the user knows why
+            kept = None
+            if self.own_workdir:
+                if failed and not interrupted:
+                    kept = self.workdir
+                else:
+                    shutil.rmtree(self.workdir, ignore_errors=True)
+            if kept is not None and error is not None:
+                self.console.print(f"logs of this run are kept in {kept}", soft_wrap=True)
         accs = [v.accuracy for v in self.views if v.accuracy is not None and v.attack is None]
         return SwarmResult(
             reached_target=self.target_hit.is_set(),
-            wall_s=time.monotonic() - self.started,
+            wall_s=self._elapsed(),
             time_to_target_s=self.time_to_target,
             peers=self.views,
             best_accuracy=max(accs) if accs else None,
+            reasons=reasons,
+            startup=self.startup(),
+            kept_workdir=kept,
         )
 
     async def _stop_trainers(self, grace_s: float) -> None:
-        procs = [v.process for v in self.views if v.process is not None and v.process.returncode is None]
-        for p in procs:  # the trainer alone: it shuts its DHT process and daemon down itself
-            try:
-                p.send_signal(signal.SIGTERM)
-            except ProcessLookupError:
-                pass
+        procs = []
+        for v in self.views:  # the trainer alone: it shuts its DHT process and daemon down itself
+            if v.process is not None and v.process.returncode is None:
+                v.stop_sent = True
+                procs.append(v.process)
+                try:
+                    v.process.send_signal(signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
         if procs:
             await asyncio.wait([asyncio.create_task(p.wait()) for p in procs], timeout=grace_s)
 
@@ -249,6 +383,9 @@ class Swarm:
         procs = [v.process for v in self.views if v.process is not None]
         if self.bootstrap is not None:
             procs.append(self.bootstrap)
+        for v in self.views:
+            if v.process is not None and v.process.returncode is None:
+                v.stop_sent = True
         for p in procs:
             if p.returncode is None:
                 _signal_group(p, signal.SIGTERM)
@@ -259,60 +396,34 @@ class Swarm:
             if p.returncode is None:
                 await p.wait()
         for task in followers:
+            if not task.done():
+                await asyncio.wait([task], timeout=5)  # its process is gone: let it record the exit code
             task.cancel()
         await asyncio.gather(*followers, return_exceptions=True)
+        for v in self.views:
+            if v.exit_code is None and v.process is not None:
+                v.exit_code = v.process.returncode
         for log in self.logs:
             log.close()
-        if self.own_workdir:
-            shutil.rmtree(self.workdir, ignore_errors=True)
 
 
-def _bans(banned: list[str], attackers: set[str]) -> str:
-    if not banned:
-        return ""
-    caught = sum(p in attackers for p in banned)
-    return f"{len(banned)} ({caught} attackers)" if attackers else str(len(banned))
-
+def _flag_value(args: list[str], flag: str) -> Optional[int]:
+    """The last integer value of `flag` in `args` (--flag N or --flag=N), or None."""
+    value = None
+    for i, arg in enumerate(args):
+        text = args[i + 1] if arg == flag and i + 1 < len(args) else arg[len(flag) + 1 :] if arg.startswith(flag + "=") else None
+        if text is not None:
+            try:
+                value = int(text)
+            except ValueError:
+                pass
+    return value
 
 def _signal_group(process: asyncio.subprocess.Process, sig: int) -> None:
     try:
         os.killpg(process.pid, sig)
     except (ProcessLookupError, PermissionError):
         pass
-
-
-def print_report(result: SwarmResult, console: Console, target: Optional[float]) -> None:
-    table = Table(title="final report")
-    attackers = {v.peer_id for v in result.peers if v.attack}
-    for col in ("peer", "id", "steps", "accuracy", "rounds ok", "partial", "failed", "resyncs", "sent MB", "banned", "exit"):
-        table.add_column(col, justify="left" if col in ("peer", "id", "banned") else "right")
-    for v in result.peers:
-        r = v.report or {}
-        table.add_row(
-            v.name,
-            v.peer_id[-8:],
-            str(r.get("step", v.step)),
-            "" if v.accuracy is None else f"{v.accuracy:.4f}",
-            str(r.get("rounds_ok", "")),
-            str(r.get("rounds_partial", "")),
-            str(r.get("rounds_failed", "")),
-            str(r.get("resyncs", "")),
-            f"{r.get('bytes_sent', v.bytes_sent) / 1e6:.2f}",
-            _bans(r.get("banned", []), attackers),
-            "" if v.exit_code is None else str(v.exit_code),
-        )
-    console.print(table)
-    if attackers:
-        kinds = ", ".join(sorted({v.attack for v in result.peers if v.attack}))
-        console.print(f"banned: how many peers each one saw banned, and how many of those are the {len(attackers)} attackers ({kinds})")
-    best = "n/a" if result.best_accuracy is None else f"{result.best_accuracy:.4f}"
-    line = f"wall time {result.wall_s:.1f} s, best test accuracy {best}"
-    if target is not None:
-        if result.reached_target:
-            line += f", reached {target} after {result.time_to_target_s:.1f} s"
-        else:
-            line += f", target {target} NOT reached"
-    console.print(line)
 
 
 def run_swarm(
@@ -329,7 +440,7 @@ def run_swarm(
 
     console = Console(stderr=True)
     if not console.is_terminal:
-        console.width = 120  # logs and CI: do not squeeze the report into 80 columns
+        console.width = 160  # logs and CI: do not squeeze the report into 80 columns
     swarm = Swarm(
         peers, join_args, target_accuracy=target_accuracy, workdir=workdir, console=console, attacks=attacks,
         stragglers=stragglers, straggler_args=straggler_args,

@@ -52,7 +52,10 @@ def run_convergence_bench(
                 peers, args, target_accuracy=target, live=False, stragglers=1,
                 straggler_args=["--slowdown", straggler], console=console,
             )  # fmt: skip
-            times.append(_time_to_target(uvloop.run(swarm.run()), target))
+            result = uvloop.run(swarm.run())
+            if result.kept_workdir is not None:
+                console.print(f"{label}: target not reached; the run's logs are kept in {result.kept_workdir}", soft_wrap=True)
+            times.append(_time_to_target(result, target))
         reached = [t for t in times if t is not None]
         rows.append(
             {

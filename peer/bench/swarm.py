@@ -154,9 +154,14 @@ def _run_reference(impl: str, world: int, target: float, time_limit_s: float) ->
                     start_new_session=True,
                 )  # fmt: skip
             )
-        for p in procs:
+        for rank, p in enumerate(procs):
             if p.stdout.readline().strip() != "READY":
-                raise RuntimeError(f"{impl} worker failed to start")
+                from aggregation.errors import PhalanxError
+                from peer.swarm_report import error_line
+
+                p.kill()
+                why = error_line(p.communicate()[1]) or "nothing on its stderr"
+                raise PhalanxError(f"{impl} worker {rank} exited before it was ready (code {p.returncode}): {why}")
         started = time.time()
         for p in procs:
             p.stdin.write("GO\n")
@@ -198,6 +203,8 @@ def _run_phalanx(world: int, target: float, extra_args: list[str]) -> dict[str, 
     ]  # fmt: skip
     swarm = Swarm(world, args, target_accuracy=target, live=False)
     result = uvloop.run(swarm.run())
+    if result.kept_workdir is not None:
+        swarm.console.print(f"phalanx did not reach the target; its logs are kept in {result.kept_workdir}", soft_wrap=True)
     events = [e for v in result.peers for e in v.events]
     starts = [e["t"] for e in events if e["event"] == "training"]
     hits = [e for e in events if e["event"] == "eval" and e["accuracy"] >= target]

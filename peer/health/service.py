@@ -33,7 +33,6 @@ from peer.health.record import (
     read_records,
     sign_record,
 )
-from peer.health.server import HttpServer, open_http, peer_app
 from peer.health.swarm_view import RecentPeers, Self, swarm_reasons, training_groups
 from peer.node import add_validators, visible_maddrs
 from protocol.dht_calls import dht_get, dht_store
@@ -42,6 +41,7 @@ from security.identity import Identity
 
 if TYPE_CHECKING:
     from peer.config import PeerConfig
+    from peer.health.server import HttpServer
     from peer.node import Node
 
 logger = logging.getLogger(__name__)
@@ -111,6 +111,8 @@ class HealthService:
         await self._cycle()
         self._task = asyncio.create_task(self._run(), name="health-publisher")
         if self.settings.http_port:
+            from peer.health.server import open_http, peer_app  # aiohttp: only peers that serve HTTP pay its import
+
             self.http = await open_http(peer_app(self), self.settings.http_host, self.settings.http_port)
 
     async def aclose(self) -> None:

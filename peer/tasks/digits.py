@@ -6,12 +6,17 @@ few hundred SGD steps.
 
 from __future__ import annotations
 
+import gzip
+import importlib.util
+import math
 from functools import lru_cache
+from pathlib import Path
 
 import numpy as np
 import torch
 from torch import nn
 
+from aggregation.errors import ConfigError
 from peer.tasks.base import Task
 
 SPLIT_SEED = 0  # fixed forever: every peer and every run must see the same train/test split
@@ -20,15 +25,61 @@ TEST_FRACTION = 0.2
 
 @lru_cache(maxsize=1)
 def _load_split() -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    from sklearn.datasets import load_digits
-    from sklearn.model_selection import train_test_split
+    """(train x, test x, train y, test y) as scikit-learn's load_digits + train_test_split(stratify=labels)
+    give them, read without importing scikit-learn: its import costs each trainer about a second of CPU
+    at start-up (tests/peer/test_tasks.py checks that both give the same arrays)."""
+    with gzip.open(_digits_csv()) as f:
+        data = np.loadtxt(f, delimiter=",")
+    features = (data[:, :-1] / 16.0).astype(np.float32)  # pixel counts 0..16 → [0, 1]
+    labels = data[:, -1].astype(np.int64)
+    train, test = stratified_split(labels, TEST_FRACTION, SPLIT_SEED)
+    return features[train], features[test], labels[train], labels[test]
 
-    data = load_digits()
-    features = (data.data / 16.0).astype(np.float32)  # pixel counts 0..16 → [0, 1]
-    labels = data.target.astype(np.int64)
-    return tuple(  # type: ignore[return-value]
-        train_test_split(features, labels, test_size=TEST_FRACTION, stratify=labels, random_state=SPLIT_SEED)
-    )
+
+def _digits_csv() -> Path:
+    """scikit-learn's bundled digits file (1797 rows of 64 pixel counts and a label), found without importing it."""
+    spec = importlib.util.find_spec("sklearn")
+    path = Path(spec.submodule_search_locations[0]) / "datasets" / "data" / "digits.csv.gz" if spec else None
+    if path is None or not path.is_file():
+        raise ConfigError("task digits-mlp needs scikit-learn's bundled digits data: pip install scikit-learn")
+    return path
+
+
+def stratified_split(labels: np.ndarray, test_fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """(train indices, test indices), step for step as scikit-learn's StratifiedShuffleSplit draws them
+    (what train_test_split(..., stratify=labels, random_state=seed) runs), so the split stays the one
+    every peer has always used."""
+    n_test = math.ceil(test_fraction * len(labels))
+    n_train = len(labels) - n_test
+    _, inverse, counts = np.unique(labels, return_inverse=True, return_counts=True)
+    by_class = np.split(np.argsort(inverse, kind="stable"), np.cumsum(counts)[:-1])
+    rng = np.random.RandomState(seed)
+    n_i = _approximate_mode(counts, n_train, rng)
+    t_i = _approximate_mode(counts - n_i, n_test, rng)
+    train: list[int] = []
+    test: list[int] = []
+    for i, members in enumerate(by_class):
+        shuffled = members.take(rng.permutation(counts[i]), mode="clip")
+        train.extend(shuffled[: n_i[i]])
+        test.extend(shuffled[n_i[i] : n_i[i] + t_i[i]])
+    return rng.permutation(train), rng.permutation(test)
+
+
+def _approximate_mode(counts: np.ndarray, n_draws: int, rng: np.random.RandomState) -> np.ndarray:
+    """Per-class sample counts summing to n_draws (scikit-learn's; ties broken by `rng`)."""
+    continuous = counts / counts.sum() * n_draws
+    floored = np.floor(continuous)
+    need = int(n_draws - floored.sum())
+    if need > 0:
+        remainder = continuous - floored
+        for value in np.sort(np.unique(remainder))[::-1]:
+            (where,) = np.where(remainder == value)
+            add = min(len(where), need)
+            floored[rng.choice(where, size=add, replace=False)] += 1
+            need -= add
+            if need == 0:
+                break
+    return floored.astype(int)
 
 
 def _mlp(hidden: int) -> nn.Module:

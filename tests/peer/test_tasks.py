@@ -453,3 +453,25 @@ def _tiny_task(name: str, model_fn: Callable[[], nn.Module]) -> Task:
 
 def _tiny_copy(task: Task, **changes: object) -> Task:
     return dataclasses.replace(task, **changes)
+
+
+def test_digits_split_is_scikit_learns_without_importing_it():
+    # digits-mlp reads the bundled file and draws the stratified split itself (scikit-learn's import costs
+    # each trainer about a second of CPU at start-up): the arrays must be exactly the ones scikit-learn gives.
+    import subprocess
+
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+
+    from peer.tasks.digits import SPLIT_SEED, TEST_FRACTION, _load_split
+
+    data = load_digits()
+    labels = data.target.astype(np.int64)
+    expected = train_test_split(
+        (data.data / 16.0).astype(np.float32), labels, test_size=TEST_FRACTION, stratify=labels, random_state=SPLIT_SEED
+    )
+    for ours, theirs in zip(_load_split(), expected):
+        assert ours.dtype == theirs.dtype and np.array_equal(ours, theirs)
+    probe = "import sys; from peer.tasks import resolve_task; resolve_task('digits-mlp'); print('sklearn' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "False"

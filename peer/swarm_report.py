@@ -1,0 +1,145 @@
+"""What `phalanx swarm` says about its peers: why each one exited (from its exit code, its final
+report and the last error line of its log), how start-up went, and the final table."""
+
+from __future__ import annotations
+
+import re
+import signal
+from pathlib import Path
+from typing import TYPE_CHECKING, Optional
+
+from rich.console import Console
+from rich.table import Table
+
+if TYPE_CHECKING:
+    from peer.swarm import PeerView, SwarmResult
+
+# `phalanx join` exits 3 when it stopped before reaching --target-accuracy (steps done, or stopped
+# by a signal), 2 on a user's mistake (one `error: …` line) and 1 on any other error.
+TARGET_NOT_REACHED = 3
+_ERROR_LINES = (
+    re.compile(r"^error: "),  # the CLI's one-line errors
+    re.compile(r"^(?:[A-Za-z_][\w.]*\.)?[A-Za-z_]\w*(?:Error|Exception|Exit)\b"),  # a traceback's last line
+    re.compile(r"^\d\d:\d\d:\d\d [EC] "),  # our text log format, levels ERROR and CRITICAL
+    re.compile(r"\[(?:ERROR|CRITICAL)\]"),  # hivemind's own format
+    re.compile(r'"level": "(?:error|critical)"'),  # --log-format json
+)
+TAIL_BYTES = 64 << 10
+MAX_LINE = 2000
+
+
+def last_error_line(log: Path) -> Optional[str]:
+    """The last line of `log` that reports an error (else its last line; None if it is empty)."""
+    try:
+        with open(log, "rb") as f:
+            f.seek(0, 2)
+            f.seek(max(0, f.tell() - TAIL_BYTES))
+            text = f.read().decode(errors="replace")
+    except OSError:
+        return None
+    return error_line(text)
+
+
+def error_line(text: str) -> Optional[str]:
+    """The last line of `text` that reports an error (else its last line; None if it is empty)."""
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    for line in reversed(lines):
+        if any(p.search(line) for p in _ERROR_LINES):
+            return line[:MAX_LINE]
+    return lines[-1][:MAX_LINE] if lines else None
+
+
+def signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
+
+
+def exit_reason(view: "PeerView", *, steps: Optional[int], swarm_reached_target: bool) -> str:
+    """One phrase: why this peer's process ended."""
+    code, report = view.exit_code, view.report or {}
+    if code is None:
+        return "still running"
+    if code < 0:
+        if view.stop_sent and -code == signal.SIGTERM:
+            return "stopped by the launcher (SIGTERM, before it was up)"
+        return f"killed by {signal_name(-code)}" + (" (it did not stop in time)" if view.stop_sent else "")
+    if code in (0, TARGET_NOT_REACHED) and view.report is not None:
+        if report.get("reached_target"):
+            return "target reached"
+        if steps is not None and report.get("step", 0) >= steps:
+            return "steps done" + (", target not reached" if code == TARGET_NOT_REACHED else "")
+        if view.stop_sent:
+            return "stopped: another peer reached the target" if swarm_reached_target else "stopped by the launcher"
+        return "finished"
+    if not view.last_error:
+        return f"error: exit code {code}, nothing in its log"
+    return "error: " + view.last_error.removeprefix("error: ")
+
+
+def is_failure(reason: str) -> bool:
+    return reason.startswith("error") or reason.startswith("killed")
+
+
+def _bans(banned: list[str], attackers: set[str]) -> str:
+    if not banned:
+        return ""
+    caught = sum(p in attackers for p in banned)
+    return f"{len(banned)} ({caught} attackers)" if attackers else str(len(banned))
+
+
+def startup_line(result: "SwarmResult") -> str:
+    """Time to the first step, and when each start-up stage was reached by every trainer."""
+    marks = result.startup
+    if marks.get("first step") is None:
+        reached = [f"{name} {t:.1f} s" for name, t in marks.items() if t is not None]
+        return "no trainer took a step" + (f" ({', '.join(reached)})" if reached else "")
+    stages = ", ".join(f"{name} {t:.1f} s" for name, t in marks.items() if t is not None and name != "first step")
+    return f"time to first step {marks['first step']:.1f} s ({stages})"
+
+
+def print_report(result: "SwarmResult", console: Console, target: Optional[float]) -> None:
+    table = Table(title="final report")
+    attackers = {v.peer_id for v in result.peers if v.attack and v.peer_id}
+    columns = ("peer", "id", "steps", "accuracy", "rounds ok", "partial", "failed", "resyncs", "sent MB", "banned", "exit", "why")
+    for col in columns:
+        if col == "why":  # the whole line was printed when the peer exited
+            room = max(14, min(40, console.width - 100))  # the other columns need about 100 characters
+            table.add_column(col, min_width=14, max_width=room, no_wrap=True, overflow="ellipsis")
+        elif col == "peer":
+            table.add_column(col, no_wrap=True, min_width=11)
+        else:
+            table.add_column(col, justify="left" if col in ("peer", "id", "banned") else "right")
+    for v in result.peers:
+        r = v.report or {}
+        table.add_row(
+            v.name,
+            v.peer_id[-8:],
+            str(r.get("step", v.step)),
+            "" if v.accuracy is None else f"{v.accuracy:.4f}",
+            str(r.get("rounds_ok", "")),
+            str(r.get("rounds_partial", "")),
+            str(r.get("rounds_failed", "")),
+            str(r.get("resyncs", "")),
+            f"{r.get('bytes_sent', v.bytes_sent) / 1e6:.2f}",
+            _bans(r.get("banned", []), attackers),
+            "" if v.exit_code is None else str(v.exit_code),
+            result.reasons.get(v.name, ""),
+        )
+    console.print(table)
+    byzantine = [v for v in result.peers if v.attack]
+    if byzantine:
+        kinds = ", ".join(sorted({v.attack for v in byzantine}))
+        console.print(f"banned: how many peers each one saw banned, and how many of those are the {len(byzantine)} attackers ({kinds})")
+    console.print(startup_line(result), soft_wrap=True)
+    best = "n/a" if result.best_accuracy is None else f"{result.best_accuracy:.4f}"
+    line = f"wall time {result.wall_s:.1f} s, best test accuracy {best}"
+    if target is not None:
+        if result.reached_target:
+            line += f", reached {target} after {result.time_to_target_s:.1f} s"
+        else:
+            line += f", target {target} NOT reached"
+    console.print(line)
+    if result.kept_workdir is not None:
+        console.print(f"logs, identities and checkpoints of this run are kept in {result.kept_workdir}", soft_wrap=True)

@@ -1,0 +1,72 @@
+"""`phalanx swarm` with trainers that really fail: it says which one, why and where its log is,
+keeps the work folder, and stops once no honest trainer is left."""
+
+import asyncio
+import io
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from rich.console import Console
+
+from peer.swarm import Swarm
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+
+
+def _no_data_args(tmp_path: Path) -> list[str]:
+    empty = tmp_path / "no-mnist"
+    empty.mkdir(exist_ok=True)
+    return ["--task", "mnist-cnn", "--data-dir", str(empty)]  # every trainer stops at start with a one-line error
+
+
+def test_failing_trainers_are_reported_with_their_error_and_the_folder_is_kept(tmp_path):
+    scratch = tmp_path / "tmp"  # the swarm's own temporary folder is made here, so the test can find it
+    scratch.mkdir()
+    result = subprocess.run(
+        [sys.executable, "-m", "peer.cli", "swarm", "--peers", "3", "--byzantine", "2", *_no_data_args(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env={**os.environ, "PYTHONUNBUFFERED": "1", "TMPDIR": str(scratch)},
+    )
+    err = result.stderr
+    assert result.returncode == 1, err[-3000:]
+    kept = re.search(r"kept in (\S+)", err)
+    assert kept, err[-3000:]
+    workdir = Path(kept.group(1))
+    assert workdir.parent == scratch and workdir.is_dir()
+    log = workdir / "trainer-0.log"
+    last = log.read_text().strip().splitlines()[-1]
+    assert last.startswith("error: ") and "lacks train-images" in last  # the trainer's own one-line error
+    assert f"trainer-0 exited with code 2: {last} (log: {log})" in err, err[-3000:]
+    # the attackers failed the same way, or were stopped first: each row of the final table says which
+    rows = {line.split()[1]: line for line in err.splitlines() if re.match(r"│ (trainer|byzantine)-\d", line)}
+    assert "error: task mnist-cnn" in rows["trainer-0"], rows
+    for name in ("byzantine-0", "byzantine-1"):
+        assert "error: task mnist-cnn" in rows[name] or "stopped by the launcher" in rows[name], rows
+    assert "the 2 attackers (sign_flip)" in err
+    assert "target 0.95 NOT reached" in err
+    assert "no trainer took a step" in err
+    ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
+    assert str(workdir) not in ps  # every process the swarm started is gone
+
+
+def test_the_run_stops_once_no_honest_trainer_is_left(tmp_path):
+    # The one honest peer (a "straggler", to give it its own flags) cannot load its task; the attacker
+    # would wait for it, then train alone through 100000 steps: the launcher stops it instead.
+    out = io.StringIO()
+    swarm = Swarm(
+        2, ["--steps", "100000", "--wait-for-peers", "2"], target_accuracy=None, workdir=tmp_path / "run", live=False,
+        console=Console(file=out, width=200), attacks=["sign_flip"], stragglers=1, straggler_args=_no_data_args(tmp_path),
+    )  # fmt: skip
+    result = asyncio.run(swarm.run())
+    text = out.getvalue()
+    assert result.reasons["straggler-0"].startswith("error: ") and "lacks train-images" in result.reasons["straggler-0"]
+    assert result.reasons["byzantine-0"].startswith("stopped by the launcher"), text  # (or before it was up)
+    assert "every honest trainer has exited: stopping the others" in text
+    assert "straggler-0 exited with code 2" in text
+    assert result.kept_workdir is None and (tmp_path / "run" / "straggler-0.log").exists()  # a folder given is the caller's
