@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 import tempfile
 import time
@@ -39,6 +40,7 @@ def main() -> int:
         print(f"error: {why}", file=sys.stderr)
         return 2
     sweep_stale()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind: every lab closes what it made
     with tempfile.TemporaryDirectory(prefix="phalanx-faults-") as scratch:
         root = args.workdir or Path(scratch)
         for key in keys:

@@ -55,11 +55,17 @@ def _alive(pid: int) -> bool:
 
 
 def sweep_stale() -> list[str]:
-    """Delete lab namespaces whose creating process is gone (a session killed before its cleanup)."""
+    """Delete lab namespaces whose creating process is gone (a session killed before its cleanup),
+    and the processes left inside them."""
     removed = []
     for name in sh("ip", "netns", "list", check=False).stdout.split():
         parts = name.split("-")
         if len(parts) >= 3 and parts[0] == PREFIX and parts[1].isdigit() and not _alive(int(parts[1])):
+            for pid in sh("ip", "netns", "pids", name, check=False).stdout.split():  # peers it left running
+                try:
+                    os.kill(int(pid), signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
             sh("ip", "netns", "del", name, check=False)
             removed.append(name)
     return removed

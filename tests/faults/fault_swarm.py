@@ -254,15 +254,18 @@ class FaultSwarm:
 
     # ---- checkpoints ------------------------------------------------------------------------
 
-    def checkpoint_hashes(self, name: str, since_step: int = 0) -> dict[int, str]:
-        """{step: hash of the model's parameters} of `name`'s checkpoints at or after `since_step`."""
+    def checkpoint_hashes(self, name: str, since_wall: float = 0.0) -> dict[int, str]:
+        """{step: hash of the model's parameters} of `name`'s checkpoints written after `since_wall` (time.time())."""
         import torch
 
         hashes = {}
         folder = self.peers[name].checkpoints
         for path in sorted(folder.glob("ckpt-*.pt")) if folder and folder.exists() else []:
             step = int(path.stem.split("-")[1])
-            if step < since_step:
+            try:
+                if path.stat().st_mtime < since_wall:
+                    continue
+            except FileNotFoundError:
                 continue
             try:
                 model = torch.load(path, map_location="cpu", weights_only=True)["model"]
@@ -276,9 +279,10 @@ class FaultSwarm:
             hashes[step] = h.hexdigest()[:16]
         return hashes
 
-    def same_model(self, names: list[str], since_step: int) -> tuple[int, int]:
-        """(steps at which every one of `names` checkpointed the same parameters, steps all of them checkpointed)."""
-        tables = [self.checkpoint_hashes(n, since_step) for n in names]
+    def same_model(self, names: list[str], since_wall: float) -> tuple[int, int]:
+        """(steps at which every one of `names` checkpointed the same parameters, steps all of them
+        checkpointed), over checkpoints written after `since_wall`."""
+        tables = [self.checkpoint_hashes(n, since_wall) for n in names]
         common = set.intersection(*(set(t) for t in tables)) if tables else set()
         same = sum(1 for step in common if len({t[step] for t in tables}) == 1)
         return same, len(common)

@@ -12,6 +12,7 @@ Measure without asserting:  python scripts/faults.py --scenario a   (root; see d
 
 from __future__ import annotations
 
+import os
 import random
 import re
 import signal
@@ -296,8 +297,8 @@ class Runner:
                 row.notes.append(f"{faulty[0]} restart exited {victim.proc.returncode}: {last_error(victim.log)}")
         together = self.one_swarm_at(t1, t2)
         row.one_swarm_s = None if together is None else round(together - t1, 1)
-        since = max((value_at(peers[n], together if together else t1, "step") or 0) for n in self.trainers)
-        same, common = sw.same_model(self.trainers, int(since))
+        since = time.time() - (time.monotonic() - (together or t1))  # checkpoints written since, wall clock
+        same, common = sw.same_model(self.trainers, since)
         row.same_model = f"{same}/{common}"
 
     def one_swarm_at(self, t1: float, t2: float) -> Optional[float]:
@@ -339,24 +340,25 @@ def run_checkpoint_kills(workdir: Path, kills: int = 20, seed: int = 16, log: Ca
         args[args.index("--checkpoint-every") + 1] = "1"
         args[args.index("--checkpoint-keep") + 1] = "3"
         peer = swarm.peers["t1"] = Peer("t1", "trainer", args, workdir / "t1.log", folder)
-        newest_before_kill = -1
         for i in range(kills):
             log_size = peer.log.stat().st_size if peer.log.exists() else 0
+            expected = newest(folder)  # the newest complete checkpoint: what --resume must continue from
             swarm.restart("t1")
-            start_step = max(newest_before_kill, 0)
             deadline = time.monotonic() + 180
-            while newest(folder) <= start_step and time.monotonic() < deadline and peer.proc.poll() is None:
+
+            while time.monotonic() < deadline and peer.proc.poll() is None:
+                if newest(folder) > expected and (expected < 0 or resumed_from(peer.log, log_size)):
+                    break  # it resumed and is writing checkpoints again
                 time.sleep(0.05)
-            if newest(folder) <= start_step:
+            else:
                 row.notes.append(f"kill {i}: no new checkpoint after the restart: {last_error(peer.log)}")
                 break
-            resumed = re.findall(r"resumed from ckpt-(\d+)\.pt", peer.log.read_text(errors="replace")[log_size:])
-            if i and (not resumed or int(resumed[-1]) < newest_before_kill):
+            resumed = resumed_from(peer.log, log_size)
+            if expected >= 0 and resumed[-1:] != [f"{expected:09d}"]:
                 row.missing += 1
-                row.notes.append(f"kill {i}: resumed from {resumed[-1:] or 'nothing'}, newest before the kill was {newest_before_kill}")
+                row.notes.append(f"kill {i}: resumed from {resumed[-1:] or 'nothing'}, the newest checkpoint was {expected}")
             time.sleep(rng.uniform(0.0, 0.6))
-            newest_before_kill = newest(folder)
-            swarm.signal_tree("t1", signal.SIGKILL)
+            os.killpg(peer.proc.pid, signal.SIGKILL)  # the trainer, its DHT process and p2pd
             peer.proc.wait()
             row.kills += 1
             row.kills_mid_write += any(folder.glob(".ckpt-*.tmp"))
@@ -366,15 +368,20 @@ def run_checkpoint_kills(workdir: Path, kills: int = 20, seed: int = 16, log: Ca
                 except Exception as e:
                     row.corrupt += 1
                     row.notes.append(f"kill {i}: {path.name} unreadable: {type(e).__name__}")
-            if newest(folder) < newest_before_kill:
-                row.missing += 1
-        latest = load_latest(folder)
-        if latest is None or latest.step < newest_before_kill:
+        latest = load_latest(folder)  # what a last --resume would read; it also removes the temp files
+        if latest is None or latest.step != newest(folder):
             row.missing += 1
+            row.notes.append(f"after the kills: load_latest gave {latest.step if latest else None}, newest file {newest(folder)}")
+        row.notes.append(f"temp files left after load_latest: {len(list(folder.glob('.ckpt-*.tmp')))}")
     finally:
         swarm.close()
     log(f"[g] {row.kills} kills, {row.kills_mid_write} left a temp file, {row.corrupt} corrupt, {row.missing} missing")
     return [row]
+
+
+def resumed_from(log: Path, offset: int) -> list[str]:
+    """The checkpoint steps (as logged, 9 digits) a trainer resumed from in its log after `offset`."""
+    return re.findall(r"resumed from ckpt-(\d+)\.pt", log.read_text(errors="replace")[offset:])
 
 
 def newest(folder: Path) -> int:
@@ -432,10 +439,13 @@ COLUMNS = (
 )  # fmt: skip
 
 
+ALWAYS = {"scenario", "fault", "stall_s", "rounds_during", "rounds_failed", "throughput", "one_swarm_s", "same_model", "accuracy"}
+
+
 def format_rows(rows: list[Row]) -> str:
     """A markdown table of the columns any row filled (— where not applicable)."""
     data = [asdict(r) for r in rows]
-    cols = [c for c in COLUMNS if any(d[c] is not None for d in data)]
+    cols = [c for c in COLUMNS if c in ALWAYS or any(d[c] is not None for d in data)]
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for d in data:
         lines.append("| " + " | ".join("—" if d[c] is None else str(d[c]) for c in cols) + " |")
