@@ -17,7 +17,7 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
@@ -296,6 +296,20 @@ class FaultSwarm:
             out.append(f"--- {peer.name} ---\n{text}")
         return "\n".join(out)
 
+    def stop(self, name: str, timeout_s: float = 20.0) -> None:
+        """SIGTERM one peer's process group (a clean leave), SIGKILL what is left after `timeout_s`."""
+        proc = self.peers[name].proc
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait(timeout_s)
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            pass
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait()
+
     def stop_all(self, timeout_s: float = 20.0) -> None:
         """SIGTERM every live process group (trainers write their final checkpoint), then SIGKILL."""
         for peer in self.peers.values():
@@ -313,10 +327,19 @@ class FaultSwarm:
                 except subprocess.TimeoutExpired:
                     pass
 
+    def dump_samples(self) -> None:
+        """Every poll of every peer as JSON lines in the work folder (t relative to the first poll)."""
+        t0 = min((p.samples[0].t for p in self.peers.values() if p.samples), default=0.0)
+        with open(self.workdir / "samples.jsonl", "w") as out:
+            for peer in self.peers.values():
+                for s in list(peer.samples):
+                    out.write(json.dumps({"peer": peer.name, **asdict(s), "t": round(s.t - t0, 2)}) + "\n")
+
     def close(self) -> None:
         self._stop.set()
         try:
             self.stop_all()
+            self.dump_samples()
         finally:
             for thread in self._pollers:
                 thread.join(timeout=5)

@@ -154,6 +154,7 @@ class Runner:
         self.swarm = FaultSwarm(workdir, trainers=4, spare=spare, join_args=scenario.join_args(), tag=scenario.key)
         self.throughput_attr = "step" if scenario.mode == "sync" else "rounds_done"
         self.rows: list[Row] = []
+        self.rows_notes: list[str] = []  # notes of the fault being run
 
     @property
     def trainers(self) -> list[str]:
@@ -194,6 +195,8 @@ class Runner:
             time.sleep(max(0.0, t0 + fault.hold_s - time.monotonic()))
         else:
             time.sleep(fault.hold_s)
+        if "n1" in sw.peers:  # the newcomer of the cut leaves: the healed swarm is the 4 trainers again
+            sw.stop("n1")
         t1 = time.monotonic()
         self.undo(fault, faulty)
         restarted = t1
@@ -202,6 +205,8 @@ class Runner:
             row.newcomer_after_s = self.newcomer_through_bootstrap()
         t2 = time.monotonic()
         self.measure(row, fault, faulty, healthy, ref, t0, t1, t2, restarted)
+        row.notes += self.rows_notes
+        self.rows_notes = []
         return row
 
     def roles(self, fault: Fault) -> tuple[list[str], list[str]]:
@@ -254,6 +259,8 @@ class Runner:
             if last is not None and last.group >= 2:
                 return round(last.t - began, 1)
             time.sleep(0.5)
+        last = peer.last()
+        self.rows_notes.append(f"newcomer through a trainer: {len(peer.samples)} polls, last group {last.group if last else None}")
         return None
 
     def newcomer_through_bootstrap(self) -> Optional[float]:
@@ -266,7 +273,14 @@ class Runner:
             last = peer.last()
             if last is not None and last.group >= expected:
                 return round(last.t - peer.started_at, 1)
+            if peer.proc.poll() is not None:
+                break
             time.sleep(0.5)
+        last = peer.last()
+        self.rows_notes.append(
+            f"newcomer through the bootstrap: {'exited ' + str(peer.proc.returncode) if peer.proc.poll() is not None else 'running'}, "
+            f"last group {last.group if last else None}: {last_error(peer.log)}"
+        )
         return None
 
     def measure(self, row: Row, fault: Fault, faulty: list[str], healthy: list[str], ref, t0, t1, t2, restarted) -> None:
