@@ -41,12 +41,18 @@ def main() -> int:
         return 2
     sweep_stale()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind: every lab closes what it made
+    code = 0
     with tempfile.TemporaryDirectory(prefix="phalanx-faults-") as scratch:
         root = args.workdir or Path(scratch)
         for key in keys:
             scenario = BY_KEY[key]
             began = time.monotonic()
-            rows = run_scenario(scenario, root / key, log=lambda m: print(m, file=sys.stderr, flush=True))
+            try:
+                rows = run_scenario(scenario, root / key, log=lambda m: print(m, file=sys.stderr, flush=True))
+            except AssertionError as e:  # the swarm never got to the fault: say so, measure the next row
+                print(f"\n## ({key}) {scenario.title}\n\n- ERROR: {str(e).splitlines()[0]}")
+                code = 1
+                continue
             print(f"\n## ({key}) {scenario.title}  [{time.monotonic() - began:.0f} s]\n")
             print(format_rows(rows))
             failed = set(failed_checks(scenario, rows))
@@ -58,7 +64,7 @@ def main() -> int:
                 for row in rows_json(rows):
                     print(json.dumps(row))
             sys.stdout.flush()
-    return 0
+    return code
 
 
 if __name__ == "__main__":

@@ -213,10 +213,11 @@ class FaultSwarm:
             time.sleep(0.2)
         return time.monotonic() - began
 
-    def training_together(self, names: Optional[list[str]] = None, min_step: int = 1) -> bool:
+    def training_together(self, names: Optional[list[str]] = None, min_step: int = 1, group: int = 0) -> bool:
+        """Every one of `names` past `min_step`, its last round with `group` members (0: all of `names`)."""
         names = names or self.trainer_names
         lasts = [self.peers[n].last() for n in names]
-        return all(s is not None and s.group == len(names) and s.step >= min_step for s in lasts)
+        return all(s is not None and s.group >= (group or len(names)) and s.step >= min_step for s in lasts)
 
     # ---- faults on processes ----------------------------------------------------------------
 

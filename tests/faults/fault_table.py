@@ -153,6 +153,8 @@ class Runner:
         spare = 2 if any(f.kind == "cut_boot" for f in scenario.faults) else 0
         self.swarm = FaultSwarm(workdir, trainers=4, spare=spare, join_args=scenario.join_args(), tag=scenario.key)
         self.throughput_attr = "step" if scenario.mode == "sync" else "rounds_done"
+        # a full group: every trainer, or K of them under --sync-policy k:<K>
+        self.full_group = int(scenario.sync_policy[2:]) if scenario.sync_policy.startswith("k:") else 0
         self.rows: list[Row] = []
         self.rows_notes: list[str] = []  # notes of the fault being run
 
@@ -164,7 +166,9 @@ class Runner:
         sw = self.swarm
         try:
             sw.start()
-            took = sw.wait(lambda: sw.training_together(min_step=5), 300, "the 4 trainers never trained in one group")
+            took = sw.wait(
+                lambda: sw.training_together(min_step=5, group=self.full_group), 300, "the 4 trainers never trained in one group"
+            )
             self.log(f"[{self.scenario.key}] 4 trainers training together after {took:.0f} s")
             ref0 = time.monotonic()
             time.sleep(REF_S)
@@ -304,7 +308,7 @@ class Runner:
             row.ready_after_s = None if None in firsts else round(max(firsts) - t1, 1)
         if fault.kind in ("kill_main", "kill_tree"):
             victim = sw.peers[faulty[0]]
-            n = len(self.trainers)
+            n = self.full_group or len(self.trainers)
             done = next((s.t for s in victim.samples if s.ok and s.t > restarted and s.ready and s.group >= n), None)
             row.restart_ready_s = None if done is None else round(done - restarted, 1)
             if victim.proc.poll() is not None:
@@ -324,7 +328,7 @@ class Runner:
             if s.peers_seen < len(names):
                 continue
             lasts = [value_at(sw.peers[n].samples, s.t, "group") for n in names]
-            if all(g is not None and g >= len(names) for g in lasts):
+            if all(g is not None and g >= (self.full_group or len(names)) for g in lasts):
                 return s.t
         return None
 
