@@ -218,8 +218,8 @@ class Runner:
         return row
 
     def settled(self, name: str) -> bool:
-        """`name` answered ready, in a round of ≥ 2, at one of its last 3 polls."""
-        return any(s.ok and s.ready and s.group >= 2 for s in self.swarm.peers[name].samples[-3:])
+        """`name` answered ready, in a round of ≥ 2, at one of its last 5 polls."""
+        return any(s.ok and s.ready and s.group >= 2 for s in self.swarm.peers[name].samples[-5:])
 
     def roles(self, fault: Fault) -> tuple[list[str], list[str]]:
         trainers = self.trainers
