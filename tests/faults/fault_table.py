@@ -198,7 +198,7 @@ class Runner:
             row.orphans = len(sw.survivors(faulty[0]))
             time.sleep(max(0.0, fault.hold_s - 5.0))
         elif fault.kind == "cut_boot":
-            time.sleep(5.0)
+            time.sleep(1.0)
             row.newcomer_s = self.newcomer(t0 + fault.hold_s)
             time.sleep(max(0.0, t0 + fault.hold_s - time.monotonic()))
         else:
@@ -272,7 +272,11 @@ class Runner:
                 return round(last.t - began, 1)
             time.sleep(0.5)
         last = peer.last()
-        self.rows_notes.append(f"newcomer through a trainer: {len(peer.samples)} polls, last group {last.group if last else None}")
+        state = f"exited {peer.proc.returncode}" if peer.proc.poll() is not None else "running"
+        self.rows_notes.append(
+            f"newcomer through a trainer: {state}, {sum(s.ok for s in peer.samples)} of {len(peer.samples)} polls "
+            f"answered, last group {last.group if last else None}: {last_error(peer.log)}"
+        )
         return None
 
     def newcomer_through_bootstrap(self) -> Optional[float]:
