@@ -162,6 +162,11 @@ class Runner:
     def trainers(self) -> list[str]:
         return [n for n, p in self.swarm.peers.items() if p.role == "trainer" and p.proc.poll() is None]
 
+    @property
+    def core(self) -> list[str]:
+        """The live trainers of the row's swarm, without (b)'s newcomers."""
+        return [n for n in self.trainers if n in self.swarm.trainer_names]
+
     def run(self) -> list[Row]:
         sw = self.swarm
         try:
@@ -328,13 +333,13 @@ class Runner:
         together = self.one_swarm_at(t1, t2)
         row.one_swarm_s = None if together is None else round(together - t1, 1)
         since = time.time() - (time.monotonic() - (together or t1))  # checkpoints written since, wall clock
-        same, common = sw.same_model(self.trainers, since)
+        same, common = sw.same_model(self.core, since)
         row.same_model = f"{same}/{common}"
 
     def one_swarm_at(self, t1: float, t2: float) -> Optional[float]:
         """First poll time after `t1` at which every live trainer's last round had all of them and the bootstrap saw them all."""
         sw = self.swarm
-        names = self.trainers
+        names = self.core
         boot = sw.peers["boot"].samples
         for s in (s for s in boot if s.ok and t1 < s.t <= t2):
             if s.peers_seen < len(names):
