@@ -7,7 +7,7 @@ the same numbers without asserting.
 import pytest
 from fault_table import SCENARIOS, failed_checks, format_rows, run_scenario
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]  # (g) restarts a trainer 20 times
 
 
 @pytest.mark.parametrize("scenario", SCENARIOS, ids=[s.key for s in SCENARIOS])
