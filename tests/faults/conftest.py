@@ -1,0 +1,21 @@
+"""Fault tests need root (network namespaces, iptables, tc): skipped loudly, with a warning, otherwise."""
+
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))  # fault_lab, fault_swarm, fault_table
+
+from fault_lab import missing_requirements, sweep_stale  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def lab_machine():
+    """Skip (loudly) where no lab can be built; remove namespaces that killed sessions left behind."""
+    why = missing_requirements()
+    if why:
+        warnings.warn(f"SKIPPED fault tests: {why}", stacklevel=1)
+        pytest.skip(f"SKIPPED: {why}")
+    sweep_stale()

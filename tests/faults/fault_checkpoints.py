@@ -1,0 +1,81 @@
+"""Scenario (g): kill -9 of a lone trainer at seeded random moments while it checkpoints every
+step, then `--resume`; every checkpoint must stay readable and none that was complete may be lost."""
+
+from __future__ import annotations
+
+import os
+import random
+import re
+import signal
+import time
+from pathlib import Path
+from typing import Callable
+
+from fault_swarm import FaultSwarm, Peer
+from fault_table import Row, last_error
+
+
+def run_checkpoint_kills(workdir: Path, kills: int = 20, seed: int = 16, log: Callable[[str], None] = print) -> list[Row]:
+    """One trainer alone, `--checkpoint-every 1`: SIGKILL its process group at a seeded random moment
+    after it wrote a checkpoint since its start, `--resume`, `kills` times; then read every checkpoint."""
+    import torch
+
+    from peer.checkpoint import load_latest
+
+    rng = random.Random(seed)
+    swarm = FaultSwarm(workdir, trainers=1, tag="g")
+    row = Row("g", f"kill -9 x{kills}, --checkpoint-every 1", kills=0, kills_mid_write=0, corrupt=0, missing=0)
+    folder = workdir / "t1.ckpt"
+    try:
+        args = swarm.trainer_args("t1", [])
+        args = [a for a in args if a not in ("--initial-peers", "")]
+        args[args.index("--checkpoint-every") + 1] = "1"
+        args[args.index("--checkpoint-keep") + 1] = "3"
+        peer = swarm.peers["t1"] = Peer("t1", "trainer", args, workdir / "t1.log", folder)
+        for i in range(kills):
+            log_size = peer.log.stat().st_size if peer.log.exists() else 0
+            expected = newest(folder)  # the newest complete checkpoint: what --resume must continue from
+            swarm.restart("t1")
+            deadline = time.monotonic() + 180
+
+            while time.monotonic() < deadline and peer.proc.poll() is None:
+                if newest(folder) > expected and (expected < 0 or resumed_from(peer.log, log_size)):
+                    break  # it resumed and is writing checkpoints again
+                time.sleep(0.05)
+            else:
+                row.notes.append(f"kill {i}: no new checkpoint after the restart: {last_error(peer.log)}")
+                break
+            resumed = resumed_from(peer.log, log_size)
+            if expected >= 0 and resumed[-1:] != [f"{expected:09d}"]:
+                row.missing += 1
+                row.notes.append(f"kill {i}: resumed from {resumed[-1:] or 'nothing'}, the newest checkpoint was {expected}")
+            time.sleep(rng.uniform(0.0, 0.6))
+            os.killpg(peer.proc.pid, signal.SIGKILL)  # the trainer, its DHT process and p2pd
+            peer.proc.wait()
+            row.kills += 1
+            row.kills_mid_write += any(folder.glob(".ckpt-*.tmp"))
+            for path in folder.glob("ckpt-*.pt"):
+                try:
+                    torch.load(path, map_location="cpu", weights_only=True)["model"]
+                except Exception as e:
+                    row.corrupt += 1
+                    row.notes.append(f"kill {i}: {path.name} unreadable: {type(e).__name__}")
+        latest = load_latest(folder)  # what a last --resume would read; it also removes the temp files
+        if latest is None or latest.step != newest(folder):
+            row.missing += 1
+            row.notes.append(f"after the kills: load_latest gave {latest.step if latest else None}, newest file {newest(folder)}")
+        row.notes.append(f"temp files left after load_latest: {len(list(folder.glob('.ckpt-*.tmp')))}")
+    finally:
+        swarm.close()
+    log(f"[g] {row.kills} kills, {row.kills_mid_write} left a temp file, {row.corrupt} corrupt, {row.missing} missing")
+    return [row]
+
+
+def resumed_from(log: Path, offset: int) -> list[str]:
+    """The checkpoint steps (as logged, 9 digits) a trainer resumed from in its log after `offset`."""
+    return re.findall(r"resumed from ckpt-(\d+)\.pt", log.read_text(errors="replace")[offset:])
+
+
+def newest(folder: Path) -> int:
+    steps = [int(p.stem.split("-")[1]) for p in folder.glob("ckpt-*.pt")] if folder.exists() else []
+    return max(steps, default=-1)
