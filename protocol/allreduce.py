@@ -271,6 +271,12 @@ class AllReduceService:
                     missing.append(j)
                     output[bounds[j][0] : bounds[j][1]] = 0.0
             own = await reduce_task
+            if guard is None and others and reduction.late and reduction.received == {me} and set(others) <= set(missing):
+                # Nothing from anyone, and the deadline passed: a peer that was frozen (SIGSTOP, a laptop lid)
+                # or cut off, not a group that lost members. Its "average" would be its own stale part alone.
+                raise RoundAbortedError(
+                    "no other member's bytes arrived before the deadline (was this peer frozen or cut off?)"
+                )
             output[lo:hi] = own
             logger.debug(
                 f"round {spec.round_id.hex()[:8]}: parts back after {gathered - started:.3f} s, own part reduced after "

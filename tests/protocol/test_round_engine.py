@@ -6,6 +6,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -179,3 +180,28 @@ def test_member_killed_mid_round_is_dropped_and_the_next_round_proceeds(fault, a
 
     with tempfile.TemporaryDirectory(prefix="phalanx-test-stalled-") as scratch:
         asyncio.run(main(scratch))
+
+
+@pytest.mark.parametrize("part_idle_timeout_s", [None, 1.0], ids=["deadline", "idle"])
+def test_a_round_in_which_nothing_arrived_before_the_deadline_is_not_applied(part_idle_timeout_s):
+    """A peer frozen past the deadline (SIGSTOP, a laptop lid) wakes to a round the others left: its
+    "average" would be its own stale part. A member that stopped sending is another matter: dropped
+    for idleness, it costs a partial round."""
+    from aggregation.errors import RoundAbortedError
+    from protocol.allreduce import RoundSpec
+
+    async def main():
+        async with open_swarm(2, RoundConfig(part_idle_timeout_s=part_idle_timeout_s)) as (awake, absent):
+            absent.engine.allreduce.registration_wait_s = 1.0  # it never starts the round: calls to it end soon
+            members = (awake.peer_id, absent.peer_id)
+            spec = RoundSpec(os.urandom(16), members, 1000, Codec.NONE, deadline=time.monotonic() + 3.0)
+            run = awake.engine.allreduce.run(spec, torch.ones(1000), awake.engine.reducer, call_timeout_s=30.0)
+            if part_idle_timeout_s is None:
+                with pytest.raises(RoundAbortedError, match="no other member's bytes arrived before the deadline"):
+                    await run
+            else:
+                result = await run
+                assert result.idle_senders == (absent.peer_id,) and result.late_senders == ()
+                assert result.missing_parts == (1,) and result.contributors == 1
+
+    asyncio.run(main())
