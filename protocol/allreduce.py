@@ -485,8 +485,9 @@ async def _await_calls(
     """Wait for the calls to the reducers; returns the parts whose call was given up because it stalled.
 
     Until this peer's own part is reduced, a reducer may rightly be waiting for a slow sender. After
-    that, every live reducer has its parts or is about to drop the stragglers too: a call on which no
-    byte moved for `idle_s` since then (the reducer is dead, frozen or cut off) is cancelled.
+    that, every live reducer has its parts or drops its stragglers within `idle_s` of their last byte
+    (which may have reached it later than us): a call on which no byte moved for twice that since then
+    (the reducer is dead, frozen or cut off) is cancelled.
     """
     pending = set(calls.values())
     stalled: list[int] = []
@@ -495,18 +496,18 @@ async def _await_calls(
             waiters = pending if idle_s is None else pending | {reduced}
             await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
             pending = {c for c in pending if not c.done()}
-        since = time.monotonic()
+        since, limit_s = time.monotonic(), 2 * (idle_s or 0.0)
         while pending:
-            wait = idle_s
+            wait = limit_s
             for j, call in calls.items():
                 if call in pending:
                     idle = activities[j].idle_s(since)
-                    if idle >= idle_s:
+                    if idle >= limit_s:
                         call.cancel()
+                        pending.discard(call)
                         stalled.append(j)
                     else:
-                        wait = min(wait, idle_s - idle)
-            pending = {c for c in pending if not c.cancelled() and not c.done()}
+                        wait = min(wait, limit_s - idle)
             if pending:
                 await asyncio.wait(pending, timeout=max(wait, 0.01), return_when=asyncio.FIRST_COMPLETED)
                 pending = {c for c in pending if not c.done()}
@@ -521,7 +522,7 @@ async def _await_calls(
 
 def _outcome(call: asyncio.Future, stalled: bool, idle_s: Optional[float]) -> Optional[BaseException]:
     if stalled:
-        return CallFailed(f"no bytes moved for {idle_s:.1f} s after our own part was reduced")
+        return CallFailed(f"no bytes moved for {2 * idle_s:.1f} s after our own part was reduced")
     return call.exception()
 
 
