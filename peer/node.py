@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import multiprocessing
+import os
 import signal
 import socket
 import tempfile
 import time
+from contextlib import suppress
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -22,6 +25,7 @@ from multiaddr import Multiaddr
 from aggregation.errors import ConfigError, PeerProtocolError, PhalanxError
 from peer.attacks import parse_attack
 from peer.config import NetworkSettings, PeerConfig
+from peer.lifeline import exit_with_parent
 from protocol.admission import AdmissionGate
 from protocol.bans import BanBook, BanVoteValidator
 from protocol.dht_calls import DHT_DIED, in_dht
@@ -37,19 +41,35 @@ logger = logging.getLogger(__name__)
 
 
 class _DHT(hivemind.DHT):
-    """hivemind's DHT process, made to die with its process group.
+    """hivemind's DHT process, made to die with its process group and with its parent.
 
     The process is forked from a parent whose Python signal handlers (the trainer's graceful
     stop) would otherwise be inherited: it would then ignore SIGTERM and outlive a killed
     swarm. Ctrl-C reaches the whole process group; the parent decides how to stop, so the
-    child ignores SIGINT and is shut down by the parent.
+    child ignores SIGINT and is shut down by the parent. A parent killed outright (SIGKILL,
+    the OOM killer) cannot do that, so the child stops p2pd and exits once its parent is gone:
+    nothing of a dead peer keeps its identity.
     """
 
     def run(self) -> None:
         signal.set_wakeup_fd(-1)
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         signal.signal(signal.SIGINT, signal.SIG_IGN)
+        exit_with_parent(multiprocessing.parent_process().pid, self._stop_daemon)
         super().run()
+
+    def _stop_daemon(self) -> None:
+        """Stop this process's p2pd and remove its socket files, from a thread other than the loop's."""
+        p2p = getattr(getattr(self, "_node", None), "p2p", None)
+        if p2p is None:
+            return  # not started yet: p2pd, if it is being started, exits when this process does
+        child = getattr(p2p, "_child", None)  # hivemind's handle of the p2pd it spawned
+        if child is not None and child.returncode is None:
+            with suppress(ProcessLookupError):
+                os.kill(child.pid, signal.SIGTERM)
+        for maddr in (p2p.daemon_listen_maddr, getattr(p2p, "_client_listen_maddr", None)):
+            if maddr is not None:
+                socket_file(maddr).unlink(missing_ok=True)
 
 
 def load_identity(settings: NetworkSettings, scratch: Path) -> tuple[Path, Identity]:

@@ -6,7 +6,9 @@ it collects everyone's part i, aggregates it with the configured rule once all m
 sent theirs or the deadline passed, and answers every waiting sender with the same
 bytes. Bytes per peer: 2·(n−1)/n of the vector. A member that dies or stalls is dropped:
 its part is aggregated without it, and if it was a reducer the part it owned comes
-back missing (reported, zero-filled) instead of stalling the others.
+back missing (reported, zero-filled) instead of stalling the others. Dead, frozen and
+cut-off members are noticed by their closed connection or by bytes that stop flowing
+(`part_idle_timeout_s`), not by waiting out the deadline.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import torch
 from pydantic import Field
 
 from aggregation.errors import AggregationInputError, PeerProtocolError, RoundAbortedError
-from protocol.channel import Hasher
+from protocol.channel import Activity, Hasher
 from protocol.codec import Codec, decode, encode, encoded_size_bound
 from protocol.partition import partition_bounds
 from protocol.transport import CallFailed, Landing, Transport
@@ -100,6 +102,9 @@ class AllReduceResult:
     own_received: tuple[int, ...] = ()
     own_value: Optional[torch.Tensor] = None  # this peer's aggregate of its part, as the others decoded it
     recycle_rows: Optional[Callable[[], None]] = None  # hands `own_rows` back for the next round once unneeded
+    idle_senders: tuple[str, ...] = ()  # dropped senders whose bytes stopped (or connection broke) before the deadline
+    late_senders: tuple[str, ...] = ()  # dropped senders still missing when the deadline passed
+    idle_parts: tuple[int, ...] = ()  # missing parts whose reducer moved no bytes for part_idle_timeout_s
 
 
 @dataclass
@@ -124,19 +129,49 @@ class _Reduction:
     encoded_for: dict[int, tuple[bytes, bytes | memoryview]] = field(default_factory=dict)  # per-member results
     guard: Optional[PartGuard] = None
     hashers: dict[int, Hasher] = field(default_factory=dict)  # verified rounds: incoming parts' running hashes
+    activity: dict[int, Activity] = field(default_factory=dict)  # per expected sender: when its bytes last moved
+    idle: set[int] = field(default_factory=set)  # senders dropped because their bytes stopped or their connection broke
+    late: set[int] = field(default_factory=set)  # senders still missing at the deadline
 
     def claim(self, index: int) -> None:
         """Reserve row `index` for an incoming part (refuses late and repeated parts)."""
         if self.closed:
             raise RoundAbortedError("part arrived after the reducer's deadline")
+        if index in self.idle:
+            raise RoundAbortedError("part arrived after the reducer stopped waiting for it (no bytes came)")
         if index in self.received or index in self.receiving:
             raise PeerProtocolError("sent its part twice", peer=self.spec.members[index])
         self.receiving.add(index)
+        if index in self.activity:
+            self.activity[index].moved()
+
+    def pending(self) -> list[int]:
+        """Senders whose part this reducer still waits for."""
+        return [i for i in range(len(self.spec.members)) if i not in self.received and i not in self.refused]
+
+    def drop_idle(self, index: int, why: str) -> None:
+        """Stop waiting for `index`'s part: its bytes stopped or its connection broke. Handled as a part
+        that missed the deadline (left out of the aggregate, refused if it comes later); bytes of a part
+        still landing keep its row out of reuse (`receiving` is left as it is)."""
+        if index in self.received or index in self.refused or self.closed:
+            return
+        logger.info(f"round {self.spec.round_id.hex()[:8]}: stopped waiting for {self.spec.members[index][-8:]}'s part ({why})")
+        self.idle.add(index)
+        self.refused.add(index)
+        self._check_complete()
+
+    def broken(self, index: int) -> None:
+        """The connection carrying `index`'s part broke: no more bytes will land in its row."""
+        self.receiving.discard(index)
+        self.drop_idle(index, "its connection broke")
 
     def add(self, index: int, values: Optional[torch.Tensor], weight: float) -> None:
         """Accept row `index`; `values` is None when the bytes were received straight into the row."""
         if self.closed:
             raise RoundAbortedError("part arrived after the reducer's deadline")
+        if index in self.idle:
+            self.receiving.discard(index)  # its bytes have all landed: the row is free again
+            raise RoundAbortedError("part arrived after the reducer stopped waiting for it (no bytes came)")
         if values is not None:
             self.rows[index].copy_(values)
         self.weights[index] = min(max(weight, 0.0), 1.0)  # never trust a self-reported weight beyond 1
@@ -159,9 +194,10 @@ class _Reduction:
 class AllReduceService:
     """Routes incoming parts to the round they belong to; one per peer."""
 
-    def __init__(self, transport: Transport, *, registration_wait_s: float = 30.0) -> None:
+    def __init__(self, transport: Transport, *, registration_wait_s: float = 30.0, part_idle_timeout_s: Optional[float] = None) -> None:
         self.transport = transport
         self.registration_wait_s = registration_wait_s
+        self.part_idle_timeout_s = part_idle_timeout_s  # None: wait for every part until the deadline
         self._rounds: dict[bytes, _Reduction] = {}
         self._registered: dict[bytes, asyncio.Event] = {}
         self._waiting = 0
@@ -200,17 +236,29 @@ class AllReduceService:
         reduction.add(me, vector[lo:hi], weight)
         for i in skip:
             reduction.refuse(i)
+        for i in reduction.pending():  # every other member starts sending as soon as it has the group, as we did
+            reduction.activity[i] = Activity(on_broken=lambda i=i: reduction.broken(i))
         self._rounds[spec.round_id] = reduction
         self._registered.setdefault(spec.round_id, asyncio.Event()).set()
         if out is not None and (out.shape != (spec.numel,) or out.dtype != torch.float32 or out.device.type != "cpu"):
             raise ValueError(f"out must be a CPU float32 tensor of shape ({spec.numel},)")
         output = torch.empty(spec.numel) if out is None else out
         missing: list[int] = []
+        idle_parts: list[int] = []
         try:
             reduce_task = asyncio.create_task(self._reduce(reduction))
             others = [j for j in range(len(spec.members)) if j != me and j not in skip]
-            calls = [self._send_part(spec, j, vector[a:b], weight, output[a:b], call_timeout_s, guard) for j, (a, b) in ((j, bounds[j]) for j in others)]
-            outcomes = await asyncio.gather(*calls, return_exceptions=True)
+            activities = {j: Activity() for j in others}
+            calls = {
+                j: asyncio.ensure_future(
+                    self._send_part(spec, j, vector[a:b], weight, output[a:b], call_timeout_s, guard, activities[j])
+                )
+                for j, (a, b) in ((j, bounds[j]) for j in others)
+            }  # fmt: skip
+            # verified rounds get a late reducer's aggregate relayed by the others (see _reply_or_relayed)
+            watch = self.part_idle_timeout_s if guard is None else None
+            idle_parts = await _await_calls(calls, activities, reduce_task, watch)
+            outcomes = [_outcome(calls[j], j in idle_parts, watch) for j in others]
             gathered = time.monotonic()
             for j in sorted(skip - {me}):
                 missing.append(j)
@@ -223,6 +271,12 @@ class AllReduceService:
                     missing.append(j)
                     output[bounds[j][0] : bounds[j][1]] = 0.0
             own = await reduce_task
+            if guard is None and others and reduction.late and reduction.received == {me} and set(others) <= set(missing):
+                # Nothing from anyone, and the deadline passed: a peer that was frozen (SIGSTOP, a laptop lid)
+                # or cut off, not a group that lost members. Its "average" would be its own stale part alone.
+                raise RoundAbortedError(
+                    "no other member's bytes arrived before the deadline (was this peer frozen or cut off?)"
+                )
             output[lo:hi] = own
             logger.debug(
                 f"round {spec.round_id.hex()[:8]}: parts back after {gathered - started:.3f} s, own part reduced after "
@@ -241,6 +295,9 @@ class AllReduceService:
             bytes_sent=self.transport.stats.bytes_sent - sent0,
             bytes_received=self.transport.stats.bytes_received - recv0,
             duration_s=time.monotonic() - started,
+            idle_senders=tuple(spec.members[i] for i in sorted(reduction.idle)),
+            late_senders=tuple(spec.members[i] for i in sorted(reduction.late)),
+            idle_parts=tuple(idle_parts),
             own_rows=reduction.rows if guard is not None else None,
             own_received=tuple(reduction.counted),
             own_value=output[lo:hi],
@@ -260,7 +317,7 @@ class AllReduceService:
         self._rounds.pop(round_id, None)
         self._registered.pop(round_id, None)
 
-    async def _send_part(self, spec, j, part, weight, out, timeout_s, guard: Optional[PartGuard]) -> None:
+    async def _send_part(self, spec, j, part, weight, out, timeout_s, guard: Optional[PartGuard], activity: Activity) -> None:
         payload = encode(part, spec.codec)
         signature = guard.sign_part(j, payload, weight) if guard is not None else b""
         header = PartHeader(
@@ -282,6 +339,7 @@ class AllReduceService:
             reply_into=_bytes_of(out) if raw else None,
             reply_hasher=hasher,
             on_reply_header=announced if guard is not None else None,
+            activity=activity,
         )
         if guard is None:
             reply_header, reply = await call
@@ -295,12 +353,31 @@ class AllReduceService:
         if guard is not None:
             guard.landed(j, out)
 
+    async def _wait_for_parts(self, reduction: _Reduction) -> None:
+        """Until every part is in or given up on: a sender whose bytes stopped for part_idle_timeout_s
+        (none came, or they stopped mid-part) is dropped then; the rest at the deadline."""
+        idle_s = self.part_idle_timeout_s
+        while not reduction.complete.is_set():
+            wait = reduction.spec.deadline - time.monotonic()
+            if wait <= 0:
+                reduction.late.update(reduction.pending())
+                return
+            if idle_s is not None:
+                for i in reduction.pending():
+                    idle = reduction.activity[i].idle_s() if i in reduction.activity else 0.0
+                    if idle >= idle_s:
+                        reduction.drop_idle(i, f"no bytes for {idle:.1f} s")
+                    else:
+                        wait = min(wait, idle_s - idle)
+            if reduction.complete.is_set():
+                return
+            try:
+                await asyncio.wait_for(reduction.complete.wait(), timeout=max(wait, 0.01))
+            except asyncio.TimeoutError:
+                pass
+
     async def _reduce(self, reduction: _Reduction) -> torch.Tensor:
-        remaining = reduction.spec.deadline - time.monotonic()
-        try:
-            await asyncio.wait_for(reduction.complete.wait(), timeout=max(remaining, 0.0))
-        except asyncio.TimeoutError:
-            pass
+        await self._wait_for_parts(reduction)
         reduction.closed = True
         reduction.complete_at = time.monotonic()
         got = sorted(reduction.received)
@@ -358,7 +435,8 @@ class AllReduceService:
         hasher = None
         if reduction.guard is not None:
             hasher = reduction.hashers[index] = reduction.guard.hasher()
-        return Landing(_bytes_of(reduction.rows[index]) if reduction.spec.codec is Codec.NONE else None, hasher)
+        into = _bytes_of(reduction.rows[index]) if reduction.spec.codec is Codec.NONE else None
+        return Landing(into, hasher, reduction.activity.get(index))
 
     async def _serve_part(self, peer: str, header: bytes, payload) -> tuple[bytes, bytes | memoryview]:
         head, reduction, index = await self._checked_part(peer, header)
@@ -399,6 +477,53 @@ class AllReduceService:
         if reduction is None:
             raise RoundAbortedError("round already finished")
         return reduction
+
+
+async def _await_calls(
+    calls: dict[int, asyncio.Future], activities: dict[int, Activity], reduced: asyncio.Task, idle_s: Optional[float]
+) -> list[int]:
+    """Wait for the calls to the reducers; returns the parts whose call was given up because it stalled.
+
+    Until this peer's own part is reduced, a reducer may rightly be waiting for a slow sender. After
+    that, every live reducer has its parts or drops its stragglers within `idle_s` of their last byte
+    (which may have reached it later than us): a call on which no byte moved for twice that since then
+    (the reducer is dead, frozen or cut off) is cancelled.
+    """
+    pending = set(calls.values())
+    stalled: list[int] = []
+    try:
+        while pending and (idle_s is None or not reduced.done()):
+            waiters = pending if idle_s is None else pending | {reduced}
+            await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+            pending = {c for c in pending if not c.done()}
+        since, limit_s = time.monotonic(), 2 * (idle_s or 0.0)
+        while pending:
+            wait = limit_s
+            for j, call in calls.items():
+                if call in pending:
+                    idle = activities[j].idle_s(since)
+                    if idle >= limit_s:
+                        call.cancel()
+                        pending.discard(call)
+                        stalled.append(j)
+                    else:
+                        wait = min(wait, limit_s - idle)
+            if pending:
+                await asyncio.wait(pending, timeout=max(wait, 0.01), return_when=asyncio.FIRST_COMPLETED)
+                pending = {c for c in pending if not c.done()}
+        await asyncio.gather(*(calls[j] for j in stalled), return_exceptions=True)
+    except BaseException:
+        for call in calls.values():
+            call.cancel()
+        await asyncio.gather(*calls.values(), return_exceptions=True)
+        raise
+    return sorted(stalled)
+
+
+def _outcome(call: asyncio.Future, stalled: bool, idle_s: Optional[float]) -> Optional[BaseException]:
+    if stalled:
+        return CallFailed(f"no bytes moved for {2 * idle_s:.1f} s after our own part was reduced")
+    return call.exception()
 
 
 async def _reply_or_relayed(call, guard: PartGuard, j: int, reducer: str, hasher: Hasher) -> tuple[bytes | memoryview, bool]:

@@ -12,7 +12,7 @@ import asyncio
 import socket
 import time
 from dataclasses import dataclass
-from typing import Optional, Protocol
+from typing import Callable, Optional, Protocol
 
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
@@ -20,6 +20,7 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from aggregation.errors import PeerProtocolError, RoundAbortedError
 
 RECORD_BYTES = 1 << 20  # plaintext per record; bounds memory per read and keeps the loop responsive
+SEND_SLICE_BYTES = 128 << 10  # a watched send reports progress this often (1 s at 1 Mbit/s, not 8 s a record)
 TAG_BYTES = 16
 
 
@@ -67,15 +68,41 @@ class UploadLimiter:
             await asyncio.sleep(-self.tokens / self.rate)
 
 
+class Activity:
+    """When bytes last moved on one call, and a callback for when its connection broke: a round drops a
+    member that stopped sending (dead, frozen, cut off) this way, without waiting out the phase deadline."""
+
+    def __init__(self, on_broken: Optional[Callable[[], None]] = None) -> None:
+        self.at = time.monotonic()
+        self.on_broken = on_broken
+        self.pacing = 0  # sends held back by our own upload limiter: not the other side's stall
+
+    def moved(self) -> None:
+        self.at = time.monotonic()
+
+    def idle_s(self, since: float = 0.0) -> float:
+        """Seconds without movement, counting from `since` at the earliest (0 while we pace ourselves)."""
+        if self.pacing:
+            return 0.0
+        return time.monotonic() - max(self.at, since)
+
+    def broke(self) -> None:
+        if self.on_broken is not None:
+            self.on_broken()
+
+
 class Hasher(Protocol):
     """An incremental hash (blake3, hashlib): fed each record while it is still in cache."""
 
     def update(self, data: memoryview, /) -> object: ...
 
 
+Moved = Optional[Callable[[], None]]  # told whenever some bytes of a read or send went through
+
+
 class Pipe(Protocol):
-    async def readinto(self, view: memoryview) -> None: ...  # fill `view` exactly or raise CallFailed
-    async def send(self, data: bytes | memoryview) -> None: ...
+    async def readinto(self, view: memoryview, moved: Moved = None) -> None: ...  # fill `view` exactly or raise CallFailed
+    async def send(self, data: bytes | memoryview, moved: Moved = None) -> None: ...
     def close(self) -> None: ...
 
 
@@ -101,15 +128,23 @@ class SocketPipe:
             raise
         return cls(sock)
 
-    async def readinto(self, view: memoryview) -> None:
+    async def readinto(self, view: memoryview, moved: Moved = None) -> None:
         while view:
             n = await self.loop.sock_recv_into(self.sock, view)
             if n == 0:
                 raise CallFailed("connection closed mid-message")
             view = view[n:]
+            if moved is not None:
+                moved()
 
-    async def send(self, data: bytes | memoryview) -> None:
-        await self.loop.sock_sendall(self.sock, data)
+    async def send(self, data: bytes | memoryview, moved: Moved = None) -> None:
+        if moved is None:
+            await self.loop.sock_sendall(self.sock, data)
+            return
+        data = memoryview(data).cast("B")
+        for start in range(0, len(data), SEND_SLICE_BYTES):
+            await self.loop.sock_sendall(self.sock, data[start : start + SEND_SLICE_BYTES])
+            moved()
 
     def close(self) -> None:
         self.sock.close()
@@ -121,15 +156,31 @@ class StreamPipe:
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.reader, self.writer = reader, writer
 
-    async def readinto(self, view: memoryview) -> None:
-        try:
-            view[:] = await self.reader.readexactly(len(view))
-        except asyncio.IncompleteReadError:
-            raise CallFailed("connection closed mid-message") from None
+    async def readinto(self, view: memoryview, moved: Moved = None) -> None:
+        if moved is None:
+            try:
+                view[:] = await self.reader.readexactly(len(view))
+            except asyncio.IncompleteReadError:
+                raise CallFailed("connection closed mid-message") from None
+            return
+        while view:
+            chunk = await self.reader.read(len(view))
+            if not chunk:
+                raise CallFailed("connection closed mid-message")
+            view[: len(chunk)] = chunk
+            view = view[len(chunk) :]
+            moved()
 
-    async def send(self, data: bytes | memoryview) -> None:
-        self.writer.write(data)
-        await self.writer.drain()
+    async def send(self, data: bytes | memoryview, moved: Moved = None) -> None:
+        if moved is None:
+            self.writer.write(data)
+            await self.writer.drain()
+            return
+        data = memoryview(data).cast("B")
+        for start in range(0, len(data), SEND_SLICE_BYTES):
+            self.writer.write(data[start : start + SEND_SLICE_BYTES])
+            await self.writer.drain()
+            moved()
 
     def close(self) -> None:
         self.writer.close()
@@ -174,25 +225,35 @@ class Channel:
         self._out = _buffers.take() if self.cipher is not None else None
         self._in = _buffers.take() if self.cipher is not None else None
         self._size = bytearray(4)
+        self.activity: Optional[Activity] = None  # the call using this channel, told of every record that moves
 
     @staticmethod
     def _nonce(direction: bytes, counter: int) -> bytes:
         return direction + b"\x00\x00\x00" + counter.to_bytes(8, "little")
 
     async def _read(self, view: memoryview) -> None:
+        activity = self.activity
         try:
             async with asyncio.timeout(self.idle_timeout_s):
-                await self.pipe.readinto(view)
+                await self.pipe.readinto(view, activity.moved if activity is not None else None)
         except TimeoutError:
             raise CallFailed(f"no bytes for {self.idle_timeout_s:.0f} s") from None
         except (ConnectionError, OSError) as e:
             raise CallFailed(f"connection failed: {e!r}") from None
 
     async def _send(self, data: bytes | memoryview) -> None:
+        activity = self.activity
         if self.limiter is not None:
-            await self.limiter.acquire(len(data))
+            if activity is not None:
+                activity.pacing += 1
+            try:
+                await self.limiter.acquire(len(data))
+            finally:
+                if activity is not None:
+                    activity.pacing -= 1
+                    activity.moved()
         try:
-            await self.pipe.send(data)
+            await self.pipe.send(data, activity.moved if activity is not None else None)
         except (ConnectionError, OSError) as e:
             raise CallFailed(f"connection failed: {e!r}") from None
         self.stats.bytes_sent += len(data)

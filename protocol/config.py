@@ -87,6 +87,11 @@ class RoundConfig:
     compression: Codec = Codec.NONE
     allreduce_timeout_s: float = 30.0
     """Reducers stop waiting for parts this long after the group forms; stalled members are dropped."""
+    part_idle_timeout_s: Optional[float] = 5.0
+    """A member from which no byte of its part arrived for this long (none yet, or they stopped), or
+    whose connection broke, is dropped then rather than at `allreduce_timeout_s`: a dead, frozen or
+    cut-off member costs one short partial round. Likewise a reducer that moved no byte for twice this
+    long after our own part was reduced (unverified rounds). None: wait until the deadline."""
     state_timeout_s: float = 120.0
     verify: Optional[VerifyConfig] = None
     """BTARD verification of every round (commitments, MPRNG, projections, validators, bans)."""

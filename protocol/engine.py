@@ -89,6 +89,9 @@ class EngineStats:
     bans_voted: int = 0
     last_group_size: int = 0
     last_round_s: float = 0.0
+    members_dropped_idle: int = 0  # senders this peer's reducer dropped because their bytes stopped (or link broke)
+    members_dropped_late: int = 0  # senders still missing at the all-reduce deadline
+    parts_dropped_idle: int = 0  # reducers that moved no bytes after our own part was reduced
 
 
 class RoundEngine:
@@ -116,7 +119,9 @@ class RoundEngine:
             transport, membership, config.matchmaking, run_hash, identity=identity, sync_policy=sync_policy, loss=loss,
             majority_state=config.verify is not None,
         )  # fmt: skip
-        self.allreduce = AllReduceService(transport, registration_wait_s=config.matchmaking.join_timeout_s)
+        self.allreduce = AllReduceService(
+            transport, registration_wait_s=config.matchmaking.join_timeout_s, part_idle_timeout_s=config.part_idle_timeout_s
+        )
         self.state = StateService(transport)
         self.reducer = self.behavior.wrap_reducer(config.make_reducer())
         self.btard: Optional[BtardService] = None
@@ -208,6 +213,9 @@ class RoundEngine:
             self.stats.rounds_partial += 1
         else:
             self.stats.rounds_ok += 1
+        self.stats.members_dropped_idle += len(result.idle_senders)
+        self.stats.members_dropped_late += len(result.late_senders)
+        self.stats.parts_dropped_idle += len(result.idle_parts)
         self.stats.last_group_size = len(group.members)
         self.stats.last_round_s = time.monotonic() - started
         return Averaged(group, result, verdict)

@@ -29,6 +29,7 @@ from hivemind.p2p import P2P, P2PContext, PeerID, ServicerBase
 
 from aggregation.errors import PeerProtocolError, RoundAbortedError
 from protocol.channel import (
+    Activity,
     CallFailed,
     Channel,
     ChannelAuthError,
@@ -62,10 +63,12 @@ Handler = Callable[[str, bytes, bytearray | memoryview], Awaitable[tuple[bytes, 
 
 
 class Landing(NamedTuple):
-    """Where a payload lands (None: a fresh buffer) and what hashes it on the way in."""
+    """Where a payload lands (None: a fresh buffer), what hashes it on the way in, and what watches its
+    bytes arrive (told when the connection breaks before the payload is complete)."""
 
     into: Optional[memoryview] = None
     hasher: Optional[Hasher] = None
+    activity: Optional[Activity] = None
 
 
 # (peer, header, payload length) -> its Landing; raising PeerProtocolError refuses the call before a byte
@@ -239,12 +242,14 @@ class Transport(ServicerBase):
         reply_into: Optional[memoryview] = None,
         reply_hasher: Optional[Hasher] = None,
         on_reply_header: Optional[Callable[[bytes], None]] = None,
+        activity: Optional[Activity] = None,
     ) -> tuple[bytes, bytearray | memoryview]:
         """Call `method` on `peer`; returns the reply's header and payload or raises CallFailed.
         With `reply_into`, the reply payload must have exactly its length and is written there;
         `reply_hasher` is fed the reply payload as it arrives. `on_reply_header` sees the reply's
-        header before its payload is read (a bulk reply takes a while); raising from it fails the call."""
-        reply = Landing(reply_into, reply_hasher)
+        header before its payload is read (a bulk reply takes a while); raising from it fails the call.
+        `activity` hears of every record sent or received on a bulk call (small calls move in one piece)."""
+        reply = Landing(reply_into, reply_hasher, activity)
         try:
             async with asyncio.timeout(timeout_s):
                 return await self._call(
@@ -276,6 +281,7 @@ class Transport(ServicerBase):
             channel = await self._open_direct(peer)
         if channel is None:
             channel = await self._open_stream(peer)
+        channel.activity = landing.activity
         try:
             return await self._exchange(channel, peer, method, header, payload, max_reply_payload, landing, on_header)
         finally:
@@ -476,9 +482,9 @@ class Transport(ServicerBase):
         if not 0 <= payload_len <= entry.max_payload:
             raise PeerProtocolError(f"{method} payload of {payload_len} bytes exceeds {entry.max_payload}", peer=peer)
         try:
-            into, hasher = await entry.sink(peer, header, payload_len) if entry.sink is not None else Landing()
+            into, hasher, activity = await entry.sink(peer, header, payload_len) if entry.sink is not None else Landing()
             if channel is not None:
-                payload = await channel.recv_payload(payload_len, into, hasher)
+                payload = await self._recv_watched(channel, payload_len, Landing(into, hasher, activity))
             else:
                 if hasher is not None:
                     hasher.update(memoryview(payload))
@@ -496,6 +502,19 @@ class Transport(ServicerBase):
             logger.exception(f"handler {method} failed on a call from {peer[-8:]}")
             return Status.INTERNAL, f"{type(e).__name__}", b"", b""
         return Status.OK, "", reply_header, reply_payload
+
+    @staticmethod
+    async def _recv_watched(channel: Channel, length: int, landing: Landing) -> bytearray | memoryview:
+        """Read a request's payload, telling its watcher of each record and of a connection that broke."""
+        channel.activity = landing.activity
+        try:
+            return await channel.recv_payload(length, landing.into, landing.hasher)
+        except (CallFailed, PeerProtocolError):
+            if landing.activity is not None:
+                landing.activity.broke()
+            raise
+        finally:
+            channel.activity = None
 
 
 def _raise_for_status(status: int, reason: str, method: str, peer: Optional[str]) -> None:

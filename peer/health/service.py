@@ -326,6 +326,10 @@ class HealthService:
                 "resync": engine.resyncs if engine else 0,
                 "last_group_size": engine.last_group_size if engine else 0,
                 "last_round_s": engine.last_round_s if engine else 0.0,
+                # why members or parts were dropped: their bytes stopped (idle) or the deadline passed (late)
+                "members_dropped_idle": engine.members_dropped_idle if engine else 0,
+                "members_dropped_late": engine.members_dropped_late if engine else 0,
+                "parts_dropped_idle": engine.parts_dropped_idle if engine else 0,
             },
             "last_round": m.last_round.model_dump(mode="json") if m.last_round is not None else None,
             "transport": asdict(node.transport.stats) if node is not None else {},

@@ -107,6 +107,28 @@ def children(pid: int) -> list[int]:
     return [p for p, _, ppid, _ in _processes() if ppid == pid]
 
 
+def descendants(pid: int) -> list[int]:
+    """Every live process below `pid`, whatever its session (torch's shared-memory manager has its own)."""
+    table = [(p, state, ppid) for p, state, ppid, _ in _processes()]
+    found, frontier = [], [pid]
+    while frontier:
+        below = [p for p, state, ppid in table if ppid in frontier and state != "Z"]
+        found += below
+        frontier = below
+    return found
+
+
+def wait_gone(pids: list[int], timeout: float) -> list[int]:
+    """Poll until none of `pids` is alive (zombies count as gone); returns those still alive at `timeout`."""
+    deadline = time.monotonic() + timeout
+    while True:
+        alive = {p for p, state, _, _ in _processes() if state != "Z"}
+        left = [p for p in pids if p in alive]
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.1)
+
+
 def group_members(pgid: int) -> list[int]:
     """The live processes of process group `pgid` (a zombie is gone, only not yet reaped)."""
     return [p for p, state, _, pgrp in _processes() if pgrp == pgid and state != "Z"]
