@@ -117,6 +117,7 @@ HASHED = {
     "target_group_size": ({}, {"target_group_size": 4}),
     "matchmaking_timeout_s": ({}, {"matchmaking_timeout_s": 7.0}),
     "allreduce_timeout_s": ({}, {"allreduce_timeout_s": 40.0}),
+    "part_idle_timeout_s": ({}, {"part_idle_timeout_s": 9.0}),  # when reducers drop a sender whose bytes stopped
     "verify": (CC, VERIFY),
     "validators": (VERIFY, {**VERIFY, "validators": 2}),
     "phase_timeout_s": (VERIFY, {**VERIFY, "phase_timeout_s": 20.0}),

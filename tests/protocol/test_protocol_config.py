@@ -19,6 +19,7 @@ CHANGES = {
     "aggregator_params": (("tau", 2.0),),
     "compression": Codec.FP16,
     "allreduce_timeout_s": 40.0,
+    "part_idle_timeout_s": 9.0,
     "state_timeout_s": 300.0,
     "verify.tau": 2.0,
     "verify.eps": 1e-7,
