@@ -1,0 +1,52 @@
+"""`phalanx --help` and flag mistakes must not wait for torch, hivemind & co. (seconds each):
+the heavy modules load inside the commands that use them. `phalanx bench cli` measures the time."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+HEAVY = ("torch", "hivemind", "scipy", "matplotlib", "aiohttp", "prometheus_client", "sklearn", "numpy")
+
+PROBE = """
+import json, sys
+import peer.cli
+try:
+    peer.cli.main(json.loads(sys.argv[1]))
+except SystemExit:
+    pass
+print(json.dumps(sorted(m for m in {heavy} if m in sys.modules)), file=sys.__stderr__)
+"""
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--help"],
+        ["join", "--help"],
+        ["bootstrap", "--help"],
+        ["health", "--help"],
+        ["monitor", "--help"],
+        ["swarm", "--help"],
+        ["bench", "--help"],
+        ["join", "--stesp", "3"],
+        ["join", "--steps", "zero"],
+    ],
+)
+def test_help_and_flag_mistakes_import_nothing_heavy(argv):
+    done = subprocess.run(
+        [sys.executable, "-c", PROBE.format(heavy=HEAVY), json.dumps(argv)], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stderr.strip().splitlines()[-1]) == [], done.stderr
+
+
+def test_hivemind_logs_go_through_our_handler_when_it_is_imported_later():
+    code = (
+        "import logging; from peer.logs import configure_logging; configure_logging('text');"
+        "from hivemind.utils.logging import get_logger; get_logger('hivemind.dht');"
+        "h = logging.getLogger('hivemind'); print(len(h.handlers), h.propagate)"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.stdout.split() == ["0", "True"], done.stderr
