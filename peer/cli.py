@@ -84,6 +84,11 @@ def join(settings: PeerConfig) -> None:
 
       PHALANX_INITIAL_PEERS=/ip4/... phalanx join --config peer.toml
     """
+    if not settings.initial_peers:
+        typer.secho(
+            "notice: no --initial-peers: this peer starts a new swarm of its own (the log shows the line others join it with)",
+            err=True, fg="yellow",
+        )  # fmt: skip
     from peer.trainer import run_trainer
 
     report = run_trainer(settings)
@@ -173,6 +178,11 @@ def health(settings: NetworkSettings, as_json: bool, watch: bool, interval_s: fl
 
       phalanx health --initial-peers ... --json --expect 3 --timeout-s 120
     """
+    if not settings.initial_peers:
+        raise ConfigError(
+            "--initial-peers: phalanx health reads the swarm through a running peer; give its address "
+            "(the line `phalanx bootstrap` printed) or set PHALANX_INITIAL_PEERS"
+        )
     from peer.health.client import run_health
 
     code = run_health(settings, as_json=as_json, watch=watch, interval_s=interval_s, expect=expect, timeout_s=timeout_s)

@@ -12,7 +12,7 @@ from typing import Any, Callable, Optional
 import typer
 from pydantic.fields import FieldInfo
 
-from peer.config import NetworkSettings, load_settings
+from peer.config import NetworkSettings, load_settings, misspelt_env_vars
 
 
 def _flag(name: str) -> str:
@@ -83,6 +83,7 @@ def settings_command(
         def command(**kwargs: Any) -> Any:
             config_file = kwargs.pop("config_file", None)
             overrides = {k: v for k, v in kwargs.items() if v is not None and v != []}
+            warn_misspelt_env_vars()
             return fn(load_settings(model, overrides, config_file))
 
         command.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
@@ -91,3 +92,10 @@ def settings_command(
         return command
 
     return decorate
+
+
+def warn_misspelt_env_vars() -> None:
+    """One line per PHALANX_* variable that no setting reads (a typo would otherwise go unnoticed)."""
+    for name, close in misspelt_env_vars():
+        hint = f"did you mean {close}?" if close else "see `phalanx <command> --help` for the [env: ...] names"
+        typer.secho(f"warning: {name} is not a Phalanx setting and is ignored ({hint})", err=True, fg="yellow")
