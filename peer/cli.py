@@ -148,6 +148,8 @@ def swarm(
     slow_args = ["--slowdown", slowdown] if slowdown else []
     if not stragglers:
         join_args += slow_args
+    for extra in [[], *(["--attack", a] for a in sorted(set(chosen))), *([slow_args] if stragglers else [])]:
+        _check_join_args([*join_args, *extra])  # one line now, not every trainer dying at start
     result = run_swarm(
         peers, join_args, target_accuracy=target_accuracy, workdir=workdir, attacks=chosen,
         stragglers=stragglers, straggler_args=slow_args,
@@ -387,6 +389,13 @@ def bench_convergence(
     )
 
 
+def _check_join_args(args: list[str]) -> None:
+    """Validate `phalanx join` flags as the trainers will parse them, without starting anything."""
+    command = typer.main.get_command(app).get_command(None, "join")  # type: ignore[union-attr]
+    with command.make_context("phalanx swarm", list(args)) as ctx:
+        join.settings(**ctx.params)  # type: ignore[attr-defined]
+
+
 def _split_numbers(text: str, flag: str, convert, kind: str) -> list:
     try:
         return [convert(x) for x in text.split(",") if x.strip()]
@@ -413,16 +422,34 @@ def _str_list(text: str) -> list[str]:
 
 
 def main(argv: Optional[list[str]] = None) -> None:
-    """Console entry point: run the app and turn our errors into one-line messages."""
+    """Console entry point: run the app and turn user mistakes (ours and click's) into one line."""
+    try:  # typer vendors click since 0.2x; older ones use click itself
+        from typer._click import exceptions as click_errors
+    except ImportError:
+        from click import exceptions as click_errors
     try:
-        app(args=argv)
-    except KeyboardInterrupt:
+        code = app(args=argv, prog_name="phalanx", standalone_mode=False)
+    except (KeyboardInterrupt, typer.Abort):
         sys.exit(130)
+    except click_errors.NoArgsIsHelpError as e:
+        e.show()
+        sys.exit(e.exit_code)
+    except click_errors.UsageError as e:
+        if _state["debug"]:
+            raise
+        where = e.ctx.command_path if e.ctx is not None else "phalanx"
+        message = " ".join(e.format_message().split())
+        typer.secho(f"error: {message} (see `{where} --help`)", err=True, fg="red")
+        sys.exit(e.exit_code)
+    except click_errors.ClickException as e:
+        typer.secho(f"error: {' '.join(e.format_message().split())}", err=True, fg="red")
+        sys.exit(e.exit_code)
     except PhalanxError as e:
         if _state["debug"]:
             raise
         typer.secho(f"error: {e}", err=True, fg="red")
         sys.exit(2 if isinstance(e, ConfigError) else 1)
+    sys.exit(code if isinstance(code, int) else 0)
 
 
 if __name__ == "__main__":

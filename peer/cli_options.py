@@ -80,11 +80,16 @@ def settings_command(
             )
             names.append(name)
 
-        def command(**kwargs: Any) -> Any:
+        def settings(**kwargs: Any) -> NetworkSettings:
             config_file = kwargs.pop("config_file", None)
             overrides = {k: v for k, v in kwargs.items() if v is not None and v != []}
+            return load_settings(model, overrides, config_file)
+
+        def command(**kwargs: Any) -> Any:
             warn_misspelt_env_vars()
-            return fn(load_settings(model, overrides, config_file))
+            return fn(settings(**kwargs))
+
+        command.settings = settings  # type: ignore[attr-defined]  # validate flags without running (phalanx swarm)
 
         command.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
         command.__name__ = fn.__name__

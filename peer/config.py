@@ -25,6 +25,8 @@ from aggregation.errors import ConfigError
 from protocol.config import Codec, MatchmakingConfig, RoundConfig, parse_aggregator_params, verify_config_for
 
 PROTOCOL_VERSION = 1
+BUILTIN_TASKS = ("digits-mlp", "mnist-cnn", "cifar10-resnet18")
+"""peer.tasks.TASKS's names (a test keeps them equal): known here without importing torch."""
 ENV_PREFIX = "PHALANX_"
 _config_data: contextvars.ContextVar[Optional[dict]] = contextvars.ContextVar("phalanx_config_data", default=None)
 
@@ -96,7 +98,7 @@ class NetworkSettings(BaseSettings):
 class PeerConfig(NetworkSettings):
     """Everything `phalanx join` needs."""
 
-    task: str = Field("digits-mlp", description="Built-in task name or package.module:factory.")
+    task: str = Field("digits-mlp", description=f"Built-in task ({', '.join(BUILTIN_TASKS)}) or package.module:factory for your own.")
     data_dir: Optional[Path] = Field(None, description="Where the task's data files are (mnist-cnn, cifar10-resnet18).")
     device: str = Field("auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$", description="auto, cpu, cuda or cuda:N.")
     mode: Literal["sync", "lasgd", "gossip"] = Field("sync", description="sync: gradients all-reduced every step; lasgd: local steps never wait, models averaged every --sync-every steps with whoever is ready; gossip: the same with one random peer at a time.")
@@ -140,8 +142,12 @@ class PeerConfig(NetworkSettings):
 
     @model_validator(mode="after")
     def _check_peer(self) -> "PeerConfig":
+        if ":" not in self.task and self.task not in BUILTIN_TASKS:
+            raise ValueError(f"--task {self.task}: not a built-in task; use one of {', '.join(BUILTIN_TASKS)}, or package.module:factory for your own")
         if self.resume and self.checkpoint_dir is None:
             raise ValueError("--resume needs --checkpoint-dir")
+        if self.checkpoint_dir is not None and self.checkpoint_dir.exists() and not self.checkpoint_dir.is_dir():
+            raise ValueError(f"--checkpoint-dir: {str(self.checkpoint_dir)!r} is a file, not a folder; give a folder (created if missing)")
         if self.target_group_size is not None and self.target_group_size < self.min_group_size:
             raise ValueError("--target-group-size must be ≥ --min-group-size")
         if (self.admission is None) != (self.certificate is None):
