@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import importlib.abc
 import importlib.util
 import json
@@ -39,19 +40,22 @@ def configure_logging(fmt: str = "text", *, debug: bool = False) -> None:
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(logging.DEBUG if debug else logging.INFO)
-    logging.getLogger("hivemind").setLevel(logging.DEBUG if debug else logging.WARNING)
-    # hivemind installs its own handler on import; route it through ours so --log-format holds
-    # everywhere, but only once something imports it (importing it here would cost seconds of --help).
+    # hivemind installs its own handler (and level) on import; route it through ours so --log-format
+    # holds everywhere, but only once something imports it (importing it here costs seconds of --help).
+    route = functools.partial(_route_hivemind_logs, logging.DEBUG if debug else logging.WARNING)
+    for finder in [f for f in sys.meta_path if isinstance(f, _AfterImport)]:
+        sys.meta_path.remove(finder)
     if "hivemind" in sys.modules:
-        _route_hivemind_logs()
-    elif not any(isinstance(f, _AfterImport) for f in sys.meta_path):
-        sys.meta_path.insert(0, _AfterImport("hivemind", _route_hivemind_logs))
+        route()
+    else:
+        sys.meta_path.insert(0, _AfterImport("hivemind", route))
 
 
-def _route_hivemind_logs() -> None:
+def _route_hivemind_logs(level: int) -> None:
     from hivemind.utils.logging import use_hivemind_log_handler
 
     use_hivemind_log_handler("nowhere")
+    logging.getLogger("hivemind").setLevel(level)
 
 
 class _AfterImport(importlib.abc.MetaPathFinder):

@@ -119,7 +119,11 @@ def _explain(e: Exception, settings: NetworkSettings) -> Exception:
     if "already taken" in text:
         return ConfigError(_identity_taken(settings.identity_path))
     if settings.initial_peers and ("bootstrap" in text.lower() or "failed to connect" in text.lower()):
-        return ConfigError(f"--initial-peers: could not reach any of {settings.initial_peers} ({text.splitlines()[0][:200]})")
+        return ConfigError(
+            f"--initial-peers: none of {', '.join(settings.initial_peers)} answered ({text.splitlines()[0][:200]}); "
+            "check that the peer runs, that its port is reachable from here, and the address (copy it from "
+            "`phalanx bootstrap`'s output)"
+        )
     return e
 
 
