@@ -389,6 +389,22 @@ def bench_convergence(
     )
 
 
+@bench_app.command("cli")
+def bench_cli(repeats: int = typer.Option(5, "--repeats", min=1, help="Timed runs per command (median reported).")) -> None:
+    """Time `phalanx --help`, `phalanx join --help` and mistyped flags (fresh processes) against
+    `python -c pass` and `python -c "import torch"` measured in the same run.
+
+    [bold]Examples[/bold]
+
+      phalanx bench cli
+
+      phalanx bench cli --repeats 10
+    """
+    from peer.bench.cli import run_cli_bench
+
+    run_cli_bench(repeats)
+
+
 def _check_join_args(args: list[str]) -> None:
     """Validate `phalanx join` flags as the trainers will parse them, without starting anything."""
     command = typer.main.get_command(app).get_command(None, "join")  # type: ignore[union-attr]
