@@ -14,7 +14,7 @@ from typing import Optional
 import typer
 
 from aggregation.errors import ConfigError, PhalanxError
-from peer.cli_options import settings_command
+from peer.cli_options import PlainHelp, settings_command
 from peer.config import NetworkSettings, PeerConfig
 from peer.health.options import settings_command_with
 from peer.logs import configure_logging
@@ -52,7 +52,7 @@ def _root(
         raise typer.BadParameter(str(e), param_hint="--log-format") from None
 
 
-@app.command("bootstrap")
+@app.command("bootstrap", cls=PlainHelp)
 @settings_command(NetworkSettings, exclude=("direct", "direct_port", "upload_limit_mbps"))
 def bootstrap(settings: NetworkSettings) -> None:
     """Start a DHT-only peer that others join through; prints the exact --initial-peers line to use.
@@ -68,7 +68,7 @@ def bootstrap(settings: NetworkSettings) -> None:
     run_bootstrap(settings)
 
 
-@app.command("join")
+@app.command("join", cls=PlainHelp)
 @settings_command(PeerConfig)
 def join(settings: PeerConfig) -> None:
     """Join a swarm as a trainer: DHT, round engine and training loop. Stops on --steps,
@@ -158,7 +158,7 @@ def swarm(
         raise typer.Exit(1)
 
 
-@app.command("health")
+@app.command("health", cls=PlainHelp)
 @settings_command_with(
     NetworkSettings,
     exclude=("direct", "direct_port", "upload_limit_mbps", "http_port", "http_host", "client_mode", "port", "public_ip", "announce_maddrs"),
@@ -192,7 +192,7 @@ def health(settings: NetworkSettings, as_json: bool, watch: bool, interval_s: fl
         raise typer.Exit(code)
 
 
-@app.command("monitor")
+@app.command("monitor", cls=PlainHelp)
 @settings_command(MonitorSettings, exclude=("direct", "direct_port", "upload_limit_mbps", "client_mode", "public_ip", "announce_maddrs"))
 def monitor(settings: MonitorSettings) -> None:
     """Serve a swarm dashboard: the peer table and plots of loss, accuracy, throughput and peers by

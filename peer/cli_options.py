@@ -4,6 +4,7 @@ share one definition (name, type, default, help) and cannot drift apart."""
 from __future__ import annotations
 
 import inspect
+import re
 import types
 import typing
 from pathlib import Path
@@ -11,6 +12,7 @@ from typing import Any, Callable, Optional
 
 import typer
 from pydantic.fields import FieldInfo
+from typer.core import TyperCommand
 
 from peer.config import NetworkSettings, load_settings, misspelt_env_vars
 
@@ -36,6 +38,18 @@ def _option_type(annotation: Any) -> tuple[Any, bool]:
     if annotation in (int, float, str, Path):
         return annotation, False
     return str, False
+
+
+class PlainHelp(TyperCommand):
+    """click's plain --help layout for the commands with many settings: at 80 columns rich's option table
+    cut long names and left the help a narrow column; here a long name takes its own line instead."""
+
+    def format_help(self, ctx, formatter) -> None:
+        self.rich_markup_mode = None
+        paragraphs = inspect.cleandoc(re.sub(r"\[/?bold\]", "", self.help or "")).split("\n\n")
+        # indented paragraphs are example commands: keep their lines as written (click's \b marker)
+        self.help = "\n\n".join("\b\n" + p if p.startswith(" ") else p for p in paragraphs)
+        super().format_help(ctx, formatter)
 
 
 def _help(name: str, info: FieldInfo) -> str:
@@ -69,7 +83,9 @@ def settings_command(
             if name in exclude:
                 continue
             typ, is_bool = _option_type(info.annotation)
-            decls = [f"{_flag(name)}/--no-{name.replace('_', '-')}"] if is_bool else [_flag(name)]
+            # a --no-X switch only where X is on by default: the others would double the width of --help
+            negatable = is_bool and info.get_default() is True
+            decls = [f"{_flag(name)}/--no-{name.replace('_', '-')}"] if negatable else [_flag(name)]
             params.append(
                 inspect.Parameter(
                     name,

@@ -50,3 +50,28 @@ def test_hivemind_logs_go_through_our_handler_when_it_is_imported_later():
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.stdout.split() == ["0", "True", "True"], done.stderr
+
+
+@pytest.mark.parametrize("command", ["join", "bootstrap", "health", "monitor"])
+def test_help_at_80_columns_shows_every_flag_whole_with_its_default_and_variable(command):
+    from peer.config import NetworkSettings, PeerConfig
+    from peer.monitor.config import MonitorSettings
+
+    done = subprocess.run(
+        [sys.executable, "-m", "peer.cli", command, "--help"], capture_output=True, text=True, timeout=120,
+        env={"COLUMNS": "80", "PATH": "/usr/bin:/bin"},
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    text = " ".join(done.stdout.split())  # help text wraps; flags and names must not be cut
+    model = {"join": PeerConfig, "monitor": MonitorSettings}.get(command, NetworkSettings)
+    shown = [name for name in model.model_fields if f"--{name.replace('_', '-')}" in text]
+    assert len(shown) >= 5
+    for name in shown:
+        assert f"[env: PHALANX_{name.upper()}]" in text, name
+    lines = done.stdout.splitlines()
+    for name in shown:  # each flag starts a line, whole (rich's table cut long names with "…")
+        flag = f"--{name.replace('_', '-')}"
+        assert any(line.strip().split(" ")[0] == flag for line in lines), flag
+    if command == "join":
+        assert "[default: 25] [env: PHALANX_EVAL_EVERY]" in text
+        assert "Built-in task (digits-mlp, mnist-cnn, cifar10-resnet18)" in text
