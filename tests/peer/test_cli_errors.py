@@ -159,3 +159,31 @@ def test_builtin_task_names_match_the_registry():
     from peer.tasks import TASKS
 
     assert tuple(TASKS) == BUILTIN_TASKS
+
+
+def test_a_lone_join_says_it_starts_a_swarm_and_ctrl_c_says_where_the_checkpoint_went(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "peer.cli", "join", "--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--checkpoint-dir", str(ckpt),
+         "--checkpoint-every", "1", "--torch-threads", "1"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True, env=_env({}),
+    )  # fmt: skip
+    seen = []
+    try:
+        for line in proc.stderr:
+            seen.append(line)
+            if "checkpoint" in line or "step " in line and " loss " in line:
+                break
+        proc.send_signal(signal.SIGINT)
+        _, rest = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        while _group_alive(proc.pid):
+            time.sleep(0.05)
+    text = "".join(seen) + rest
+    assert seen[0].startswith("notice: no --initial-peers: this peer starts a new swarm of its own"), text
+    assert "others join this new swarm with: --initial-peers /ip4/127.0.0.1/tcp/" in text
+    assert re.search(r"checkpoint saved: \S+ \(step \d+\); continue with --resume", text), text
+    assert "Traceback" not in text
