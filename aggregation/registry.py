@@ -22,7 +22,7 @@ from aggregation.bucketing import bucketing
 from aggregation.centered_clip import TAU_HINT, centered_clip
 from aggregation.coordinatewise import coordinate_median, mean, trimmed_mean
 from aggregation.errors import ConfigError
-from aggregation.geometric_median import geometric_median
+from aggregation.geometric_median import MAX_ITERS, geometric_median
 from aggregation.krum import krum, multi_krum
 
 T = TypeVar("T")
@@ -94,6 +94,15 @@ def make_aggregator(name: str, **params: Any) -> BoundAggregator:
     return BoundAggregator(name, dict(params), fn)
 
 
+def name_parameters(name: str) -> frozenset[str]:
+    """Parameters of aggregator ``name`` that take a registry name, not a number (bucketing's ``inner``):
+    a config parser keeps their values as text. Empty for an unknown aggregator."""
+    if name not in AGGREGATORS:
+        return frozenset()
+    sig = inspect.signature(AGGREGATORS[name], eval_str=True)
+    return frozenset(p.name for p in sig.parameters.values() if p.annotation is str)
+
+
 def check_params(
     what: str, fn: Callable[..., Any], params: Mapping[str, Any], *, skip: int = 0, runtime: tuple[str, ...] = ()
 ) -> None:
@@ -154,7 +163,7 @@ def _multi_krum(*, b: int, m: int) -> Aggregator:
 
 
 @register_aggregator("geometric_median")
-def _geometric_median(*, nu: float = 0.1, iters: int = 8, eps: float = 1e-6) -> Aggregator:
+def _geometric_median(*, nu: float = 0.1, iters: int = MAX_ITERS, eps: float = 1e-6) -> Aggregator:
     nu, eps = check_positive("nu", nu), check_nonnegative("eps", eps)
     return functools.partial(geometric_median, nu=nu, iters=check_int("iters", iters, minimum=1), eps=eps)
 
@@ -172,6 +181,9 @@ def _bucketing(*, s: int, inner: str, seed: int = 0, **inner_params: Any) -> Agg
         raise ConfigError(f"inner must be an aggregator name, got {inner!r}")
     if inner == "bucketing":
         raise ConfigError("inner must be another aggregator than 'bucketing'")
+    if inner not in AGGREGATORS:
+        valid = ", ".join(name for name in AGGREGATORS if name != "bucketing")
+        raise ConfigError(f"inner: unknown aggregator {inner!r}; valid names: {valid}")
     inner_agg = make_aggregator(inner, **inner_params)
     generator = torch.Generator().manual_seed(seed)
     return lambda x, weights=None: bucketing(x, s, inner_agg, weights, generator=generator)

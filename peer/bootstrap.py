@@ -12,6 +12,7 @@ from pathlib import Path
 from peer.config import NetworkSettings
 from peer.health import PeerMetrics, open_health
 from peer.node import daemon_socket_file, load_identity, remove_if_stale, serve_until, start_dht, visible_maddrs
+from protocol.redial import Redialer
 
 logger = logging.getLogger(__name__)
 
@@ -45,13 +46,20 @@ async def _serve(settings: NetworkSettings, print_fn) -> None:
             logger.info(f"bootstrap peer {dht.peer_id} is up")
             print_fn("Other peers join this swarm with:")
             print_fn(initial_peers_line(maddrs), flush=True)
-            health = await open_health(
-                dht=dht, identity=identity, metrics=PeerMetrics(role="bootstrap"), settings=settings
-            )
+            # re-learns the trainers it saw (their health records name their addresses) after a partition
+            redialer = Redialer(dht, identity.peer_id, settings.initial_peers)
+            await redialer.start()
             try:
-                await serve_until(stop, dht)
+                health = await open_health(
+                    dht=dht, identity=identity, metrics=PeerMetrics(role="bootstrap"), settings=settings,
+                    redialer=redialer,
+                )  # fmt: skip
+                try:
+                    await serve_until(stop, dht)
+                finally:
+                    await health.aclose()
             finally:
-                await health.aclose()
+                await redialer.aclose()
         finally:
             await loop.run_in_executor(None, dht.shutdown)
             if daemon_socket is not None:

@@ -89,11 +89,42 @@ def join(settings: PeerConfig) -> None:
             "notice: no --initial-peers: this peer starts a new swarm of its own (the log shows the line others join it with)",
             err=True, fg="yellow",
         )  # fmt: skip
+    from peer.doctor import preflight
     from peer.trainer import run_trainer
 
+    preflight(settings)  # the doctor's checks that need no network: one line instead of a traceback
     report = run_trainer(settings)
     if settings.target_accuracy is not None and not report.reached_target:
         raise typer.Exit(3)
+
+
+@app.command("doctor", cls=PlainHelp)
+@settings_command_with(
+    PeerConfig,
+    exclude=("initial_peers",),
+    initial_peers=(Optional[list[str]], typer.Option(None, "--initial-peers", help="Comma-separated multiaddrs of running peers to check (each gets its own rows, malformed ones too). [env: PHALANX_INITIAL_PEERS]", show_default=False)),
+    as_json=(bool, typer.Option(False, "--json", help="Print JSON ({ok, rows: [{check, status, detail, fix}]}) instead of a table.")),
+)
+def doctor(settings: PeerConfig, initial_peers: Optional[list[str]], as_json: bool) -> None:
+    """Check everything `phalanx join` needs with the same flags, one row per check, each failed row
+    with its fix: initial peers (address, TCP, libp2p, DHT ping), p2p daemon start, reachability from
+    outside, ports, clock, protocol and run config against the swarm, task and data, device, disk,
+    identity. Exit 1 when a check failed.
+
+    [bold]Examples[/bold]
+
+      phalanx doctor --initial-peers /ip4/203.0.113.7/tcp/31337/p2p/12D3KooW...
+
+      phalanx doctor --initial-peers ... --task mnist-cnn --data-dir ~/data/mnist --json
+    """
+    import re
+
+    from peer.doctor import run_doctor
+
+    given = [a for v in initial_peers or [] for a in re.split(r"[\s,]+", v) if a] or settings.initial_peers
+    code = run_doctor(settings, given, as_json=as_json)
+    if code:
+        raise typer.Exit(code)
 
 
 @app.command(

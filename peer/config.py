@@ -22,7 +22,7 @@ from pydantic import Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, InitSettingsSource, NoDecode, PydanticBaseSettingsSource, SettingsConfigDict
 
 from aggregation.errors import ConfigError
-from protocol.config import Codec, MatchmakingConfig, RoundConfig, parse_aggregator_params, verify_config_for
+from protocol.config import Codec, MatchmakingConfig, RoundConfig, parse_aggregator_params, protocol_fields, verify_config_for
 
 PROTOCOL_VERSION = 1
 BUILTIN_TASKS = ("digits-mlp", "mnist-cnn", "cifar10-resnet18")
@@ -120,7 +120,7 @@ class PeerConfig(NetworkSettings):
     eval_every: int = Field(25, ge=1, description="Evaluate on the test split every N steps.")
     aggregator: str = Field("mean", description="Rule each reducer applies: mean, centered_clip, median, trimmed_mean, krum, multi_krum, geometric_median, bucketing; clipped_gossip (gossip/lasgd: each member gets its own clipped average).")
     tau: Optional[float] = Field(None, gt=0, description="Clipping radius for centered_clip (shorthand for --aggregator-params tau=…).")
-    aggregator_params: str = Field("", description="Extra aggregator parameters as name=number pairs, e.g. 'tau=1,max_iter=100'.")
+    aggregator_params: str = Field("", description="Extra aggregator parameters as name=value pairs, e.g. 'tau=1,max_iter=100'; bucketing: 's=2,inner=mean' (inner: the rule applied to the bucket means).")
     compression: Literal["none", "fp16", "8bit"] = Field("none", description="Codec for tensors on the wire.")
     min_group_size: int = Field(1, ge=1, description="Fewest peers a round may close with at its deadline.")
     target_group_size: Optional[int] = Field(None, ge=2, description="Most peers per group (default: everyone ready).")
@@ -196,8 +196,8 @@ class PeerConfig(NetworkSettings):
             raise ValueError(f"--aggregator {self.aggregator}: {e} (parameters go in --aggregator-params name=value)") from None
         return self
 
-    def aggregator_kwargs(self) -> tuple[tuple[str, float], ...]:
-        params = dict(parse_aggregator_params(self.aggregator_params))
+    def aggregator_kwargs(self) -> tuple[tuple[str, float | str], ...]:
+        params = dict(parse_aggregator_params(self.aggregator_params, self.aggregator))
         if self.tau is not None:
             params["tau"] = self.tau
         return tuple(sorted(params.items()))
@@ -245,12 +245,11 @@ class PeerConfig(NetworkSettings):
             "momentum": self.momentum,
             "weight_decay": self.weight_decay,
             "seed": self.seed,
-            "aggregator": self.aggregator,
-            "aggregator_params": self.aggregator_kwargs(),
-            "compression": self.compression,
-            "verify": [self.verify, self.validators] if self.verify else False,
+            # the round itself: aggregator, codec, group sizes, timeouts the others depend on, verification
+            "round": protocol_fields(self.round_config()),
             "sync_policy": self.sync_policy,
             "average_optimizer_state": self.average_optimizer_state,
+            "exchanges": [self.sync_every, self.staleness, self.dana] if self.mode != "sync" else None,
             # peers of different private swarms (different owners) never meet
             "owner": hashlib.sha256(self.admission.read_bytes()).hexdigest() if self.admission else None,
         }

@@ -28,6 +28,7 @@ from protocol.bans import BanBook, BanVoteValidator
 from protocol.dht_calls import DHT_DIED, in_dht
 from protocol.engine import RoundEngine
 from protocol.membership import LEADER_PERIOD_S, Membership
+from protocol.redial import Redialer
 from protocol.sync_policy import parse_sync_policy
 from protocol.transport import Transport
 from security.admission import load_owner_public
@@ -290,6 +291,7 @@ class Node:
     transport: Transport
     membership: Membership
     engine: RoundEngine
+    redialer: Redialer
     scratch: tempfile.TemporaryDirectory
 
     @property
@@ -298,7 +300,12 @@ class Node:
 
     async def aclose(self) -> None:
         alive = self.dht.is_alive()  # a Ctrl-C or killpg may have taken the DHT and p2pd down already
-        steps = (self.engine.aclose(), self.membership.aclose(announce_leaving=alive), self.transport.aclose())
+        steps = (
+            self.redialer.aclose(),
+            self.engine.aclose(),
+            self.membership.aclose(announce_leaving=alive),
+            self.transport.aclose(),
+        )
         for step in steps:
             try:
                 await asyncio.wait_for(step, timeout=2)
@@ -355,8 +362,15 @@ async def open_node(config: PeerConfig, *, loss: Callable[[], Optional[float]] =
         await engine.start()
         if transport.peer_id != identity.peer_id:
             raise PhalanxError(f"the daemon runs as {transport.peer_id}, not as the identity file's {identity.peer_id}")
+        redialer = Redialer(dht, transport.peer_id, config.initial_peers, watch=partial(_membership_view, membership))
+        await redialer.start()
     except BaseException:
         dht.shutdown()
         scratch.cleanup()
         raise
-    return Node(dht, identity, transport, membership, engine, scratch)
+    return Node(dht, identity, transport, membership, engine, redialer, scratch)
+
+
+def _membership_view(membership: Membership) -> tuple[dict[str, tuple[str, ...]], list[str]]:
+    """(trainers in view, trainers that announced leaving) for the redialer; p2pd knows their addresses."""
+    return {p: () for p in membership.peers()}, list(membership.peers(states=("leaving",)))

@@ -13,6 +13,7 @@ import torch
 
 from aggregation.registry import Registry
 from security.commitments import AggregateBody, part_hash
+from security.phases import RoundPhase
 from security.statements import sign_statement
 from security.wire import pack, unpack
 
@@ -36,7 +37,8 @@ class Behavior:
     def claimed_weight(self, weight: float) -> float:
         return weight
 
-    def speaks(self, phase: str) -> bool:
+    def speaks(self, phase: RoundPhase) -> bool:
+        """Whether this member sends its message of `phase` (it still collects the others')."""
         return True
 
     async def reported(self, vr: "VerifiedRound", part: int, s: float, norm: float) -> tuple[float, float]:
@@ -130,7 +132,7 @@ class EquivocateReport(Behavior):
     def reports_for(self, vr, body):
         victim = (vr.me + 1) % len(vr.members)
         entries = [e.model_copy(update={"s": e.s + 0.5 * e.norm + 1.0}) if e.part == victim else e for e in body.entries]
-        forged = pack(sign_statement(vr.identity, "report", vr.round_id, body.model_copy(update={"entries": entries})))
+        forged = pack(sign_statement(vr.identity, RoundPhase.REPORT, vr.round_id, body.model_copy(update={"entries": entries})))
         return {peer: forged for i, peer in enumerate(vr.members) if i not in (vr.me, victim)}
 
 
@@ -160,7 +162,7 @@ class WithholdReveal(Behavior):
     name = "withhold_reveal"
 
     def speaks(self, phase):
-        return phase != "reveal"
+        return phase != RoundPhase.REVEAL
 
 
 class BadCommitment(Behavior):

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import math
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 from aggregation.errors import ConfigError
 
@@ -28,7 +29,7 @@ class Codec(str, enum.Enum):
 
 @dataclass(frozen=True, kw_only=True)
 class MatchmakingConfig:
-    """How groups form. Protocol-relevant: part of the run's configuration hash."""
+    """How groups form. Protocol-relevant: part of the run's configuration hash (but see LOCAL_FIELDS)."""
 
     min_group_size: int = 1
     """Fewest joiners (members plus resyncing peers) a group may close with at its deadline."""
@@ -81,8 +82,8 @@ class RoundConfig:
     matchmaking: MatchmakingConfig = field(default_factory=MatchmakingConfig)
     aggregator: str = "mean"
     """Registry name of the rule each reducer applies to its part (see aggregation.registry)."""
-    aggregator_params: tuple[tuple[str, float], ...] = ()
-    """Keyword parameters of the aggregator, e.g. (("tau", 1.0),)."""
+    aggregator_params: tuple[tuple[str, float | str], ...] = ()
+    """Keyword parameters of the aggregator, e.g. (("tau", 1.0),) or (("inner", "mean"), ("s", 2.0))."""
     compression: Codec = Codec.NONE
     allreduce_timeout_s: float = 30.0
     """Reducers stop waiting for parts this long after the group forms; stalled members are dropped."""
@@ -104,17 +105,59 @@ class RoundConfig:
         return lambda rows, weights: aggregate(rows, weights).value
 
 
-def parse_aggregator_params(text: str) -> tuple[tuple[str, float], ...]:
-    """'tau=1,eps=1e-6' -> (('eps', 1e-6), ('tau', 1.0)); sorted so equal settings hash equally."""
-    params = []
+# Fields of the round's configs (dotted names) that only this peer's own waiting depends on: peers
+# may set them differently and still train together. Every other field is hashed into the run key
+# (protocol_fields), so a field added later is hashed unless it is listed here.
+LOCAL_FIELDS = frozenset(
+    {
+        "matchmaking.join_timeout_s",  # how long this peer keeps trying to get into a group
+        "state_timeout_s",  # how long this peer waits for a state download when it resyncs
+    }
+)
+
+
+def protocol_fields(config: RoundConfig) -> dict[str, Any]:
+    """Every field of `config` but LOCAL_FIELDS, nested configs by dotted name (None where one is
+    absent): what peers must agree on, for the run's hash. Values are JSON-serializable."""
+    fields: dict[str, Any] = {}
+
+    def walk(obj: Any, prefix: str) -> None:
+        for f in dataclasses.fields(obj):
+            name, value = prefix + f.name, getattr(obj, f.name)
+            if dataclasses.is_dataclass(value):
+                walk(value, name + ".")
+            elif name not in LOCAL_FIELDS:
+                fields[name] = value.value if isinstance(value, enum.Enum) else value
+
+    walk(config, "")
+    return fields
+
+
+def parse_aggregator_params(text: str, aggregator: str = "") -> tuple[tuple[str, float | str], ...]:
+    """'tau=1,eps=1e-6' -> (('eps', 1e-6), ('tau', 1.0)); sorted so equal settings hash equally.
+
+    Values are numbers, except for the parameters of `aggregator` that name another rule
+    (bucketing's inner=mean), which stay text; the aggregator checks the name.
+    """
+    params: list[tuple[str, float | str]] = []
+    names: frozenset[str] | None = None
     for item in filter(None, (x.strip() for x in text.split(","))):
-        key, sep, value = item.partition("=")
-        try:
-            params.append((key.strip(), float(value)))
-        except ValueError:
-            raise ConfigError(f"--aggregator-params takes name=number pairs like tau=1, not {item!r}") from None
-        if not sep or not key.strip():
+        key, sep, value = (part.strip() for part in item.partition("="))
+        if not sep or not key:
             raise ConfigError(f"--aggregator-params takes name=number pairs like tau=1, not {item!r}")
+        try:
+            params.append((key, float(value)))
+            continue
+        except ValueError:
+            pass
+        if names is None:
+            from aggregation.registry import name_parameters  # imports torch: only once a value is text
+
+            names = name_parameters(aggregator)
+        if key not in names or not value:
+            hint = f" (--aggregator {aggregator} takes a name for {', '.join(sorted(names))})" if names else ""
+            raise ConfigError(f"--aggregator-params takes name=number pairs like tau=1, not {item!r}{hint}")
+        params.append((key, value))
     return tuple(sorted(params))
 
 

@@ -3,8 +3,9 @@
 Each member sends its message to every other member and waits (until a deadline) for
 theirs. Messages may arrive before this peer reaches the phase: they wait in a mailbox
 keyed by (round, phase, sender). Only members of a round this peer opened can fill its
-mailbox, one message per phase each; a call for a round not opened yet is held (a
-bounded number of them, for a bounded time) until it opens.
+mailbox, one message per phase of the round (RoundPhase) each, so a mailbox holds at most
+members × phases messages; a call for a round not opened yet is held (a bounded number of
+them, for a bounded time) until it opens.
 """
 
 from __future__ import annotations
@@ -15,10 +16,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Annotated, Optional
 
-from pydantic import Field
+from pydantic import Strict
 
 from aggregation.errors import PeerProtocolError, RoundAbortedError
 from protocol.transport import CallFailed, Transport
+from security.phases import RoundPhase
 from security.wire import RoundId, WireModel, pack, unpack
 
 logger = logging.getLogger(__name__)
@@ -30,14 +32,14 @@ MAX_WAITING_CALLS = 64  # calls held for rounds not opened yet (each holds at mo
 
 
 class ExchangeHeader(WireModel):
-    round_id: RoundId
-    phase: Annotated[str, Field(min_length=1, max_length=16)]
+    round_id: RoundId  # the round whose mailbox the message goes to
+    phase: Annotated[RoundPhase, Strict(False)]  # a msgpack string; a name the round has no phase of is refused
 
 
 @dataclass
 class _Mailbox:
     members: frozenset[str]
-    messages: dict[tuple[str, str], bytes] = field(default_factory=dict)  # (phase, sender) -> payload
+    messages: dict[tuple[RoundPhase, str], bytes] = field(default_factory=dict)  # (phase, sender) -> payload
     arrived: asyncio.Event = field(default_factory=asyncio.Event)
 
 
@@ -94,7 +96,7 @@ class ExchangeService:
         box.arrived.set()
         return b"", b""
 
-    async def arrivals(self, round_id: bytes, phase: str, seen: set[str]) -> dict[str, bytes]:
+    async def arrivals(self, round_id: bytes, phase: RoundPhase, seen: set[str]) -> dict[str, bytes]:
         """The `phase` messages of the round from members not in `seen`, once there is at least one
         (they stay for `all_to_all` to collect): a member may act on early messages of a later phase."""
         box = self._rounds.get(round_id)
@@ -110,7 +112,7 @@ class ExchangeService:
     async def all_to_all(
         self,
         round_id: bytes,
-        phase: str,
+        phase: RoundPhase,
         payload: bytes,
         *,
         deadline: float,

@@ -37,6 +37,7 @@ from security.commitments import (
     members_digest,
     share_commitment,
 )
+from security.phases import RoundPhase
 from security.statements import Signed, open_statement
 from security.wire import PeerIdStr, WireModel
 
@@ -90,18 +91,18 @@ def check_self_contained(offense: Offense, accused: str, round_id: bytes, eviden
     """Whether `evidence` (statements signed by `accused`) proves `offense` on its own."""
     try:
         if offense is Offense.BAD_COMMITMENT and len(evidence) == 2:
-            _, commit = open_statement(evidence[0], CommitBody, kind="commit", round_id=round_id, sender=accused)
+            _, commit = open_statement(evidence[0], CommitBody, kind=RoundPhase.COMMIT, round_id=round_id, sender=accused)
             _, part = open_statement(evidence[1], PartBody, kind="part", round_id=round_id, sender=accused)
             return part.part < len(commit.parts) and commit.parts[part.part] != part.hash
         if offense is Offense.INFLATED_WEIGHT and len(evidence) == 1:
             _, part = open_statement(evidence[0], PartBody, kind="part", round_id=round_id, sender=accused)
             return part.weight != 1.0
         if offense is Offense.BAD_REVEAL and len(evidence) == 2:
-            _, commit = open_statement(evidence[0], CommitBody, kind="commit", round_id=round_id, sender=accused)
-            _, reveal = open_statement(evidence[1], RevealBody, kind="reveal", round_id=round_id, sender=accused)
+            _, commit = open_statement(evidence[0], CommitBody, kind=RoundPhase.COMMIT, round_id=round_id, sender=accused)
+            _, reveal = open_statement(evidence[1], RevealBody, kind=RoundPhase.REVEAL, round_id=round_id, sender=accused)
             return share_commitment(round_id, accused, reveal.share) != commit.mprng
         if offense is Offense.EQUIVOCATION and len(evidence) == 2:
-            for kind, model in (("commit", CommitBody), ("aggregate", AggregateBody), ("report", ReportBody)):
+            for kind, model in ((RoundPhase.COMMIT, CommitBody), ("aggregate", AggregateBody), (RoundPhase.REPORT, ReportBody)):
                 try:
                     _, a = open_statement(evidence[0], model, kind=kind, round_id=round_id, sender=accused)
                     _, b = open_statement(evidence[1], model, kind=kind, round_id=round_id, sender=accused)
@@ -130,7 +131,7 @@ def committed_to(evidence: list[Signed], accused: str, round_id: bytes, members:
     digest = members_digest(members)
     for signed in evidence:
         try:
-            _, commit = open_statement(signed, CommitBody, kind="commit", round_id=round_id, sender=accused)
+            _, commit = open_statement(signed, CommitBody, kind=RoundPhase.COMMIT, round_id=round_id, sender=accused)
         except PeerProtocolError:
             continue
         if commit.members == digest:

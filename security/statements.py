@@ -23,7 +23,7 @@ B = TypeVar("B", bound=WireModel)
 
 
 class Statement(WireModel):
-    kind: Annotated[str, Field(min_length=1, max_length=32)]  # what the body is (commit, reveal, ...)
+    kind: Annotated[str, Field(min_length=1, max_length=32)]  # what the body is: a RoundPhase it is sent in, part, ...
     round_id: Annotated[bytes, Field(max_length=32)]  # the round it belongs to; b"" for none
     sender: PeerIdStr  # who says it; must match the signing key
     body: Annotated[bytes, Field(max_length=MAX_BODY_BYTES)]  # msgpack of the kind's own model
@@ -49,6 +49,7 @@ def open_statement(
     sender: str | None = None,
 ) -> tuple[Statement, B]:
     """Check signature, kind, round and sender, then parse the body; PeerProtocolError otherwise."""
+    kind = str(kind)  # a RoundPhase by its wire name, in messages too
     statement = unpack(signed.statement, Statement, peer=sender)
     verify(statement.sender, signed.public_key, DOMAIN + signed.statement, signed.signature)
     if statement.kind != kind:

@@ -3,8 +3,9 @@
 A peer compares itself with the members of its last round, as they describe themselves in
 their signed health records: same protocol version, same run-configuration hash, no member
 it has banned, and ban lists that agree once they had time to spread. Observers (`phalanx
-health`, the monitor) add what only a swarm-wide view shows: stale records, and peers whose
-version or configuration differs from the majority (a split swarm).
+health`, the monitor) add what only a swarm-wide view shows: stale records, peers whose
+version or configuration differs from the majority, groups of trainers training apart (a split
+swarm), and what each peer says is wrong with its own view (cut off, behind: swarm_view).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from peer.health.record import PUBLISH_EVERY_S, HealthRecord
+from peer.health.swarm_view import split_problem, training_groups
 
 BAN_GRACE_S = 30.0  # ban lists may differ this long after either side changed (bans spread through the DHT)
 STALE_AFTER_S = 3 * PUBLISH_EVERY_S
@@ -64,9 +66,13 @@ def swarm_problems(records: Mapping[str, HealthRecord], *, now: float) -> dict[s
     config = _majority(r.config_hash for r in trainers)
     version = _majority(r.version for r in records.values())
     protocol = _majority(r.protocol for r in records.values())
+    split = split_problem(training_groups(records, now=now))
     problems: dict[str, list[str]] = {}
     for peer, record in records.items():
         found = list(record.violations)
+        found += [p for p in record.swarm_problems if not (split and p.startswith("split:"))]
+        if split and record.role == "trainer" and record.state == "online":
+            found.append(split)
         if now - record.published_at > STALE_AFTER_S and record.state != "offline":
             found.append(f"stale: last record {now - record.published_at:.0f} s ago")
         if record.role == "trainer" and config is not None and record.config_hash != config:

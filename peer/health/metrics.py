@@ -190,6 +190,19 @@ class NodeCollector(Collector):
             m.relayed_parts,
         )
         yield _gauge("phalanx_legality_violations", "Violations found by the local legality check.", len(s.violations))
+        yield _gauge(
+            "phalanx_swarm_problems", "Reasons this peer does not see its whole swarm (cut off, behind, split).",
+            len(s.swarm_problems),
+        )  # fmt: skip
+        yield _gauge("phalanx_peers_recent", "Peers of the run seen in the last 2 minutes (itself included).", s.recent.count())
+        yield _gauge("phalanx_swarm_groups", "Groups of trainers training apart in this peer's view (over 1: split).", s.groups_seen)
+        yield _counter("phalanx_splits_seen", "Times a split swarm came into this peer's view.", s.splits_seen)
+        stats = s.redialer.stats if s.redialer is not None else None
+        yield _gauge("phalanx_peers_lost", "Known peers out of view that this peer keeps re-dialing.", stats.lost if stats else 0)
+        redials = CounterMetricFamily("phalanx_redials", "Pings sent to lost peers, by outcome.", labels=["outcome"])
+        redials.add_metric(["answered"], stats.answered if stats else 0)
+        redials.add_metric(["unanswered"], stats.dials - stats.answered if stats else 0)
+        yield redials
 
 
 def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:

@@ -87,6 +87,9 @@ class HealthRecord(WireModel):
     accusations_seen: Count = 0
     violations: list[Text] = Field(default_factory=list, max_length=MAX_VIOLATIONS)  # local legality check
     legal: bool = True  # its verdict: no violations
+    leader: Optional[PeerIdStr] = None  # trainers: the matchmaking leader it follows (tells split groups apart)
+    state_version: Hex = ""  # trainers: first 16 hex digits of its state version (equal at equal steps: same model)
+    swarm_problems: list[Text] = Field(default_factory=list, max_length=MAX_VIOLATIONS)  # cut off, split, … (swarm_view)
 
     def encode(self) -> bytes:
         """Canonical bytes (field order of the model, msgpack): what the signature covers."""

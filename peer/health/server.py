@@ -1,7 +1,7 @@
 """The HTTP side of a peer's health: aiohttp on the peer's own event loop (no extra threads).
 
 GET /healthz        200 while the process and its DHT are alive
-GET /readyz         200 when connected, in sync, not banned and legal; 503 with the reasons otherwise
+GET /readyz         200 when connected, in sync, not banned, legal and seeing its whole swarm; 503 with the reasons
 GET /metrics        Prometheus text format (a per-peer registry)
 GET /api/v1/status  JSON: everything above plus peer ID, addresses, role, version, config hash
 """

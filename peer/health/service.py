@@ -34,8 +34,10 @@ from peer.health.record import (
     sign_record,
 )
 from peer.health.server import HttpServer, open_http, peer_app
+from peer.health.swarm_view import RecentPeers, Self, swarm_reasons, training_groups
 from peer.node import add_validators, visible_maddrs
 from protocol.dht_calls import dht_get, dht_store
+from protocol.redial import Redialer
 from security.identity import Identity
 
 if TYPE_CHECKING:
@@ -74,9 +76,11 @@ class HealthService:
         settings: NetworkSettings,
         config_hash: str = "",
         node: Optional[Node] = None,
+        redialer: Optional[Redialer] = None,
         publish_every_s: float = PUBLISH_EVERY_S,
     ) -> None:
         self.dht, self.identity, self.metrics, self.settings, self.node = dht, identity, metrics, settings, node
+        self.redialer = redialer if redialer is not None or node is None else node.redialer
         self.peer_id = identity.peer_id
         self.config_hash = config_hash
         self.protocol = PROTOCOL_VERSION
@@ -87,6 +91,10 @@ class HealthService:
         self.records: dict[str, HealthRecord] = {}
         self.invalid_records = 0
         self.violations: list[str] = []
+        self.swarm_problems: list[str] = []  # cut off, alone, behind, split (see swarm_view)
+        self.recent = RecentPeers(self.peer_id)
+        self.splits_seen = 0  # times a split swarm came into view
+        self.groups_seen = 1  # training groups in view (more than 1: split)
         self.published_at: Optional[float] = None  # DHT time of the last successful store
         self.http: Optional[HttpServer] = None
         self._closing = False
@@ -134,9 +142,15 @@ class HealthService:
         self.addresses = (await visible_maddrs(self.dht))[:16]
         found, self.invalid_records = await fetch_records(self.dht, self.settings.run_id)
         self.records = {peer: record for peer, (record, _) in found.items()}
+        if self.redialer is not None:  # every peer of the run, the bootstrap included, with its addresses
+            self.redialer.observe(
+                {p: r.addresses for p, r in self.records.items() if r.state != "offline"},
+                [p for p, r in self.records.items() if r.state == "offline"],
+            )
         self._track_bans()
         self._track_membership()
         self.violations = self._check()[:MAX_VIOLATIONS]
+        self._track_swarm()
         await self._publish(expire_in_s=TTL_S)
 
     # ---- what this peer publishes ---------------------------------------------------------
@@ -152,6 +166,28 @@ class HealthService:
     def _track_membership(self) -> None:
         if self.node is not None and self.node.membership.stats.refreshes != self._membership_refreshes[0]:
             self._membership_refreshes = (self.node.membership.stats.refreshes, time.monotonic())
+
+    def _track_swarm(self) -> None:
+        self.recent.update(self.records, time.monotonic())
+        engine = self.node.engine if self.node is not None else None
+        last = self.metrics.last_round
+        me = Self(
+            peer_id=self.peer_id,
+            role=self.metrics.role,
+            step=self.metrics.step,
+            lockstep=engine is not None and engine.config.matchmaking.lockstep,
+            config_hash=self.config_hash,
+            last_round_members=tuple(last.members) if last is not None else (),
+        )
+        now = get_dht_time()
+        problems = swarm_reasons(me, self.records, self.recent.count(), now=now)[:MAX_VIOLATIONS]
+        groups = len(training_groups(self.records, now=now, config_hash=self.config_hash or None))
+        if groups > 1 and self.groups_seen <= 1:
+            self.splits_seen += 1
+        self.groups_seen = max(groups, 1)
+        if [p.split(":")[0] for p in problems] != [p.split(":")[0] for p in self.swarm_problems]:  # not every step
+            logger.info(f"swarm view: {'; '.join(problems)}" if problems else "swarm view: sees the whole swarm again")
+        self.swarm_problems = problems
 
     def _check(self) -> list[str]:
         last = self.metrics.last_round
@@ -203,6 +239,9 @@ class HealthService:
             accusations_seen=m.accusations_seen,
             violations=[v[:200] for v in self.violations],
             legal=not self.violations,
+            leader=self.node.membership.leader() if self.node is not None else None,
+            state_version=self.node.engine.version.hex()[:16] if self.node is not None else "",
+            swarm_problems=[p[:200] for p in self.swarm_problems],
         )
 
     async def _publish(self, expire_in_s: float) -> None:
@@ -230,7 +269,8 @@ class HealthService:
         return dict(Counter(r.state for r in self.records.values()))
 
     def readiness(self) -> tuple[bool, list[str]]:
-        """(ready, reasons it is not): alive, published, connected, in sync, not banned, legal."""
+        """(ready, reasons it is not): alive, published, connected, in sync, not banned, legal, and it sees
+        its whole swarm (not cut off, not training alone, not behind, not split: see swarm_view)."""
         reasons: list[str] = []
         if not self.alive():
             reasons.append("the DHT process is not running")
@@ -248,6 +288,7 @@ class HealthService:
             if self.peer_id in membership.banned:
                 reasons.append("banned")
         reasons.extend(self.violations)
+        reasons.extend(self.swarm_problems)
         return not reasons, reasons
 
     def metrics_text(self) -> bytes:
@@ -299,11 +340,20 @@ class HealthService:
             "disputed_parts": m.disputed_parts,
             "relayed_parts": m.relayed_parts,
             "legality": {"legal": not self.violations, "violations": self.violations},
+            "swarm": {
+                "problems": self.swarm_problems,
+                "peers_recent": self.recent.count(),
+                "groups": self.groups_seen,
+                "splits_seen": self.splits_seen,
+                "lost_peers": self.redialer.lost() if self.redialer is not None else [],
+                "redials": asdict(self.redialer.stats) if self.redialer is not None else {},
+            },
             "health_records": {
                 p: {
                     "role": r.role,
                     "state": r.state,
                     "step": r.step,
+                    "state_version": r.state_version,
                     "age_s": round(get_dht_time() - r.published_at, 3),
                 }
                 for p, r in sorted(self.records.items())
@@ -321,11 +371,13 @@ async def open_health(
     settings: NetworkSettings,
     config_hash: str = "",
     node: Optional[Node] = None,
+    redialer: Optional[Redialer] = None,
 ) -> HealthService:
     """Start publishing this peer's record (and serving HTTP when --http-port is set)."""
     service = HealthService(
-        dht=dht, identity=identity, metrics=metrics, settings=settings, config_hash=config_hash, node=node
-    )
+        dht=dht, identity=identity, metrics=metrics, settings=settings, config_hash=config_hash, node=node,
+        redialer=redialer,
+    )  # fmt: skip
     try:
         await service.start()
     except BaseException:

@@ -20,6 +20,7 @@ from protocol.codec import encoded_size_bound, rounding_bound
 from protocol.transport import CallFailed
 from security.commitments import ReportBody, part_hash
 from security.evidence import BanVote, Offense, Vote, banned, check_self_contained
+from security.phases import RoundPhase
 from security.projection import fixed_point_holds, report_matches
 from security.statements import Signed, Statement, open_statement, sign_statement
 from security.wire import pack, unpack
@@ -152,7 +153,7 @@ class Judge:
         if acc.evidence or unreported:  # the accused's signed report, or (it never reported to the accuser) ours
             try:
                 signed = acc.evidence[0] if acc.evidence else self.reports[acc.accused][0]
-                _, claimed = open_statement(signed, ReportBody, kind="report", round_id=vr.round_id, sender=acc.accused)
+                _, claimed = open_statement(signed, ReportBody, kind=RoundPhase.REPORT, round_id=vr.round_id, sender=acc.accused)
             except PeerProtocolError:
                 return None
             if part in claimed.undelivered:
@@ -220,7 +221,7 @@ class Judge:
         vr, parts = self.vr, set()
         for signed in forwarded:
             try:
-                statement, body = open_statement(signed, ReportBody, kind="report", round_id=vr.round_id)
+                statement, body = open_statement(signed, ReportBody, kind=RoundPhase.REPORT, round_id=vr.round_id)
             except PeerProtocolError:
                 continue
             if statement.sender in vr.commits and statement.sender not in vr.equivocators:
@@ -235,7 +236,7 @@ class Judge:
         same parts."""
         vr = self.vr
         received = await vr.service.exchange.all_to_all(
-            vr.round_id, "vote", pack(VoteList(votes=votes, disputes=disputes)), deadline=vr.next_deadline(),
+            vr.round_id, RoundPhase.VOTE, pack(VoteList(votes=votes, disputes=disputes)), deadline=vr.next_deadline(),
             expect=vr.committed,
         )  # fmt: skip
         disputed = set(disputed)
@@ -277,17 +278,17 @@ async def exchange_accusations(
         vr.accusations.append(Accusation(accused=accused, offense=offense, part=-1, evidence=evidence))
     echo = [signed for signed, _ in reports.values()]
     body = AccuseBody(accusations=vr.accusations, suspects=suspects, reports=echo)
-    mine = sign_statement(vr.identity, "accuse", vr.round_id, body)
+    mine = sign_statement(vr.identity, RoundPhase.ACCUSE, vr.round_id, body)
     received = await vr.service.exchange.all_to_all(
-        vr.round_id, "accuse", pack(mine), deadline=vr.next_deadline(), expect=vr.committed,
-        send=vr.behavior.speaks("accuse"),
+        vr.round_id, RoundPhase.ACCUSE, pack(mine), deadline=vr.next_deadline(), expect=vr.committed,
+        send=vr.behavior.speaks(RoundPhase.ACCUSE),
     )  # fmt: skip
     out: dict[str, list[Accusation]] = {}
     anyone_suspects = len(received) < len(vr.committed)  # a silent member is itself a reason to vote
     for peer, raw in received.items():
         try:
             signed = unpack(raw, Signed, peer=peer)
-            _, body = open_statement(signed, AccuseBody, kind="accuse", round_id=vr.round_id, sender=peer)
+            _, body = open_statement(signed, AccuseBody, kind=RoundPhase.ACCUSE, round_id=vr.round_id, sender=peer)
             out[peer] = list(body.accusations)
             anyone_suspects = anyone_suspects or body.suspects
             _compare_reports(vr, body.reports, reports)
@@ -305,7 +306,7 @@ def _compare_reports(vr: VerifiedRound, echoed: list[Signed], reports: Reports) 
             mine = reports.get(sender)
             if sender not in vr.commits or (mine is not None and mine[0].statement == signed.statement):
                 continue  # the same report: nothing to check (n² of these per round, no signature to verify)
-            _, body = open_statement(signed, ReportBody, kind="report", round_id=vr.round_id, sender=sender)
+            _, body = open_statement(signed, ReportBody, kind=RoundPhase.REPORT, round_id=vr.round_id, sender=sender)
         except PeerProtocolError:
             continue
         if mine is None:

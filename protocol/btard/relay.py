@@ -20,6 +20,7 @@ from protocol.btard.messages import RELAY_METHOD, RelayRequest
 from protocol.codec import Codec, encoded_size_bound
 from protocol.transport import CallFailed
 from security.commitments import part_hash
+from security.phases import RoundPhase
 from security.statements import Signed
 from security.wire import pack, unpack
 
@@ -101,7 +102,7 @@ class AggregateRelay:
         self._patience.append(asyncio.ensure_future(self._stop_waiting_for_bytes()))
 
     async def _stop_waiting_for_bytes(self) -> None:
-        await self.vr.service.exchange.arrivals(self.vr.round_id, "report", set())
+        await self.vr.service.exchange.arrivals(self.vr.round_id, RoundPhase.REPORT, set())
         # the others wait a whole phase timeout for our report, counted from about then
         await asyncio.sleep(self._timeout_s * RELAY_AFTER)
         for part in sorted(self.vr.missing_parts()):

@@ -19,6 +19,7 @@ from protocol.btard.messages import Accusation
 from protocol.codec import Codec, decode, encode
 from security.commitments import ReportBody, ReportEntry
 from security.evidence import Offense
+from security.phases import RoundPhase
 from security.projection import (
     clipped_reports,
     differences,
@@ -124,9 +125,9 @@ class Reporter:
             undelivered=sorted(vr.behavior.claimed_undelivered(vr, vr.undelivered)),
             left_out=sorted(self._left_out_of()),
         )
-        mine_signed = sign_statement(vr.identity, "report", vr.round_id, body)
+        mine_signed = sign_statement(vr.identity, RoundPhase.REPORT, vr.round_id, body)
         received = await vr.service.exchange.all_to_all(
-            vr.round_id, "report", pack(mine_signed), deadline=vr.next_deadline(), send=vr.behavior.speaks("report"),
+            vr.round_id, RoundPhase.REPORT, pack(mine_signed), deadline=vr.next_deadline(), send=vr.behavior.speaks(RoundPhase.REPORT),
             expect=vr.committed, payload_for=vr.behavior.reports_for(vr, body),
         )  # fmt: skip
         reports = {}
@@ -135,7 +136,7 @@ class Reporter:
                 continue
             try:
                 signed = unpack(raw, Signed, peer=peer)
-                _, body = open_statement(signed, ReportBody, kind="report", round_id=vr.round_id, sender=peer)
+                _, body = open_statement(signed, ReportBody, kind=RoundPhase.REPORT, round_id=vr.round_id, sender=peer)
                 reports[peer] = (signed, body)
             except PeerProtocolError as e:
                 logger.info(f"bad report from {peer[-8:]}: {e}")

@@ -51,6 +51,7 @@ from security.commitments import (
     share_commitment,
 )
 from security.evidence import Offense, RevealBody, check_self_contained
+from security.phases import RoundPhase
 from security.projection import direction, report
 from security.statements import Signed, Statement, open_statement, sign_statement
 from security.wire import pack, unpack
@@ -145,15 +146,15 @@ class VerifiedRound:
             parts=self.behavior.committed_hashes(self.my_hashes),
             mprng=share_commitment(self.round_id, self.identity.peer_id, self.share),
         )
-        mine = sign_statement(self.identity, "commit", self.round_id, body)
+        mine = sign_statement(self.identity, RoundPhase.COMMIT, self.round_id, body)
         received = await self.service.exchange.all_to_all(
-            self.round_id, "commit", pack(mine), deadline=self.next_deadline(), send=self.behavior.speaks("commit")
+            self.round_id, RoundPhase.COMMIT, pack(mine), deadline=self.next_deadline(), send=self.behavior.speaks(RoundPhase.COMMIT)
         )
         digest = members_digest(self.members)
         for peer, raw in received.items():
             try:
                 signed = unpack(raw, Signed, peer=peer)
-                _, commit = open_statement(signed, CommitBody, kind="commit", round_id=self.round_id, sender=peer)
+                _, commit = open_statement(signed, CommitBody, kind=RoundPhase.COMMIT, round_id=self.round_id, sender=peer)
                 if commit.members != digest or len(commit.parts) != len(self.members):
                     raise PeerProtocolError("commitment for another group", peer=peer)
             except PeerProtocolError as e:
@@ -219,7 +220,7 @@ class VerifiedRound:
         back from us cannot keep us from revealing in time (each one is signed by its reducer)."""
         seen: set[str] = set()
         while self._reveal_task is None:
-            arrived = await self.service.exchange.arrivals(self.round_id, "reveal", seen)
+            arrived = await self.service.exchange.arrivals(self.round_id, RoundPhase.REVEAL, seen)
             seen |= set(arrived)
             for peer, raw in arrived.items():
                 opened = self._open_reveal(peer, raw)
@@ -382,13 +383,13 @@ class VerifiedRound:
             commits=[signed for signed, _ in self.commits.values()],
             aggregates=[signed for signed, _ in self.aggregates.values()],
         )
-        mine = sign_statement(self.identity, "reveal", self.round_id, body)
+        mine = sign_statement(self.identity, RoundPhase.REVEAL, self.round_id, body)
         received = await self.service.exchange.all_to_all(
             self.round_id,
-            "reveal",
+            RoundPhase.REVEAL,
             pack(mine),
             deadline=self.next_deadline(),
-            send=self.behavior.speaks("reveal"),
+            send=self.behavior.speaks(RoundPhase.REVEAL),
             expect=self.committed,
         )
         shares: dict[str, bytes] = {}
@@ -413,7 +414,7 @@ class VerifiedRound:
     def _open_reveal(self, peer: str, raw: bytes) -> Optional[tuple[Signed, RevealBody]]:
         try:
             signed = unpack(raw, Signed, peer=peer)
-            return signed, open_statement(signed, RevealBody, kind="reveal", round_id=self.round_id, sender=peer)[1]
+            return signed, open_statement(signed, RevealBody, kind=RoundPhase.REVEAL, round_id=self.round_id, sender=peer)[1]
         except PeerProtocolError as e:
             logger.info(f"bad reveal from {peer[-8:]}: {e}")
             return None
@@ -425,7 +426,7 @@ class VerifiedRound:
                 statement = unpack(echoed.statement, Statement)
             except PeerProtocolError:
                 continue
-            if statement.kind == "commit" and statement.sender in self.commits:
+            if statement.kind == RoundPhase.COMMIT and statement.sender in self.commits:
                 mine = self.commits[statement.sender][0]
                 if echoed.statement != mine.statement:
                     self.prove(statement.sender, Offense.EQUIVOCATION, [mine, echoed])

@@ -62,7 +62,7 @@ def test_bucketing_wraps_another_rule_by_name_and_forwards_its_parameters():
         (
             "bucketing",
             {"s": 2, "inner": "nope"},
-            f"aggregator 'bucketing': unknown aggregator 'nope'; valid names: {VALID}",
+            f"aggregator 'bucketing': inner: unknown aggregator 'nope'; valid names: {VALID.removesuffix(', bucketing')}",
         ),
         (
             "bucketing",

@@ -5,14 +5,15 @@ from __future__ import annotations
 import pytest
 import torch
 
+from aggregation.attacks import apply_attack
+from aggregation.coordinatewise import coordinate_median, mean
 from aggregation.errors import AggregationInputError
-from aggregation.geometric_median import geometric_median
+from aggregation.geometric_median import MAX_ITERS, geometric_median
+from aggregation.registry import make_aggregator
 
 
 def naive_weiszfeld(x, w, nu, iters, eps):
-    n = x.shape[0]
-    central = torch.argsort(torch.cdist(x, x) @ w, stable=True)[: (n + 1) // 2]
-    v = (w[central] @ x[central]) / w[central].sum()  # start: weighted mean of the central half
+    v = coordinate_median(x, w).value  # start: the (weighted) coordinate median
     it = 0
     while it < iters:
         it += 1
@@ -53,3 +54,27 @@ def test_bad_parameters():
     with pytest.raises(AggregationInputError) as e:
         geometric_median(torch.zeros(2, 2), nu=0.0)
     assert str(e.value) == "nu must be a positive finite number, got 0.0"
+
+
+def test_default_converges_under_sign_flip_where_eight_steps_lose_to_the_mean(make_honest):
+    """7 of 16 rows send the flipped honest mean (‖noise‖ = 0.5, ‖μ‖ = 1): eight Weiszfeld steps from
+    the central half's mean stopped at 1.16 from the honest mean, behind the mean's 0.89; converged: 0.58."""
+    honest = make_honest(9, 10_000, seed=0, spread=0.5, offset=2.0)
+    x = apply_attack("sign_flip", honest, 7, generator=torch.Generator().manual_seed(0))
+    target = honest.mean(dim=0)
+    mean_error = float((mean(x).value - target).norm())
+    converged = geometric_median(x, iters=100_000, eps=1e-12)
+    result = make_aggregator("geometric_median")(x)  # the default, as --aggregator geometric_median runs it
+    error = float((result.value - target).norm())
+    assert error < 0.7 * mean_error, (error, mean_error)
+    assert abs(error - float((converged.value - target).norm())) < 1e-4
+    assert result.residual <= 1e-6 and 8 < result.iterations < MAX_ITERS
+
+
+def test_cap_reports_the_residual_left(make_honest):
+    x = make_honest(9, 200, seed=4)
+    x[:4] *= -3
+    capped = geometric_median(x, iters=2, eps=0.0)
+    assert capped.iterations == 2 and capped.residual > 1e-6
+    done = geometric_median(x, eps=1e-9)
+    assert 2 < done.iterations < MAX_ITERS and done.residual <= 1e-9

@@ -47,12 +47,34 @@ def test_lists_accept_commas_and_spaces_from_env(monkeypatch):
         ({"verify": True, "aggregator": "centered_clip", "tau": 1.0, "compression": "8bit"}, "--verify needs --compression none or fp16"),
         ({"verify": True, "aggregator": "centered_clip", "tau": 1.0, "mode": "lasgd"}, "--verify runs BTARD-SGD and needs --mode sync"),
         ({"upload_limit_mbps": -1}, "--upload-limit-mbps: Input should be greater than or equal to 0"),
+        (
+            {"aggregator": "bucketing", "aggregator_params": "s=2,inner=nope"},
+            "inner: unknown aggregator 'nope'; valid names: mean, centered_clip, median, trimmed_mean, krum, multi_krum, geometric_median (",
+        ),
+        ({"aggregator": "bucketing", "aggregator_params": "s=two,inner=mean"}, "not 's=two' (--aggregator bucketing takes a name for inner)"),
+        ({"aggregator": "centered_clip", "aggregator_params": "tau=mean"}, "--aggregator-params takes name=number pairs like tau=1, not 'tau=mean'"),
     ],
 )
 def test_errors_name_the_flag(overrides, message):
     with pytest.raises(ConfigError) as info:
         load_settings(PeerConfig, overrides)
     assert message in str(info.value)
+
+
+def test_bucketing_takes_its_inner_rule_by_name():
+    import torch
+
+    from aggregation.bucketing import bucketing
+    from aggregation.coordinatewise import coordinate_median
+
+    settings = load_settings(PeerConfig, {"aggregator": "bucketing", "aggregator_params": "s=2, inner=median, seed=5"})
+    assert settings.aggregator_kwargs() == (("inner", "median"), ("s", 2.0), ("seed", 5.0))
+    reduce = settings.round_config().make_reducer()  # what every reducer of a round runs
+    x = torch.randn(7, 50, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    expected = bucketing(x, 2, coordinate_median, generator=torch.Generator().manual_seed(5)).value
+    assert torch.equal(reduce(x, None), expected)
+    other = load_settings(PeerConfig, {"aggregator": "bucketing", "aggregator_params": "s=2,inner=mean,seed=5"})
+    assert other.run_hash() != settings.run_hash()
 
 
 def test_missing_config_file_is_a_config_error(tmp_path):
@@ -67,6 +89,93 @@ def test_run_hash_covers_protocol_fields_only():
         assert load_settings(PeerConfig, change).run_hash() != base.run_hash(), change
 
 
+# Every PeerConfig field: (settings before, settings after) a change of it, and whether the change must
+# change run_hash. A field added to PeerConfig fails test_every_field_is_hashed_or_local until it is here.
+CC = {"aggregator": "centered_clip", "tau": 1.0}
+VERIFY = {**CC, "verify": True}
+LASGD = {"mode": "lasgd"}
+HASHED = {
+    "run_id": ({}, {"run_id": "other"}),
+    "task": ({}, {"task": "mnist-cnn"}),
+    "mode": ({}, {"mode": "lasgd"}),
+    "sync_every": (LASGD, {**LASGD, "sync_every": 5}),
+    "staleness": (LASGD, {**LASGD, "staleness": "sa"}),
+    "dana": (LASGD, {**LASGD, "dana": True}),
+    "average_optimizer_state": ({}, {"average_optimizer_state": True}),
+    "sync_policy": ({}, {"sync_policy": "k:2"}),
+    "async_window_s": (LASGD, {**LASGD, "async_window_s": 1.0}),
+    "batch_size": ({}, {"batch_size": 16}),
+    "lr": ({}, {"lr": 0.5}),
+    "momentum": ({}, {"momentum": 0.5}),
+    "weight_decay": ({}, {"weight_decay": 0.1}),
+    "seed": ({}, {"seed": 1}),
+    "aggregator": ({}, {"aggregator": "median"}),
+    "tau": (CC, {**CC, "tau": 2.0}),
+    "aggregator_params": ({"aggregator": "trimmed_mean", "aggregator_params": "b=1"}, {"aggregator": "trimmed_mean", "aggregator_params": "b=2"}),
+    "compression": ({}, {"compression": "fp16"}),
+    "min_group_size": ({}, {"min_group_size": 2}),
+    "target_group_size": ({}, {"target_group_size": 4}),
+    "matchmaking_timeout_s": ({}, {"matchmaking_timeout_s": 7.0}),
+    "allreduce_timeout_s": ({}, {"allreduce_timeout_s": 40.0}),
+    "verify": (CC, VERIFY),
+    "validators": (VERIFY, {**VERIFY, "validators": 2}),
+    "phase_timeout_s": (VERIFY, {**VERIFY, "phase_timeout_s": 20.0}),
+    "admission": ("private", "other owner"),  # built from files in the test
+}
+LOCAL = {  # how this one peer connects, stores, reports and behaves; the swarm never depends on it
+    "initial_peers": ({}, {"initial_peers": BOOT}),
+    "host_maddrs": ({}, {"host_maddrs": "/ip4/127.0.0.1/tcp/0"}),
+    "port": ({}, {"port": 4000}),
+    "announce_maddrs": ({}, {"announce_maddrs": "/ip4/203.0.113.7/tcp/4000"}),
+    "public_ip": ({"port": 4000}, {"port": 4000, "public_ip": "203.0.113.7"}),
+    "identity_path": ({}, {"identity_path": "/tmp/phalanx-test-id.key"}),
+    "use_relay": ({}, {"use_relay": False}),
+    "use_auto_relay": ({}, {"use_auto_relay": True}),
+    "client_mode": ({}, {"client_mode": True}),
+    "direct_port": ({}, {"direct_port": 4001}),
+    "direct": ({}, {"direct": False}),
+    "upload_limit_mbps": ({}, {"upload_limit_mbps": 10.0}),
+    "http_port": ({}, {"http_port": 8080}),
+    "http_host": ({}, {"http_host": "0.0.0.0"}),
+    "data_dir": ({}, {"data_dir": "/tmp/phalanx-test-data"}),
+    "device": ({}, {"device": "cpu"}),
+    "max_gap": (LASGD, {**LASGD, "max_gap": 3}),  # when this peer resyncs instead of contributing
+    "slowdown": ({}, {"slowdown": "const:0.1"}),
+    "steps": ({}, {"steps": 10}),
+    "target_accuracy": ({}, {"target_accuracy": 0.5}),
+    "eval_every": ({}, {"eval_every": 3}),
+    "checkpoint_dir": ({}, {"checkpoint_dir": "/tmp/x"}),
+    "checkpoint_every": ({}, {"checkpoint_every": 5}),
+    "checkpoint_keep": ({}, {"checkpoint_keep": 5}),
+    "resume": ({"checkpoint_dir": "/tmp/x"}, {"checkpoint_dir": "/tmp/x", "resume": True}),
+    "wait_for_peers": ({}, {"wait_for_peers": 3}),
+    "torch_threads": ({}, {"torch_threads": 2}),
+    "events": ({}, {"events": True}),
+    "certificate": ("private", "other certificate"),  # built from files in the test
+    "attack": ({}, {"attack": "sign_flip"}),  # an attacker must be able to join (tests and demos)
+}
+
+
+def test_every_field_is_hashed_or_local(tmp_path):
+    assert not set(HASHED) & set(LOCAL)
+    unlisted = set(PeerConfig.model_fields) - set(HASHED) - set(LOCAL)
+    assert not unlisted, f"PeerConfig fields {sorted(unlisted)}: hash them in run_hash (and list them in HASHED) or list them in LOCAL"
+    for name, content in (("owner.pub", b"owner"), ("other.pub", b"other"), ("a.cert", b"a"), ("b.cert", b"b")):
+        (tmp_path / name).write_bytes(content)
+    private = {"admission": tmp_path / "owner.pub", "certificate": tmp_path / "a.cert"}
+    files = {
+        "private": private,
+        "other owner": {**private, "admission": tmp_path / "other.pub"},
+        "other certificate": {**private, "certificate": tmp_path / "b.cert"},
+    }
+    for table, hashed in ((HASHED, True), (LOCAL, False)):
+        for name, (before, after) in table.items():
+            before, after = (files[x] if isinstance(x, str) else x for x in (before, after))
+            assert name in after and after != before, name
+            a, b = load_settings(PeerConfig, before).run_hash(), load_settings(PeerConfig, after).run_hash()
+            assert (a != b) == hashed, f"--{name.replace('_', '-')}: {'left out of' if hashed else 'reaches'} run_hash"
+
+
 def test_cli_prints_one_line_and_exits_2_on_a_user_mistake():
     result = subprocess.run(
         [sys.executable, "-m", "peer.cli", "join", "--aggregator", "nope"], capture_output=True, text=True, timeout=120
@@ -74,6 +183,16 @@ def test_cli_prints_one_line_and_exits_2_on_a_user_mistake():
     assert result.returncode == 2
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("error: --aggregator nope: unknown aggregator")
+
+
+def test_cli_names_valid_inner_rules_in_one_line():
+    result = subprocess.run(
+        [sys.executable, "-m", "peer.cli", "join", "--aggregator", "bucketing", "--aggregator-params", "s=2,inner=meen"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert result.returncode == 2
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "inner: unknown aggregator 'meen'; valid names: mean, centered_clip" in lines[0], lines
 
 
 def test_every_command_has_help_with_examples():

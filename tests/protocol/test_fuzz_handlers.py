@@ -60,6 +60,7 @@ def _shaped(rng: random.Random, target_round: bytes) -> list[tuple[str, bytes, b
         (CHECK_METHOD, pack(CheckRequest.model_construct(round_id=os.urandom(16), seed=b"short")), b""),
         (EXCHANGE_METHOD, pack(ExchangeHeader(round_id=os.urandom(16), phase="commit")), bad_sig),
         (EXCHANGE_METHOD, pack(ExchangeHeader(round_id=target_round, phase="reveal")), os.urandom(100)),
+        (EXCHANGE_METHOD, msgpack.packb({"round_id": target_round, "phase": "made-up"}), b"\x00" * 1000),
         (EVIDENCE_METHOD, pack(EvidenceRequest(round_id=os.urandom(16), part=0, contributor="QmFuzz")), b""),
         (RELAY_METHOD, pack(RelayRequest(round_id=os.urandom(16), part=0, payload=True)), b""),
         (RELAY_METHOD, pack(RelayRequest.model_construct(round_id=target_round, part=300, payload=True)), b"x" * 10),

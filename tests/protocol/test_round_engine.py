@@ -72,6 +72,37 @@ def test_centered_clip_round_equals_library_on_each_part():
     asyncio.run(main())
 
 
+def test_bucketing_round_from_the_command_line_settings():
+    """--aggregator bucketing --aggregator-params s=2,inner=median, as `phalanx join` builds it: each
+    reducer applies bucketing around the median to its part (one generator per reducer, seeded alike)."""
+    from aggregation.bucketing import bucketing
+    from aggregation.coordinatewise import coordinate_median
+    from peer.config import PeerConfig, load_settings
+
+    settings = load_settings(PeerConfig, {"aggregator": "bucketing", "aggregator_params": "s=2,inner=median,seed=3"})
+    n, numel = 5, 2000
+
+    async def main():
+        async with open_swarm(n, settings.round_config()) as peers:
+            xs = _inputs(n, numel)
+            xs[4] = xs[4] * -1000  # one attacker: a mean would follow it
+            outcomes = await _round(peers, xs)
+            members = outcomes[0].group.members
+            by_member = {p.peer_id: x for p, x in zip(peers, xs)}
+            stacked = torch.stack([by_member[m] for m in members])  # member order = part order
+            expected = torch.cat(
+                [
+                    bucketing(stacked[:, a:b], 2, coordinate_median, generator=torch.Generator().manual_seed(3)).value
+                    for a, b in partition_bounds(numel, n)
+                ]
+            )
+            for outcome in outcomes:
+                assert torch.allclose(outcome.result.vector, expected, atol=1e-6)
+            assert (expected - torch.stack(xs).mean(0)).abs().max() > 10  # not the mean
+
+    asyncio.run(main())
+
+
 def test_lossy_codec_gives_every_member_the_same_vector():
     async def main():
         async with open_swarm(3, RoundConfig(compression=Codec.FP16)) as peers:

@@ -1,0 +1,8 @@
+"""`phalanx doctor`: one row per check of what a peer needs (addresses, ports, daemon, initial
+peers, reachability, clock, swarm compatibility, task, device, disk, identity), each failed row
+with its fix. `preflight` runs the checks that need no network before `phalanx join` starts."""
+
+from peer.doctor.rows import Row
+from peer.doctor.run import preflight, run_doctor
+
+__all__ = ["Row", "preflight", "run_doctor"]

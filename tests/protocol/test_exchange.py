@@ -1,0 +1,62 @@
+"""Exchange mailboxes (protocol/exchange.py): messages only under the round's phases, one per member and phase."""
+
+import asyncio
+import os
+
+import msgpack
+import pytest
+
+from aggregation.errors import PeerProtocolError
+from protocol.exchange import EXCHANGE_METHOD, ExchangeHeader, ExchangeService
+from security.phases import RoundPhase
+from security.wire import pack
+
+pytestmark = pytest.mark.timeout(60)
+ME, OTHER, OUTSIDER = "QmMe", "QmOther", "QmOutsider"
+
+
+class _Transport:
+    """Just enough of protocol.transport.Transport to hold the handler the service registers."""
+
+    peer_id = ME
+
+    def __init__(self) -> None:
+        self.handlers = {}
+
+    def register(self, method, handler, *, max_payload):
+        self.handlers[method] = handler
+
+
+def _header(round_id: bytes, phase: str) -> bytes:
+    return msgpack.packb({"round_id": round_id, "phase": phase}, use_bin_type=True)  # as any peer can send it
+
+
+def test_the_wire_keeps_phase_names_as_strings():
+    header = pack(ExchangeHeader(round_id=b"r" * 16, phase=RoundPhase.REVEAL))
+    assert header == _header(b"r" * 16, "reveal")
+
+
+def test_made_up_phases_are_refused_and_the_mailbox_stays_bounded():
+    async def main():
+        transport = _Transport()
+        service = ExchangeService(transport, wait_for_round_s=1.0)
+        serve = transport.handlers[EXCHANGE_METHOD]
+        round_id = os.urandom(16)
+        service.open_round(round_id, (ME, OTHER))
+        big = b"\x00" * (512 << 10)  # the most one message may carry
+        for name in ["junk0", "junk1", "COMMIT", "commit ", "x" * 16, "data", "validate"]:
+            with pytest.raises(PeerProtocolError, match="invalid ExchangeHeader.phase"):
+                await serve(OTHER, _header(round_id, name), big)
+        with pytest.raises(PeerProtocolError, match="invalid ExchangeHeader.phase"):
+            await serve(OTHER, msgpack.packb({"round_id": round_id, "phase": 1}), b"m")
+        for phase in RoundPhase:
+            await serve(OTHER, _header(round_id, phase.value), b"m")
+            with pytest.raises(PeerProtocolError, match=f"sent two {phase.value} messages in one round"):
+                await serve(OTHER, _header(round_id, phase.value), b"m")
+        with pytest.raises(PeerProtocolError, match="not a member"):
+            await serve(OUTSIDER, _header(round_id, "commit"), b"m")
+        assert len(service._rounds[round_id].messages) == len(RoundPhase)  # members × phases at most
+        for phase in RoundPhase:  # each one reached its phase
+            assert await service.arrivals(round_id, phase, set()) == {OTHER: b"m"}
+
+    asyncio.run(main())
