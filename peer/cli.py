@@ -84,15 +84,15 @@ def join(settings: PeerConfig) -> None:
 
       PHALANX_INITIAL_PEERS=/ip4/... phalanx join --config peer.toml
     """
-    if not settings.initial_peers:
-        typer.secho(
-            "notice: no --initial-peers: this peer starts a new swarm of its own (the log shows the line others join it with)",
-            err=True, fg="yellow",
-        )  # fmt: skip
     from peer.doctor import preflight
     from peer.trainer import run_trainer
 
     preflight(settings)  # the doctor's checks that need no network: one line instead of a traceback
+    if not settings.initial_peers:  # after the checks, so that a mistake stays one line
+        typer.secho(
+            "notice: no --initial-peers: this peer starts a new swarm of its own (the log shows the line others join it with)",
+            err=True, fg="yellow",
+        )  # fmt: skip
     report = run_trainer(settings)
     if settings.target_accuracy is not None and not report.reached_target:
         raise typer.Exit(3)
