@@ -14,7 +14,7 @@ from typing import Optional
 import typer
 
 from aggregation.errors import ConfigError, PhalanxError
-from peer.cli_options import settings_command
+from peer.cli_options import PlainHelp, settings_command
 from peer.config import NetworkSettings, PeerConfig
 from peer.health.options import settings_command_with
 from peer.logs import configure_logging
@@ -52,7 +52,7 @@ def _root(
         raise typer.BadParameter(str(e), param_hint="--log-format") from None
 
 
-@app.command("bootstrap")
+@app.command("bootstrap", cls=PlainHelp)
 @settings_command(NetworkSettings, exclude=("direct", "direct_port", "upload_limit_mbps"))
 def bootstrap(settings: NetworkSettings) -> None:
     """Start a DHT-only peer that others join through; prints the exact --initial-peers line to use.
@@ -68,7 +68,7 @@ def bootstrap(settings: NetworkSettings) -> None:
     run_bootstrap(settings)
 
 
-@app.command("join")
+@app.command("join", cls=PlainHelp)
 @settings_command(PeerConfig)
 def join(settings: PeerConfig) -> None:
     """Join a swarm as a trainer: DHT, round engine and training loop. Stops on --steps,
@@ -88,12 +88,17 @@ def join(settings: PeerConfig) -> None:
     from peer.trainer import run_trainer
 
     preflight(settings)  # the doctor's checks that need no network: one line instead of a traceback
+    if not settings.initial_peers:  # after the checks, so that a mistake stays one line
+        typer.secho(
+            "notice: no --initial-peers: this peer starts a new swarm of its own (the log shows the line others join it with)",
+            err=True, fg="yellow",
+        )  # fmt: skip
     report = run_trainer(settings)
     if settings.target_accuracy is not None and not report.reached_target:
         raise typer.Exit(3)
 
 
-@app.command("doctor")
+@app.command("doctor", cls=PlainHelp)
 @settings_command_with(
     PeerConfig,
     exclude=("initial_peers",),
@@ -174,6 +179,8 @@ def swarm(
     slow_args = ["--slowdown", slowdown] if slowdown else []
     if not stragglers:
         join_args += slow_args
+    for extra in [[], *(["--attack", a] for a in sorted(set(chosen))), *([slow_args] if stragglers else [])]:
+        _check_join_args([*join_args, *extra])  # one line now, not every trainer dying at start
     result = run_swarm(
         peers, join_args, target_accuracy=target_accuracy, workdir=workdir, attacks=chosen,
         stragglers=stragglers, straggler_args=slow_args,
@@ -182,7 +189,7 @@ def swarm(
         raise typer.Exit(1)
 
 
-@app.command("health")
+@app.command("health", cls=PlainHelp)
 @settings_command_with(
     NetworkSettings,
     exclude=("direct", "direct_port", "upload_limit_mbps", "http_port", "http_host", "client_mode", "port", "public_ip", "announce_maddrs"),
@@ -204,6 +211,11 @@ def health(settings: NetworkSettings, as_json: bool, watch: bool, interval_s: fl
 
       phalanx health --initial-peers ... --json --expect 3 --timeout-s 120
     """
+    if not settings.initial_peers:
+        raise ConfigError(
+            "--initial-peers: phalanx health reads the swarm through a running peer; give its address "
+            "(the line `phalanx bootstrap` printed) or set PHALANX_INITIAL_PEERS"
+        )
     from peer.health.client import run_health
 
     code = run_health(settings, as_json=as_json, watch=watch, interval_s=interval_s, expect=expect, timeout_s=timeout_s)
@@ -211,7 +223,7 @@ def health(settings: NetworkSettings, as_json: bool, watch: bool, interval_s: fl
         raise typer.Exit(code)
 
 
-@app.command("monitor")
+@app.command("monitor", cls=PlainHelp)
 @settings_command(MonitorSettings, exclude=("direct", "direct_port", "upload_limit_mbps", "client_mode", "public_ip", "announce_maddrs"))
 def monitor(settings: MonitorSettings) -> None:
     """Serve a swarm dashboard: the peer table and plots of loss, accuracy, throughput and peers by
@@ -408,6 +420,29 @@ def bench_convergence(
     )
 
 
+@bench_app.command("cli")
+def bench_cli(repeats: int = typer.Option(5, "--repeats", min=1, help="Timed runs per command (median reported).")) -> None:
+    """Time `phalanx --help`, `phalanx join --help` and mistyped flags (fresh processes) against
+    `python -c pass` and `python -c "import torch"` measured in the same run.
+
+    [bold]Examples[/bold]
+
+      phalanx bench cli
+
+      phalanx bench cli --repeats 10
+    """
+    from peer.bench.cli import run_cli_bench
+
+    run_cli_bench(repeats)
+
+
+def _check_join_args(args: list[str]) -> None:
+    """Validate `phalanx join` flags as the trainers will parse them, without starting anything."""
+    command = typer.main.get_command(app).get_command(None, "join")  # type: ignore[union-attr]
+    with command.make_context("phalanx swarm", list(args)) as ctx:
+        join.settings(**ctx.params)  # type: ignore[attr-defined]
+
+
 def _split_numbers(text: str, flag: str, convert, kind: str) -> list:
     try:
         return [convert(x) for x in text.split(",") if x.strip()]
@@ -434,16 +469,34 @@ def _str_list(text: str) -> list[str]:
 
 
 def main(argv: Optional[list[str]] = None) -> None:
-    """Console entry point: run the app and turn our errors into one-line messages."""
+    """Console entry point: run the app and turn user mistakes (ours and click's) into one line."""
+    try:  # typer vendors click since 0.2x; older ones use click itself
+        from typer._click import exceptions as click_errors
+    except ImportError:
+        from click import exceptions as click_errors
     try:
-        app(args=argv)
-    except KeyboardInterrupt:
+        code = app(args=argv, prog_name="phalanx", standalone_mode=False)
+    except (KeyboardInterrupt, typer.Abort):
         sys.exit(130)
+    except click_errors.NoArgsIsHelpError as e:
+        e.show()
+        sys.exit(e.exit_code)
+    except click_errors.UsageError as e:
+        if _state["debug"]:
+            raise
+        where = e.ctx.command_path if e.ctx is not None else "phalanx"
+        message = " ".join(e.format_message().split())
+        typer.secho(f"error: {message} (see `{where} --help`)", err=True, fg="red")
+        sys.exit(e.exit_code)
+    except click_errors.ClickException as e:
+        typer.secho(f"error: {' '.join(e.format_message().split())}", err=True, fg="red")
+        sys.exit(e.exit_code)
     except PhalanxError as e:
         if _state["debug"]:
             raise
         typer.secho(f"error: {e}", err=True, fg="red")
         sys.exit(2 if isinstance(e, ConfigError) else 1)
+    sys.exit(code if isinstance(code, int) else 0)
 
 
 if __name__ == "__main__":

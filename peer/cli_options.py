@@ -4,6 +4,7 @@ share one definition (name, type, default, help) and cannot drift apart."""
 from __future__ import annotations
 
 import inspect
+import re
 import types
 import typing
 from pathlib import Path
@@ -11,8 +12,9 @@ from typing import Any, Callable, Optional
 
 import typer
 from pydantic.fields import FieldInfo
+from typer.core import TyperCommand
 
-from peer.config import NetworkSettings, load_settings
+from peer.config import NetworkSettings, load_settings, misspelt_env_vars
 
 
 def _flag(name: str) -> str:
@@ -36,6 +38,18 @@ def _option_type(annotation: Any) -> tuple[Any, bool]:
     if annotation in (int, float, str, Path):
         return annotation, False
     return str, False
+
+
+class PlainHelp(TyperCommand):
+    """click's plain --help layout for the commands with many settings: at 80 columns rich's option table
+    cut long names and left the help a narrow column; here a long name takes its own line instead."""
+
+    def format_help(self, ctx, formatter) -> None:
+        self.rich_markup_mode = None
+        paragraphs = inspect.cleandoc(re.sub(r"\[/?bold\]", "", self.help or "")).split("\n\n")
+        # indented paragraphs are example commands: keep their lines as written (click's \b marker)
+        self.help = "\n\n".join("\b\n" + p if p.startswith(" ") else p for p in paragraphs)
+        super().format_help(ctx, formatter)
 
 
 def _help(name: str, info: FieldInfo) -> str:
@@ -69,7 +83,9 @@ def settings_command(
             if name in exclude:
                 continue
             typ, is_bool = _option_type(info.annotation)
-            decls = [f"{_flag(name)}/--no-{name.replace('_', '-')}"] if is_bool else [_flag(name)]
+            # a --no-X switch only where X is on by default: the others would double the width of --help
+            negatable = is_bool and info.get_default() is True
+            decls = [f"{_flag(name)}/--no-{name.replace('_', '-')}"] if negatable else [_flag(name)]
             params.append(
                 inspect.Parameter(
                     name,
@@ -80,10 +96,16 @@ def settings_command(
             )
             names.append(name)
 
-        def command(**kwargs: Any) -> Any:
+        def settings(**kwargs: Any) -> NetworkSettings:
             config_file = kwargs.pop("config_file", None)
             overrides = {k: v for k, v in kwargs.items() if v is not None and v != []}
-            return fn(load_settings(model, overrides, config_file))
+            return load_settings(model, overrides, config_file)
+
+        def command(**kwargs: Any) -> Any:
+            warn_misspelt_env_vars()
+            return fn(settings(**kwargs))
+
+        command.settings = settings  # type: ignore[attr-defined]  # validate flags without running (phalanx swarm)
 
         command.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
         command.__name__ = fn.__name__
@@ -91,3 +113,10 @@ def settings_command(
         return command
 
     return decorate
+
+
+def warn_misspelt_env_vars() -> None:
+    """One line per PHALANX_* variable that no setting reads (a typo would otherwise go unnoticed)."""
+    for name, close in misspelt_env_vars():
+        hint = f"did you mean {close}?" if close else "see `phalanx <command> --help` for the [env: ...] names"
+        typer.secho(f"warning: {name} is not a Phalanx setting and is ignored ({hint})", err=True, fg="yellow")

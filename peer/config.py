@@ -9,20 +9,26 @@ object: they get their own config built by the `*_config()` methods.
 from __future__ import annotations
 
 import contextvars
+import difflib
 import hashlib
 import json
+import os
 import re
+import tomllib
 from pathlib import Path
 from typing import Annotated, Any, Literal, Optional
 
 from pydantic import Field, ValidationError, field_validator, model_validator
-from pydantic_settings import BaseSettings, NoDecode, PydanticBaseSettingsSource, SettingsConfigDict, TomlConfigSettingsSource
+from pydantic_settings import BaseSettings, InitSettingsSource, NoDecode, PydanticBaseSettingsSource, SettingsConfigDict
 
 from aggregation.errors import ConfigError
 from protocol.config import Codec, MatchmakingConfig, RoundConfig, parse_aggregator_params, protocol_fields, verify_config_for
 
 PROTOCOL_VERSION = 1
-_config_file: contextvars.ContextVar[Optional[Path]] = contextvars.ContextVar("phalanx_config_file", default=None)
+BUILTIN_TASKS = ("digits-mlp", "mnist-cnn", "cifar10-resnet18")
+"""peer.tasks.TASKS's names (a test keeps them equal): known here without importing torch."""
+ENV_PREFIX = "PHALANX_"
+_config_data: contextvars.ContextVar[Optional[dict]] = contextvars.ContextVar("phalanx_config_data", default=None)
 
 StrList = Annotated[list[str], NoDecode]
 
@@ -83,16 +89,16 @@ class NetworkSettings(BaseSettings):
         file_secret_settings: PydanticBaseSettingsSource,
     ) -> tuple[PydanticBaseSettingsSource, ...]:
         sources: list[PydanticBaseSettingsSource] = [init_settings, env_settings]
-        path = _config_file.get()
-        if path is not None:
-            sources.append(TomlConfigSettingsSource(settings_cls, toml_file=path))
+        data = _config_data.get()
+        if data is not None:
+            sources.append(InitSettingsSource(settings_cls, init_kwargs=data))
         return tuple(sources)
 
 
 class PeerConfig(NetworkSettings):
     """Everything `phalanx join` needs."""
 
-    task: str = Field("digits-mlp", description="Built-in task name or package.module:factory.")
+    task: str = Field("digits-mlp", description=f"Built-in task ({', '.join(BUILTIN_TASKS)}) or package.module:factory for your own.")
     data_dir: Optional[Path] = Field(None, description="Where the task's data files are (mnist-cnn, cifar10-resnet18).")
     device: str = Field("auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$", description="auto, cpu, cuda or cuda:N.")
     mode: Literal["sync", "lasgd", "gossip"] = Field("sync", description="sync: gradients all-reduced every step; lasgd: local steps never wait, models averaged every --sync-every steps with whoever is ready; gossip: the same with one random peer at a time.")
@@ -137,8 +143,12 @@ class PeerConfig(NetworkSettings):
 
     @model_validator(mode="after")
     def _check_peer(self) -> "PeerConfig":
+        if ":" not in self.task and self.task not in BUILTIN_TASKS:
+            raise ValueError(f"--task {self.task}: not a built-in task; use one of {', '.join(BUILTIN_TASKS)}, or package.module:factory for your own")
         if self.resume and self.checkpoint_dir is None:
             raise ValueError("--resume needs --checkpoint-dir")
+        if self.checkpoint_dir is not None and self.checkpoint_dir.exists() and not self.checkpoint_dir.is_dir():
+            raise ValueError(f"--checkpoint-dir: {str(self.checkpoint_dir)!r} is a file, not a folder; give a folder (created if missing)")
         if self.target_group_size is not None and self.target_group_size < self.min_group_size:
             raise ValueError("--target-group-size must be ≥ --min-group-size")
         if (self.admission is None) != (self.certificate is None):
@@ -176,6 +186,11 @@ class PeerConfig(NetworkSettings):
                 parse_attack(self.attack, self.seed)
             except ConfigError as e:
                 raise ValueError(str(e)) from None
+        if self.verify and self.aggregator == "centered_clip" and "tau" not in dict(self.aggregator_kwargs()):
+            raise ValueError(
+                "--verify with --aggregator centered_clip needs --tau (the clipping radius every reducer and "
+                "verifier must share, e.g. --tau 1)"
+            )
         try:
             self.round_config()  # validates aggregator name and parameters early
         except ConfigError as e:
@@ -244,10 +259,10 @@ class PeerConfig(NetworkSettings):
 
 
 def load_settings(model: type[NetworkSettings], overrides: dict[str, Any], config_file: Optional[Path] = None):
-    """Build `model` from flags (`overrides`), environment and `config_file`; errors name the flag."""
-    if config_file is not None and not config_file.is_file():
-        raise ConfigError(f"--config: no such file {str(config_file)!r}")
-    token = _config_file.set(config_file)
+    """Build `model` from flags (`overrides`), environment and `config_file`; an error names where the
+    bad value came from: the flag, the PHALANX_* variable or the file's key."""
+    data = read_config_file(model, config_file) if config_file is not None else None
+    token = _config_data.set(data)
     try:
         return model(**overrides)
     except ValidationError as e:
@@ -256,18 +271,91 @@ def load_settings(model: type[NetworkSettings], overrides: dict[str, Any], confi
         if not first["loc"]:  # a cross-field rule: its message names the flags itself
             raise ConfigError(message) from None
         field = str(first["loc"][0])
-        value = first.get("input")
-        raise ConfigError(f"--{field.replace('_', '-')}: {message} (got {value!r})") from None
+        raise ConfigError(f"{_source(field, overrides, config_file, data)}: {message} (got {first.get('input')!r})") from None
     except ConfigError:
         raise
     finally:
-        _config_file.reset(token)
+        _config_data.reset(token)
+
+
+def read_config_file(model: type[NetworkSettings], path: Path) -> dict[str, Any]:
+    """The TOML file's settings by field name. Keys are the flags' names without `--`, with `_` or `-`
+    (`batch_size` or `batch-size`); a key that is no setting of `model` is refused, naming the file."""
+    try:
+        raw = tomllib.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"--config: no such file {str(path)!r}") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"--config: cannot read {str(path)!r} ({e})") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"--config {path}: not valid TOML ({e}); write one `name = value` per line") from None
+    data: dict[str, Any] = {}
+    for key, value in raw.items():
+        name = key.replace("-", "_")
+        if name in data:
+            raise ConfigError(f"--config {path}: {key!r} is given twice (as {name!r} too); keep one")
+        if name not in model.model_fields:
+            raise ConfigError(f"--config {path}: {_unknown(key, name, model)}")
+        data[name] = value
+    return data
+
+
+def _unknown(key: str, name: str, model: type[NetworkSettings]) -> str:
+    if name in known_settings():
+        return f"{key!r} is not a setting of this command; remove it or keep a separate file per command"
+    close = difflib.get_close_matches(name, list(model.model_fields), n=1)
+    hint = f"did you mean {close[0]!r}?" if close else "see `phalanx <command> --help` (keys are flag names without --)"
+    return f"unknown key {key!r} ({hint})"
+
+
+def _source(field: str, overrides: dict[str, Any], config_file: Optional[Path], data: Optional[dict]) -> str:
+    """Where `field`'s value came from, as the user wrote it (flag > environment > file)."""
+    flag = "--" + field.replace("_", "-")
+    if field in overrides:
+        return flag
+    env = ENV_PREFIX + field.upper()
+    if any(name.upper() == env for name in os.environ):
+        return f"{env} (the environment variable of {flag})"
+    if data is not None and field in data:
+        return f"--config {config_file}: key {field}"
+    return flag
+
+
+# PHALANX_* variables read by others than the settings models: the root command's --log-format and
+# the container entry point (scripts/docker-entrypoint.py) and docker-compose.yml.
+OTHER_ENV_VARS = ("LOG_FORMAT", "BOOTSTRAP_URL", "BOOTSTRAP_WAIT_S", "REPLICA_DIR", "IMAGE", "MONITOR_PORT")
+
+
+def known_settings() -> set[str]:
+    """Every field name of every command's settings model."""
+    from peer.monitor.config import MonitorSettings
+
+    return set(PeerConfig.model_fields) | set(MonitorSettings.model_fields)
+
+
+def misspelt_env_vars(environ: Optional[dict[str, str]] = None) -> list[tuple[str, Optional[str]]]:
+    """(name, closest valid name or None) for each PHALANX_* variable nobody reads: a typo there
+    would otherwise be ignored without a word."""
+    environ = os.environ if environ is None else environ
+    valid = [ENV_PREFIX + name.upper() for name in sorted(known_settings())] + [ENV_PREFIX + n for n in OTHER_ENV_VARS]
+    found = []
+    for name in sorted(environ):
+        upper = name.upper()
+        if upper.startswith(ENV_PREFIX) and upper not in valid:
+            close = difflib.get_close_matches(upper, valid, n=1, cutoff=0.6)
+            found.append((name, close[0] if close else None))
+    return found
 
 
 def _check_maddr(flag: str, addr: str) -> None:
     from multiaddr import Multiaddr
 
     try:
-        Multiaddr(addr)
+        parsed = Multiaddr(addr)
     except Exception:
         raise ValueError(f"{flag}: {addr!r} is not a multiaddr (like /ip4/1.2.3.4/tcp/31337/p2p/Qm...)") from None
+    if flag == "--initial-peers" and "p2p" not in {p.name for p in parsed.protocols()}:
+        raise ValueError(
+            f"--initial-peers: {addr!r} lacks the /p2p/<peer-id> part; paste the whole address "
+            "`phalanx bootstrap` printed (…/tcp/<port>/p2p/12D3KooW…)"
+        )

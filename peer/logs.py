@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import functools
+import importlib.abc
+import importlib.util
 import json
 import logging
 import sys
@@ -37,8 +40,42 @@ def configure_logging(fmt: str = "text", *, debug: bool = False) -> None:
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(logging.DEBUG if debug else logging.INFO)
-    # hivemind installs its own handler on import; route it through ours so --log-format holds everywhere.
+    # hivemind installs its own handler (and level) on import; route it through ours so --log-format
+    # holds everywhere, but only once something imports it (importing it here costs seconds of --help).
+    route = functools.partial(_route_hivemind_logs, logging.DEBUG if debug else logging.WARNING)
+    for finder in [f for f in sys.meta_path if isinstance(f, _AfterImport)]:
+        sys.meta_path.remove(finder)
+    if "hivemind" in sys.modules:
+        route()
+    else:
+        sys.meta_path.insert(0, _AfterImport("hivemind", route))
+
+
+def _route_hivemind_logs(level: int) -> None:
     from hivemind.utils.logging import use_hivemind_log_handler
 
     use_hivemind_log_handler("nowhere")
-    logging.getLogger("hivemind").setLevel(logging.DEBUG if debug else logging.WARNING)
+    logging.getLogger("hivemind").setLevel(level)
+
+
+class _AfterImport(importlib.abc.MetaPathFinder):
+    """Runs `hook` right after the module `name` is first imported, then removes itself."""
+
+    def __init__(self, name: str, hook) -> None:
+        self.name, self.hook = name, hook
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname != self.name:
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(fullname)
+        if spec is None or spec.loader is None:
+            return spec
+        exec_module = spec.loader.exec_module
+
+        def exec_then_hook(module) -> None:
+            exec_module(module)
+            self.hook()
+
+        spec.loader.exec_module = exec_then_hook  # type: ignore[method-assign]
+        return spec

@@ -26,6 +26,7 @@ from aggregation.errors import ConfigError, PeerProtocolError, PhalanxError
 from peer.attacks import parse_attack
 from peer.config import NetworkSettings, PeerConfig
 from peer.lifeline import exit_with_parent
+from peer.ports import check_listen_ports
 from protocol.admission import AdmissionGate
 from protocol.bans import BanBook, BanVoteValidator
 from protocol.dht_calls import DHT_DIED, in_dht
@@ -97,6 +98,7 @@ def start_dht(
     identity_path = identity_path or settings.identity_path
     if identity_path is not None and not identity_path.parent.is_dir():
         raise ConfigError(f"--identity-path: directory {str(identity_path.parent)!r} does not exist")
+    check_listen_ports(settings)
     kwargs = dict(
         initial_peers=settings.initial_peers,
         host_maddrs=settings.listen_maddrs(),
@@ -132,11 +134,62 @@ def start_dht(
 
 def _explain(e: Exception, settings: NetworkSettings) -> Exception:
     text = str(e)
+    if "address already in use" in text.lower():
+        flag = "--host-maddrs" if settings.host_maddrs else "--port"
+        return ConfigError(f"{flag}: {settings.listen_maddrs()} is in use by another program; choose another port (0: any free one)")
     if "already taken" in text:
-        return ConfigError(f"--identity-path: {text}; each peer needs its own identity file")
+        return ConfigError(_identity_taken(settings.identity_path))
     if settings.initial_peers and ("bootstrap" in text.lower() or "failed to connect" in text.lower()):
-        return ConfigError(f"--initial-peers: could not reach any of {settings.initial_peers} ({text.splitlines()[0][:200]})")
+        return ConfigError(
+            f"--initial-peers: none of {', '.join(settings.initial_peers)} answered ({text.splitlines()[0][:200]}); "
+            "check that the peer runs, that its port is reachable from here, and the address (copy it from "
+            "`phalanx bootstrap`'s output)"
+        )
     return e
+
+
+def _identity_taken(path: Optional[Path]) -> str:
+    holders = identity_holders(path) if path is not None else []
+    if holders:
+        daemon, dht, parent = holders[0]
+        if parent <= 1 or _ppid(parent) is None:  # the DHT process outlived the peer that started it
+            why = f"the orphaned DHT process {dht} and its p2p daemon {daemon}, left over from an earlier run that was killed"
+            fix = f"`kill {dht} {daemon}`"
+        else:
+            why = f"the running peer with pid {parent} (DHT process {dht}, p2p daemon {daemon})"
+            fix = f"`kill {parent}`"
+        return f"--identity-path {path}: this identity is held by {why}; stop it with {fix}, or give this peer its own identity file"
+    return (
+        f"--identity-path {path}: a peer in the swarm already runs with this identity (a copy of this file elsewhere, "
+        "or an earlier run still alive there); stop that peer, or give this one its own identity file"
+    )
+
+
+def identity_holders(path: Path) -> list[tuple[int, int, int]]:
+    """(p2pd pid, its DHT process's pid, that one's parent pid) of every local p2p daemon started with
+    this identity file (Linux /proc; empty elsewhere)."""
+    target = path.resolve()
+    found = []
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            args = (proc / "cmdline").read_bytes().split(b"\0")
+            ids = [a[4:].decode() for a in args if a.startswith(b"-id=")]
+            if not ids or not args[0].endswith(b"p2pd"):
+                continue
+            cwd = (proc / "cwd").resolve()
+            if any((cwd / i).resolve() == target for i in ids):
+                dht = _ppid(int(proc.name)) or 0
+                found.append((int(proc.name), dht, _ppid(dht) or 0))
+        except (OSError, ValueError, IndexError):
+            continue  # gone meanwhile, or not ours to read
+    return found
+
+
+def _ppid(pid: int) -> Optional[int]:
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def _is_rsa(path: Path) -> bool:

@@ -23,6 +23,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any, Optional
 
 import torch
@@ -32,7 +33,7 @@ from peer.attacks import parse_attack
 from peer.checkpoint import load_latest, save_checkpoint
 from peer.config import PeerConfig
 from peer.health import PeerMetrics, open_node_health
-from peer.node import DHT_DIED, Node, open_node, quiet_p2p_daemon_noise
+from peer.node import DHT_DIED, Node, open_node, quiet_p2p_daemon_noise, visible_maddrs
 from peer.tasks import Task, compute_gradient, resolve_task
 from protocol.engine import Resync, initial_version
 
@@ -168,10 +169,10 @@ class Trainer:
         logger.info(f"resumed from {ckpt.path.name} at step {ckpt.step}")
         return ckpt.step
 
-    def _checkpoint(self, step: int) -> None:
+    def _checkpoint(self, step: int) -> Optional[Path]:
         if self.config.checkpoint_dir is None:
-            return
-        save_checkpoint(
+            return None
+        return save_checkpoint(
             self.config.checkpoint_dir,
             step=step,
             model_state=self.model.module.state_dict(),
@@ -191,6 +192,10 @@ class Trainer:
             f"peer {node.peer_id} training {self.config.task} on {self.device} "
             f"({self.model.numel} parameters, step {step})"
         )
+        if not self.config.initial_peers:
+            from peer.bootstrap import initial_peers_line
+
+            logger.info(f"others join this new swarm with: {initial_peers_line(await visible_maddrs(node.dht))}")
         self._emit("started", peer_id=node.peer_id, step=step, params=self.model.numel, param_hash=self.model.param_hash())
         health = None
         try:
@@ -217,7 +222,8 @@ class Trainer:
             self.report.bytes_sent = node.transport.stats.bytes_sent
             self.report.bytes_received = node.transport.stats.bytes_received
             if self.config.checkpoint_dir is not None and engine.step > 0:
-                await self._in_thread(self._checkpoint, engine.step)
+                path = await self._in_thread(self._checkpoint, engine.step)
+                logger.info(f"checkpoint saved: {path} (step {engine.step}); continue with --resume")
             if health is not None:
                 await health.aclose()
             await node.aclose()

@@ -201,6 +201,8 @@ def verify_config_for(aggregator: str, params: tuple[tuple[str, float], ...], **
         return VerifyConfig(tau=math.inf, eps=0.0, **options)
     if aggregator == "centered_clip":
         values = dict(params)
+        if "tau" not in values:
+            raise ConfigError("--verify with --aggregator centered_clip needs --tau (e.g. --tau 1): every verifier checks that radius")
         return VerifyConfig(tau=values["tau"], eps=values.get("eps", 1e-6), **options)
     raise ConfigError(
         f"--verify checks CenteredClip's fixed point and needs --aggregator centered_clip (or mean), not {aggregator!r}"

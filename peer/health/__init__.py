@@ -1,7 +1,23 @@
 """Peer health: signed records in the DHT, local legality checks, the HTTP server
-(/healthz, /readyz, /metrics, /api/v1/status) and `phalanx health`."""
+(/healthz, /readyz, /metrics, /api/v1/status) and `phalanx health`.
 
-from peer.health.metrics import PeerMetrics
-from peer.health.service import HealthService, open_health, open_node_health
+The names below load on first use: the CLI imports `peer.health.options` to build its flags,
+and must not pay for hivemind, aiohttp and prometheus-client before it prints anything.
+"""
 
-__all__ = ["HealthService", "PeerMetrics", "open_health", "open_node_health"]
+from importlib import import_module
+
+_EXPORTS = {
+    "PeerMetrics": "peer.health.metrics",
+    "HealthService": "peer.health.service",
+    "open_health": "peer.health.service",
+    "open_node_health": "peer.health.service",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(import_module(_EXPORTS[name]), name)

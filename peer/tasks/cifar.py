@@ -73,7 +73,7 @@ def _load(torchvision: ModuleType, data_dir: Path) -> tuple[Tensor, Tensor, Tens
             raise ConfigError(
                 f"task cifar10-resnet18: data_dir={str(data_dir)!r} has no readable CIFAR-10 ({e}); download "
                 f"{CIFAR10_URL} and extract it into {data_dir.resolve()} so that cifar-10-batches-py/ is inside, "
-                "or pass data_dir=<folder holding cifar-10-batches-py>"
+                "or pass --data-dir <folder holding cifar-10-batches-py> (data_dir= in Python)"
             ) from e
         images = torch.from_numpy(dataset.data).permute(0, 3, 1, 2).contiguous()  # (N, 32, 32, 3) → (N, 3, 32, 32)
         tensors += [images, torch.tensor(dataset.targets, dtype=torch.int64)]

@@ -83,7 +83,7 @@ def load_mnist(data_dir: Path | str) -> dict[str, np.ndarray]:
         raise ConfigError(
             f"task mnist-cnn: data_dir={str(data_dir)!r} lacks {', '.join(missing)}; download "
             f"{', '.join(n + '.gz' for n in missing)} from {MNIST_URL} (mirror of {MNIST_ORIGINAL_URL}) "
-            f"into {data_dir.resolve()} (gzipped or not), or pass data_dir=<folder holding them>"
+            f"into {data_dir.resolve()} (gzipped or not), or pass --data-dir <folder holding them> (data_dir= in Python)"
         )
     arrays = {name: read_idx(path) for name, path in found.items() if path is not None}
     for split in ("train", "t10k"):

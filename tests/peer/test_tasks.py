@@ -351,7 +351,7 @@ def test_mnist_missing_files_say_what_to_download(tmp_path: Path) -> None:
     assert str(info.value) == (
         f"task mnist-cnn: data_dir={str(tmp_path)!r} lacks t10k-labels-idx1-ubyte; download "
         f"t10k-labels-idx1-ubyte.gz from {MNIST_URL} (mirror of http://yann.lecun.com/exdb/mnist/) "
-        f"into {tmp_path.resolve()} (gzipped or not), or pass data_dir=<folder holding them>"
+        f"into {tmp_path.resolve()} (gzipped or not), or pass --data-dir <folder holding them> (data_dir= in Python)"
     )
 
 
@@ -410,7 +410,7 @@ def test_cifar_missing_data_says_what_to_download(monkeypatch: pytest.MonkeyPatc
         f"task cifar10-resnet18: data_dir={str(tmp_path)!r} has no readable CIFAR-10 (Dataset not found or "
         "corrupted. You can use download=True to download it); download "
         f"https://www.cs.toronto.edu/~kriz/cifar-10-python.tar.gz and extract it into {tmp_path.resolve()} "
-        "so that cifar-10-batches-py/ is inside, or pass data_dir=<folder holding cifar-10-batches-py>"
+        "so that cifar-10-batches-py/ is inside, or pass --data-dir <folder holding cifar-10-batches-py> (data_dir= in Python)"
     )
 
 
