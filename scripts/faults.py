@@ -59,7 +59,8 @@ def main() -> int:
             for check in scenario.checks:
                 text = CHECKS[check][0]
                 verdict = "FAIL" if any(text in f for f in failed) else "PASS"
-                print(f"- {verdict}: {text}")
+                open_goal = " (open goal: not asserted by the tests yet)" if check in scenario.open_goals else ""
+                print(f"- {verdict}: {text}{open_goal}")
             if args.json:
                 for row in rows_json(rows):
                     print(json.dumps(row))
