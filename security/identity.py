@@ -36,7 +36,7 @@ def _varint(n: int) -> bytes:
             return bytes(out)
 
 
-def _read_varint(data: bytes, pos: int) -> tuple[int, int]:
+def read_varint(data: bytes, pos: int) -> tuple[int, int]:
     value = shift = 0
     while True:
         if pos >= len(data) or shift > 63:
@@ -57,11 +57,11 @@ def encode_key(key_type: int, data: bytes) -> bytes:
 def decode_key(message: bytes) -> tuple[int, bytes]:
     key_type, data, pos = None, None, 0
     while pos < len(message):
-        tag, pos = _read_varint(message, pos)
+        tag, pos = read_varint(message, pos)
         if tag == 0x08:
-            key_type, pos = _read_varint(message, pos)
+            key_type, pos = read_varint(message, pos)
         elif tag == 0x12:
-            length, pos = _read_varint(message, pos)
+            length, pos = read_varint(message, pos)
             if pos + length > len(message):
                 raise ValueError("truncated key data")
             data, pos = message[pos : pos + length], pos + length
@@ -92,7 +92,7 @@ def is_peer_id(text: str) -> bool:
         return len(raw) == 34
     if raw[:1] == b"\x00":
         try:
-            length, pos = _read_varint(raw, 1)
+            length, pos = read_varint(raw, 1)
         except ValueError:
             return False
         return length == len(raw) - pos and length > 0

@@ -14,6 +14,8 @@ import asyncio
 from dataclasses import dataclass
 from typing import Optional
 
+from security.identity import read_varint  # the same protobuf varint the libp2p key files use
+
 PROTOCOL = "/libp2p/autonat/1.0.0"
 MAX_RESPONSE_BYTES = 4096  # a response is a status, a short text and one address
 OK, E_DIAL_ERROR, E_DIAL_REFUSED = 0, 100, 101
@@ -36,19 +38,6 @@ def _varint(n: int) -> bytes:
             return bytes(out)
 
 
-def _read_varint(data: bytes, pos: int) -> tuple[int, int]:
-    value = 0
-    for shift in range(0, 64, 7):
-        if pos >= len(data):
-            raise ValueError("truncated varint")
-        byte = data[pos]
-        pos += 1
-        value |= (byte & 0x7F) << shift
-        if not byte & 0x80:
-            return value, pos
-    raise ValueError("varint longer than 64 bits")
-
-
 def _field(number: int, payload: bytes | int) -> bytes:
     if isinstance(payload, int):
         return _varint(number << 3) + _varint(payload)
@@ -59,12 +48,12 @@ def _fields(data: bytes) -> list[tuple[int, int | bytes]]:
     """(field number, value) pairs of one protobuf message: varints and length-delimited only."""
     out, pos = [], 0
     while pos < len(data):
-        tag, pos = _read_varint(data, pos)
+        tag, pos = read_varint(data, pos)
         number, wire = tag >> 3, tag & 7
         if wire == 0:
-            value, pos = _read_varint(data, pos)
+            value, pos = read_varint(data, pos)
         elif wire == 2:
-            length, pos = _read_varint(data, pos)
+            length, pos = read_varint(data, pos)
             if pos + length > len(data):
                 raise ValueError("field runs past the message")
             value, pos = data[pos : pos + length], pos + length
@@ -83,7 +72,7 @@ def encode_dial(peer_id: bytes, addrs: list[bytes]) -> bytes:
 
 def decode_response(framed: bytes) -> DialResponse:
     """A DIAL_RESPONSE (varint length first); ValueError for anything else."""
-    length, pos = _read_varint(framed, 0)
+    length, pos = read_varint(framed, 0)
     if length > MAX_RESPONSE_BYTES or pos + length != len(framed):
         raise ValueError("response length does not match its frame")
     top = dict(_fields(framed[pos:]))
@@ -109,7 +98,7 @@ async def request_dial_back(p2p, peer, own_addrs: list[bytes], *, timeout_s: flo
                 raise ValueError("the peer closed the stream without an answer")
             framed += chunk
             try:
-                length, pos = _read_varint(framed, 0)
+                length, pos = read_varint(framed, 0)
             except ValueError:
                 continue
             if length > MAX_RESPONSE_BYTES:

@@ -24,6 +24,7 @@ from peer.doctor.local import identity_row, multiaddr_row, port_rows, task_rows 
 from peer.doctor.rows import exit_code  # noqa: E402
 from peer.doctor.swarm import CLOCK_FIX, clock_row, swarm_rows  # noqa: E402
 from peer.health.record import HealthRecord  # noqa: E402
+from security.identity import read_varint  # noqa: E402
 from security.identity import Identity  # noqa: E402
 
 PEER = "QmaDnkJn14L31L9kNtpb1q1BjmENLgXCn6hcG7FqP4Gcyn"
@@ -139,7 +140,7 @@ def test_swarm_rows_compare_protocol_and_run_config():
 
 def test_autonat_messages_round_trip():
     framed = autonat.encode_dial(b"\x00\x24" + b"k" * 36, [b"\x04\x7f\x00\x00\x01\x06\x7a\x69"])
-    length, pos = autonat._read_varint(framed, 0)
+    length, pos = read_varint(framed, 0)
     assert pos + length == len(framed)
     top = dict(autonat._fields(framed[pos:]))
     assert top[1] == 0  # DIAL
