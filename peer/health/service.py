@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from collections import Counter
 from dataclasses import asdict
@@ -89,6 +90,7 @@ class HealthService:
         self.started_monotonic = time.monotonic()
         self.addresses: list[str] = []
         self.records: dict[str, HealthRecord] = {}
+        self.expirations: dict[str, float] = {}  # DHT time each record in `records` expires
         self.invalid_records = 0
         self.violations: list[str] = []
         self.swarm_problems: list[str] = []  # cut off, alone, behind, split (see swarm_view)
@@ -144,6 +146,7 @@ class HealthService:
         self.addresses = (await visible_maddrs(self.dht))[:16]
         found, self.invalid_records = await fetch_records(self.dht, self.settings.run_id)
         self.records = {peer: record for peer, (record, _) in found.items()}
+        self.expirations = {peer: expiration for peer, (_, expiration) in found.items()}
         if self.redialer is not None:  # every peer of the run, the bootstrap included, with its addresses
             self.redialer.observe(
                 {p: r.addresses for p, r in self.records.items() if r.state != "offline"},
@@ -171,6 +174,17 @@ class HealthService:
 
     def _track_swarm(self) -> None:
         self.recent.update(self.records, time.monotonic())
+        now = get_dht_time()
+        problems = self._swarm_reasons(self.records, now)
+        groups = len(training_groups(self.records, now=now, config_hash=self.config_hash or None))
+        if groups > 1 and self.groups_seen <= 1:
+            self.splits_seen += 1
+        self.groups_seen = max(groups, 1)
+        if [p.split(":")[0] for p in problems] != [p.split(":")[0] for p in self.swarm_problems]:  # not every step
+            logger.info(f"swarm view: {'; '.join(problems)}" if problems else "swarm view: sees the whole swarm again")
+        self.swarm_problems = problems
+
+    def _swarm_reasons(self, records: dict[str, HealthRecord], now: float) -> list[str]:
         engine = self.node.engine if self.node is not None else None
         last = self.metrics.last_round
         me = Self(
@@ -181,15 +195,18 @@ class HealthService:
             config_hash=self.config_hash,
             last_round_members=tuple(last.members) if last is not None else (),
         )
+        return swarm_reasons(me, records, self.recent.count(), now=now)[:MAX_VIOLATIONS]
+
+    def current_swarm_problems(self) -> list[str]:
+        """The swarm problems as of now: a record that expired since the last read no longer counts.
+        A cut-off peer's last read can be a whole publish period (plus a slow DHT lookup) old, and
+        the others' records in its own storage expire TTL_S after the cut: this makes `/readyz` say
+        503 within TTL_S instead of waiting for the next cycle."""
         now = get_dht_time()
-        problems = swarm_reasons(me, self.records, self.recent.count(), now=now)[:MAX_VIOLATIONS]
-        groups = len(training_groups(self.records, now=now, config_hash=self.config_hash or None))
-        if groups > 1 and self.groups_seen <= 1:
-            self.splits_seen += 1
-        self.groups_seen = max(groups, 1)
-        if [p.split(":")[0] for p in problems] != [p.split(":")[0] for p in self.swarm_problems]:  # not every step
-            logger.info(f"swarm view: {'; '.join(problems)}" if problems else "swarm view: sees the whole swarm again")
-        self.swarm_problems = problems
+        live = {p: r for p, r in self.records.items() if self.expirations.get(p, math.inf) > now}
+        if len(live) == len(self.records):
+            return self.swarm_problems
+        return self._swarm_reasons(live, now)
 
     def _check(self) -> list[str]:
         last = self.metrics.last_round
@@ -290,7 +307,7 @@ class HealthService:
             if self.peer_id in membership.banned:
                 reasons.append("banned")
         reasons.extend(self.violations)
-        reasons.extend(self.swarm_problems)
+        reasons.extend(self.current_swarm_problems())
         return not reasons, reasons
 
     def metrics_text(self) -> bytes:
@@ -347,7 +364,7 @@ class HealthService:
             "relayed_parts": m.relayed_parts,
             "legality": {"legal": not self.violations, "violations": self.violations},
             "swarm": {
-                "problems": self.swarm_problems,
+                "problems": self.current_swarm_problems(),
                 "peers_recent": self.recent.count(),
                 "groups": self.groups_seen,
                 "splits_seen": self.splits_seen,

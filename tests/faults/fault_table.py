@@ -21,8 +21,12 @@ from typing import Any, Callable, Optional
 
 from fault_swarm import FaultSwarm, Sample
 
+from peer.health.record import TTL_S
+
 REF_S = 10.0  # clean reference window before the first fault
-GRACE_S = 10.0  # a peer may take this long to notice it is cut off before /readyz must say 503
+# A peer notices a cut once the others' records in its own DHT storage expire (TTL_S after their
+# last store), plus one poll and one status read: /readyz must say 503 from then on.
+GRACE_S = TTL_S + 2.0
 MAX_STALL_S = 10.0
 REJOIN_S = 30.0
 MIN_THROUGHPUT = 0.75  # k:<n-1>: a lossy or slow peer may cost the others at most 25 %

@@ -173,3 +173,29 @@ def test_a_cut_off_bootstrap_is_unready_with_the_reason_and_its_metrics_say_so(t
     service.recent.seen_at = {p: t - RECENT_S - 1 for p, t in service.recent.seen_at.items()}  # two minutes on
     service._track_swarm()
     assert service.readiness() == (True, [])  # the lost peers no longer count
+
+
+def test_records_that_expire_between_reads_count_at_once(tmp_path):
+    """A cut-off peer's next read can be a publish period (or a slow lookup) away: /readyz must not
+    wait for it once the others' records in its storage have expired."""
+    from hivemind.utils import get_dht_time
+
+    from peer.config import NetworkSettings
+    from peer.health.metrics import PeerMetrics
+    from peer.health.service import HealthService
+    from security.identity import Identity
+
+    service = HealthService(
+        dht=_LiveDHT(), identity=Identity.generate_ed25519(tmp_path / "boot.id"),
+        metrics=PeerMetrics(role="bootstrap"), settings=NetworkSettings(),
+    )  # fmt: skip
+    now = get_dht_time()
+    service.published_at = now
+    service.records = {p: boot().model_copy(update={"peer_id": p, "published_at": now}) for p in (A, B, C, D)}
+    service.expirations = {A: now + 60, B: now + 60, C: now - 1, D: now - 1}
+    service._track_swarm()  # read while every record was alive
+    assert service.swarm_problems == []
+    assert service.readiness() == (True, []), "3 of 5 live records: not cut off"
+    service.expirations[B] = now - 1
+    assert service.readiness() == (False, ["cut off: sees 2 of 5 peers"])
+    assert service.status()["swarm"]["problems"] == ["cut off: sees 2 of 5 peers"]
