@@ -19,18 +19,21 @@ RUN python3 -m venv /opt/phalanx
 COPY scripts/docker-wheels/ /wheels/
 RUN if ls /wheels/*.whl >/dev/null 2>&1; then /opt/phalanx/bin/pip install /wheels/*.whl; \
     else /opt/phalanx/bin/pip install --index-url "$TORCH_INDEX_URL" "$TORCH_SPEC"; fi
-COPY pyproject.toml /src/
-RUN mkdir -p /src/peer /src/protocol /src/aggregation /src/security && touch /src/README.md \
-    && touch /src/peer/__init__.py /src/protocol/__init__.py /src/aggregation/__init__.py /src/security/__init__.py \
+COPY pyproject.toml setup.py /src/
+RUN cd /src && mkdir -p phalanx peer protocol aggregation security sim tasks && touch README.md \
+    && for d in phalanx peer protocol aggregation security sim tasks; do touch $d/__init__.py; done \
     && /opt/phalanx/bin/pip install /src && /opt/phalanx/bin/pip uninstall -y phalanx
 
 # ---- build: the phalanx wheel itself ------------------------------------------------------------
 FROM deps AS build
-COPY README.md /src/
+COPY README.md setup.py /src/
+COPY phalanx /src/phalanx
 COPY peer /src/peer
 COPY protocol /src/protocol
 COPY aggregation /src/aggregation
 COPY security /src/security
+COPY sim /src/sim
+COPY tasks /src/tasks
 RUN /opt/phalanx/bin/pip wheel --no-deps /src -w /dist
 
 # ---- runtime: the environment, phalanx, an entry point and a non-root user ---------------------

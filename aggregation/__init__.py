@@ -2,7 +2,7 @@
 
 No I/O, no networking, no hivemind: everything here takes and returns torch tensors
 (CPU or CUDA) so it can be tested with plain tensors and shared by the live swarm and
-the simulator. Nothing is imported here, so ``aggregation.errors`` stays cheap to import.
+the simulator. Nothing is imported here, so ``phalanx.aggregation.errors`` stays cheap to import.
 
 Map: base (input checks, AggregateResult) · registry (AGGREGATORS, make_aggregator) ·
 coordinatewise (mean, median, trimmed mean) + sortnet (their comparator networks) ·

@@ -18,9 +18,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from aggregation.base import check_int, check_matrix, check_positive
-from aggregation.errors import AggregationInputError
-from aggregation.registry import Registry, check_params
+from phalanx.aggregation.base import check_int, check_matrix, check_positive
+from phalanx.aggregation.errors import AggregationInputError
+from phalanx.aggregation.registry import Registry, check_params
 
 Attack = Callable[..., Tensor]  # (honest: (h, d), b: int, *, generator, **params) -> (b, d)
 

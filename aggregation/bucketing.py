@@ -13,7 +13,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from aggregation.base import AggregateResult, check_int, prepare
+from phalanx.aggregation.base import AggregateResult, check_int, prepare
 
 Aggregator = Callable[[Tensor, "Tensor | None"], AggregateResult]
 

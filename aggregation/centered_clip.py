@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from aggregation.base import (
+from phalanx.aggregation.base import (
     AggregateResult,
     check_int,
     check_matrix,
@@ -35,8 +35,8 @@ from aggregation.base import (
     check_weights,
     prepare,
 )
-from aggregation.coordinatewise import mean, median_of_rows
-from aggregation.span import centered_gram, combine, distances_to_point, row_sq_dists, span_norm, weighted_row_sum
+from phalanx.aggregation.coordinatewise import mean, median_of_rows
+from phalanx.aggregation.span import centered_gram, combine, distances_to_point, row_sq_dists, span_norm, weighted_row_sum
 
 TAU_HINT = "inf gives the mean"
 

@@ -19,9 +19,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from aggregation.base import check_int, check_nonnegative, check_positive
-from aggregation.errors import AggregationInputError
-from aggregation.staleness import GapAware
+from phalanx.aggregation.base import check_int, check_nonnegative, check_positive
+from phalanx.aggregation.errors import AggregationInputError
+from phalanx.aggregation.staleness import GapAware
 
 
 def _check_momentum(momentum: float) -> float:

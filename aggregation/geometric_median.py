@@ -19,9 +19,9 @@ import logging
 import numpy as np
 from torch import Tensor
 
-from aggregation.base import AggregateResult, check_int, check_nonnegative, check_positive, prepare
-from aggregation.coordinatewise import coordinate_median, median_of_rows
-from aggregation.span import centered_gram, combine, distances_to_point, span_norm
+from phalanx.aggregation.base import AggregateResult, check_int, check_nonnegative, check_positive, prepare
+from phalanx.aggregation.coordinatewise import coordinate_median, median_of_rows
+from phalanx.aggregation.span import centered_gram, combine, distances_to_point, span_norm
 
 logger = logging.getLogger(__name__)
 

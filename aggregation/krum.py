@@ -11,9 +11,9 @@ from __future__ import annotations
 import numpy as np
 from torch import Tensor
 
-from aggregation.base import AggregateResult, Rows, check_int, effective_b, excluded_note, prepare
-from aggregation.errors import AggregationInputError
-from aggregation.span import centered_gram, combine, median_norm_row, pairwise_sq_dists
+from phalanx.aggregation.base import AggregateResult, Rows, check_int, effective_b, excluded_note, prepare
+from phalanx.aggregation.errors import AggregationInputError
+from phalanx.aggregation.span import centered_gram, combine, median_norm_row, pairwise_sq_dists
 
 
 def _scores(sq: np.ndarray, k: int) -> np.ndarray:

@@ -17,13 +17,13 @@ from typing import Any, Generic, TypeVar
 import torch
 from torch import Tensor
 
-from aggregation.base import AggregateResult, check_int, check_nonnegative, check_positive
-from aggregation.bucketing import bucketing
-from aggregation.centered_clip import TAU_HINT, centered_clip
-from aggregation.coordinatewise import coordinate_median, mean, trimmed_mean
-from aggregation.errors import ConfigError
-from aggregation.geometric_median import MAX_ITERS, geometric_median
-from aggregation.krum import krum, multi_krum
+from phalanx.aggregation.base import AggregateResult, check_int, check_nonnegative, check_positive
+from phalanx.aggregation.bucketing import bucketing
+from phalanx.aggregation.centered_clip import TAU_HINT, centered_clip
+from phalanx.aggregation.coordinatewise import coordinate_median, mean, trimmed_mean
+from phalanx.aggregation.errors import ConfigError
+from phalanx.aggregation.geometric_median import MAX_ITERS, geometric_median
+from phalanx.aggregation.krum import krum, multi_krum
 
 T = TypeVar("T")
 

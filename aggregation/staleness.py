@@ -13,8 +13,8 @@ import math
 import torch
 from torch import Tensor
 
-from aggregation.base import check_nonnegative, check_positive
-from aggregation.errors import AggregationInputError
+from phalanx.aggregation.base import check_nonnegative, check_positive
+from phalanx.aggregation.errors import AggregationInputError
 
 
 def staleness_aware(g: Tensor, tau: float) -> Tensor:

@@ -14,9 +14,9 @@ from typing import Callable, Optional
 
 import torch
 
-from aggregation.attacks import make_attack
-from aggregation.errors import ConfigError
-from protocol.adversary import PROTOCOL_ATTACKS, Behavior
+from phalanx.aggregation.attacks import make_attack
+from phalanx.aggregation.errors import ConfigError
+from phalanx.protocol.adversary import PROTOCOL_ATTACKS, Behavior
 
 GRADIENT_ATTACKS = ("sign_flip", "random_direction", "label_flip", "delayed", "ipm", "alie", "nan")
 DELAY_STEPS = 20

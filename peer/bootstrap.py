@@ -9,10 +9,10 @@ import signal
 import tempfile
 from pathlib import Path
 
-from peer.config import NetworkSettings
-from peer.health import PeerMetrics, open_health
-from peer.node import daemon_socket_file, load_identity, remove_if_stale, serve_until, start_dht, visible_maddrs
-from protocol.redial import Redialer
+from phalanx.peer.config import NetworkSettings
+from phalanx.peer.health import PeerMetrics, open_health
+from phalanx.peer.node import daemon_socket_file, load_identity, remove_if_stale, serve_until, start_dht, visible_maddrs
+from phalanx.protocol.redial import Redialer
 
 logger = logging.getLogger(__name__)
 

@@ -13,12 +13,12 @@ from typing import Optional
 
 import typer
 
-from aggregation.errors import ConfigError, PhalanxError
-from peer.cli_options import PlainHelp, settings_command
-from peer.config import NetworkSettings, PeerConfig
-from peer.health.options import settings_command_with
-from peer.logs import configure_logging
-from peer.monitor.config import MonitorSettings
+from phalanx.aggregation.errors import ConfigError, PhalanxError
+from phalanx.peer.cli_options import PlainHelp, settings_command
+from phalanx.peer.config import NetworkSettings, PeerConfig
+from phalanx.peer.health.options import settings_command_with
+from phalanx.peer.logs import configure_logging
+from phalanx.peer.monitor.config import MonitorSettings
 
 app = typer.Typer(
     name="phalanx",
@@ -33,7 +33,7 @@ bench_app = typer.Typer(
     no_args_is_help=True,
 )
 app.add_typer(bench_app, name="bench")
-from peer.sim.cli import sim_app  # noqa: E402  (imports only typer; the simulator loads when a command runs)
+from phalanx.sim.cli import sim_app  # noqa: E402  (imports only typer; the simulator loads when a command runs)
 
 app.add_typer(sim_app, name="sim")
 
@@ -63,7 +63,7 @@ def bootstrap(settings: NetworkSettings) -> None:
 
       phalanx bootstrap --identity-path bootstrap.id --port 31337 --public-ip 203.0.113.7
     """
-    from peer.bootstrap import run_bootstrap
+    from phalanx.peer.bootstrap import run_bootstrap
 
     run_bootstrap(settings)
 
@@ -84,8 +84,8 @@ def join(settings: PeerConfig) -> None:
 
       PHALANX_INITIAL_PEERS=/ip4/... phalanx join --config peer.toml
     """
-    from peer.doctor import preflight
-    from peer.trainer import run_trainer
+    from phalanx.peer.doctor import preflight
+    from phalanx.peer.trainer import run_trainer
 
     preflight(settings)  # the doctor's checks that need no network: one line instead of a traceback
     if not settings.initial_peers:  # after the checks, so that a mistake stays one line
@@ -119,7 +119,7 @@ def doctor(settings: PeerConfig, initial_peers: Optional[list[str]], as_json: bo
     """
     import re
 
-    from peer.doctor import run_doctor
+    from phalanx.peer.doctor import run_doctor
 
     given = [a for v in initial_peers or [] for a in re.split(r"[\s,]+", v) if a] or settings.initial_peers
     code = run_doctor(settings, given, as_json=as_json)
@@ -160,7 +160,7 @@ def swarm(
 
       phalanx swarm --peers 4 --mode lasgd --stragglers 1 --slowdown shifted-exp:0.05:0.05
     """
-    from peer.swarm import run_swarm
+    from phalanx.peer.swarm import run_swarm
 
     join_args = [
         "--task", task, "--steps", str(steps), "--target-accuracy", str(target_accuracy),
@@ -171,7 +171,7 @@ def swarm(
         raise ConfigError("--attack needs at least one attack name with --byzantine")
     chosen = [attacks[i % len(attacks)] for i in range(byzantine)]
     if slowdown is not None:
-        from peer.slowdown import parse_slowdown
+        from phalanx.peer.slowdown import parse_slowdown
 
         parse_slowdown(slowdown)
     if stragglers and slowdown is None:
@@ -216,7 +216,7 @@ def health(settings: NetworkSettings, as_json: bool, watch: bool, interval_s: fl
             "--initial-peers: phalanx health reads the swarm through a running peer; give its address "
             "(the line `phalanx bootstrap` printed) or set PHALANX_INITIAL_PEERS"
         )
-    from peer.health.client import run_health
+    from phalanx.peer.health.client import run_health
 
     code = run_health(settings, as_json=as_json, watch=watch, interval_s=interval_s, expect=expect, timeout_s=timeout_s)
     if code:
@@ -235,7 +235,7 @@ def monitor(settings: MonitorSettings) -> None:
 
       phalanx monitor --initial-peers ... --http-host 0.0.0.0 --poll-s 5
     """
-    from peer.monitor.app import run_monitor
+    from phalanx.peer.monitor.app import run_monitor
 
     run_monitor(settings)
 
@@ -254,7 +254,7 @@ def keygen(
 
       phalanx keygen --owner --out myswarm
     """
-    from security.admission import generate_owner_key
+    from phalanx.security.admission import generate_owner_key
 
     if owner:
         private, public = out.with_suffix(".key"), out.with_suffix(".pub")
@@ -265,7 +265,7 @@ def keygen(
         raise ConfigError("keygen needs --identity-path (a peer identity) or --owner (a swarm owner key)")
     from hivemind.p2p import P2P
 
-    from security.identity import Identity
+    from phalanx.security.identity import Identity
 
     if not identity_path.exists():
         P2P.generate_identity(str(identity_path))
@@ -289,8 +289,8 @@ def admit(
 
       phalanx join --admission myswarm.pub --certificate 12D3KooW....cert --identity-path me.id ...
     """
-    from security.admission import issue, load_owner_private
-    from security.identity import is_peer_id
+    from phalanx.security.admission import issue, load_owner_private
+    from phalanx.security.identity import is_peer_id
 
     if not is_peer_id(peer_id):
         raise ConfigError(f"--peer-id: {peer_id!r} is not a peer ID (like 12D3KooW... or Qm...)")
@@ -316,7 +316,7 @@ def bench_aggregate(
 
       phalanx bench aggregate --n 8 --d 1000000 --aggregators mean,centered_clip --repeats 3
     """
-    from peer.bench.aggregate import run_aggregate_bench
+    from phalanx.peer.bench.aggregate import run_aggregate_bench
 
     run_aggregate_bench(
         ns=_int_list(n, "--n"),
@@ -350,7 +350,7 @@ def bench_allreduce(
 
       phalanx bench allreduce --verify --peers 4 --upload-mbps 0,1000,100
     """
-    from peer.bench.allreduce import IMPLS, run_allreduce_bench, run_verify_bench
+    from phalanx.peer.bench.allreduce import IMPLS, run_allreduce_bench, run_verify_bench
 
     limits = _float_list(upload_mbps, "--upload-mbps")
     if any(x < 0 for x in limits):
@@ -384,7 +384,7 @@ def bench_swarm(
 
       phalanx bench swarm --peers 2 --impls phalanx,ddp --repeats 3
     """
-    from peer.bench.swarm import IMPLS, run_swarm_bench
+    from phalanx.peer.bench.swarm import IMPLS, run_swarm_bench
 
     chosen = _str_list(impls)
     unknown = sorted(set(chosen) - set(IMPLS))
@@ -411,8 +411,8 @@ def bench_convergence(
 
       phalanx bench convergence --peers 4 --repeats 1 --straggler shifted-exp:0.05:0.05
     """
-    from peer.bench.convergence import run_convergence_bench
-    from peer.slowdown import parse_slowdown
+    from phalanx.peer.bench.convergence import run_convergence_bench
+    from phalanx.peer.slowdown import parse_slowdown
 
     parse_slowdown(straggler)
     run_convergence_bench(
@@ -431,7 +431,7 @@ def bench_cli(repeats: int = typer.Option(5, "--repeats", min=1, help="Timed run
 
       phalanx bench cli --repeats 10
     """
-    from peer.bench.cli import run_cli_bench
+    from phalanx.peer.bench.cli import run_cli_bench
 
     run_cli_bench(repeats)
 

@@ -14,7 +14,7 @@ import typer
 from pydantic.fields import FieldInfo
 from typer.core import TyperCommand
 
-from peer.config import NetworkSettings, load_settings, misspelt_env_vars
+from phalanx.peer.config import NetworkSettings, load_settings, misspelt_env_vars
 
 
 def _flag(name: str) -> str:

@@ -21,12 +21,12 @@ from typing import Annotated, Any, Literal, Optional
 from pydantic import Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, InitSettingsSource, NoDecode, PydanticBaseSettingsSource, SettingsConfigDict
 
-from aggregation.errors import ConfigError
-from protocol.config import Codec, MatchmakingConfig, RoundConfig, parse_aggregator_params, protocol_fields, verify_config_for
+from phalanx.aggregation.errors import ConfigError
+from phalanx.protocol.config import Codec, MatchmakingConfig, RoundConfig, parse_aggregator_params, protocol_fields, verify_config_for
 
 PROTOCOL_VERSION = 1
 BUILTIN_TASKS = ("digits-mlp", "mnist-cnn", "cifar10-resnet18")
-"""peer.tasks.TASKS's names (a test keeps them equal): known here without importing torch."""
+"""phalanx.tasks.TASKS's names (a test keeps them equal): known here without importing torch."""
 ENV_PREFIX = "PHALANX_"
 _config_data: contextvars.ContextVar[Optional[dict]] = contextvars.ContextVar("phalanx_config_data", default=None)
 
@@ -156,8 +156,8 @@ class PeerConfig(NetworkSettings):
         for flag, path in (("--admission", self.admission), ("--certificate", self.certificate)):
             if path is not None and not path.is_file():
                 raise ValueError(f"{flag}: no such file {str(path)!r}")
-        from peer.slowdown import parse_slowdown
-        from protocol.sync_policy import parse_sync_policy
+        from phalanx.peer.slowdown import parse_slowdown
+        from phalanx.protocol.sync_policy import parse_sync_policy
 
         try:
             parse_sync_policy(self.sync_policy)
@@ -180,7 +180,7 @@ class PeerConfig(NetworkSettings):
         if self.mode == "gossip" and self.target_group_size not in (None, 2):
             raise ValueError("--mode gossip averages with one peer at a time: drop --target-group-size")
         if self.attack is not None:
-            from peer.attacks import parse_attack
+            from phalanx.peer.attacks import parse_attack
 
             try:
                 parse_attack(self.attack, self.seed)
@@ -328,7 +328,7 @@ OTHER_ENV_VARS = ("LOG_FORMAT", "BOOTSTRAP_URL", "BOOTSTRAP_WAIT_S", "REPLICA_DI
 
 def known_settings() -> set[str]:
     """Every field name of every command's settings model."""
-    from peer.monitor.config import MonitorSettings
+    from phalanx.peer.monitor.config import MonitorSettings
 
     return set(PeerConfig.model_fields) | set(MonitorSettings.model_fields)
 

@@ -18,16 +18,16 @@ from typing import TYPE_CHECKING, Optional
 
 import torch
 
-from aggregation.errors import PeerProtocolError, PhalanxError, RoundAbortedError, RoundTimeoutError
-from peer.local_sgd import LocalState, StalenessCorrection, look_ahead, merge
-from peer.slowdown import parse_slowdown
-from protocol.engine import Averaged
-from protocol.matchmaking import GroupSpec
-from protocol.state_sync import StateSnapshot
+from phalanx.aggregation.errors import PeerProtocolError, PhalanxError, RoundAbortedError, RoundTimeoutError
+from phalanx.peer.local_sgd import LocalState, StalenessCorrection, look_ahead, merge
+from phalanx.peer.slowdown import parse_slowdown
+from phalanx.protocol.engine import Averaged
+from phalanx.protocol.matchmaking import GroupSpec
+from phalanx.protocol.state_sync import StateSnapshot
 
 if TYPE_CHECKING:
-    from peer.node import Node
-    from peer.trainer import Trainer
+    from phalanx.peer.node import Node
+    from phalanx.peer.trainer import Trainer
 
 logger = logging.getLogger(__name__)
 

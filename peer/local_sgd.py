@@ -26,7 +26,7 @@ from typing import Awaitable, Callable, Iterator, Literal, Optional
 
 import torch
 
-from aggregation.staleness import GapAware, dc_asgd, staleness_aware
+from phalanx.aggregation.staleness import GapAware, dc_asgd, staleness_aware
 
 Staleness = Literal["gap_aware", "sa", "dc", "none"]
 

@@ -22,21 +22,21 @@ from hivemind.dht import DHTNode
 from hivemind.p2p import P2P
 from multiaddr import Multiaddr
 
-from aggregation.errors import ConfigError, PeerProtocolError, PhalanxError
-from peer.attacks import parse_attack
-from peer.config import NetworkSettings, PeerConfig
-from peer.lifeline import exit_with_parent
-from peer.ports import check_listen_ports
-from protocol.admission import AdmissionGate
-from protocol.bans import BanBook, BanVoteValidator
-from protocol.dht_calls import DHT_DIED, in_dht
-from protocol.engine import RoundEngine
-from protocol.membership import LEADER_PERIOD_S, Membership
-from protocol.redial import Redialer
-from protocol.sync_policy import parse_sync_policy
-from protocol.transport import Transport
-from security.admission import load_owner_public
-from security.identity import Identity
+from phalanx.aggregation.errors import ConfigError, PeerProtocolError, PhalanxError
+from phalanx.peer.attacks import parse_attack
+from phalanx.peer.config import NetworkSettings, PeerConfig
+from phalanx.peer.lifeline import exit_with_parent
+from phalanx.peer.ports import check_listen_ports
+from phalanx.protocol.admission import AdmissionGate
+from phalanx.protocol.bans import BanBook, BanVoteValidator
+from phalanx.protocol.dht_calls import DHT_DIED, in_dht
+from phalanx.protocol.engine import RoundEngine
+from phalanx.protocol.membership import LEADER_PERIOD_S, Membership
+from phalanx.protocol.redial import Redialer
+from phalanx.protocol.sync_policy import parse_sync_policy
+from phalanx.protocol.transport import Transport
+from phalanx.security.admission import load_owner_public
+from phalanx.security.identity import Identity
 
 logger = logging.getLogger(__name__)
 

@@ -29,8 +29,8 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
-from aggregation.errors import PhalanxError
-from peer.swarm_report import exit_reason, is_failure, last_error_line, print_report
+from phalanx.aggregation.errors import PhalanxError
+from phalanx.peer.swarm_report import exit_reason, is_failure, last_error_line, print_report
 
 logger = logging.getLogger(__name__)
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"
@@ -129,7 +129,7 @@ class Swarm:
         return time.monotonic() - self.started
 
     def _command(self, *args: str) -> list[str]:
-        return [sys.executable, "-m", "peer.cli", *args]
+        return [sys.executable, "-m", "phalanx", *args]
 
     async def _spawn(self, name: str, args: list[str], env_extra: dict[str, str]) -> asyncio.subprocess.Process:
         log = open(self.workdir / f"{name}.log", "wb")
@@ -148,7 +148,7 @@ class Swarm:
         would make the peer generate an RSA key, and hivemind then starts a second p2p daemon at each
         start to check that no other peer uses an RSA identity: about a second per trainer here. Keys
         made by this launcher for its own peers cannot be in use elsewhere."""
-        from security.identity import Identity
+        from phalanx.security.identity import Identity
 
         path = self.workdir / f"{name}.id"
         if not path.exists():

@@ -12,7 +12,7 @@ from rich.console import Console
 from rich.table import Table
 
 if TYPE_CHECKING:
-    from peer.swarm import PeerView, SwarmResult
+    from phalanx.peer.swarm import PeerView, SwarmResult
 
 # `phalanx join` exits 3 when it stopped before reaching --target-accuracy (steps done, or stopped
 # by a signal), 2 on a user's mistake (one `error: …` line) and 1 on any other error.

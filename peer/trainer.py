@@ -28,14 +28,14 @@ from typing import Any, Optional
 
 import torch
 
-from aggregation.errors import ConfigError, PeerProtocolError, PhalanxError, RoundAbortedError, RoundTimeoutError
-from peer.attacks import parse_attack
-from peer.checkpoint import load_latest, save_checkpoint
-from peer.config import PeerConfig
-from peer.health import PeerMetrics, open_node_health
-from peer.node import DHT_DIED, Node, open_node, quiet_p2p_daemon_noise, visible_maddrs
-from peer.tasks import Task, compute_gradient, resolve_task
-from protocol.engine import Resync, initial_version
+from phalanx.aggregation.errors import ConfigError, PeerProtocolError, PhalanxError, RoundAbortedError, RoundTimeoutError
+from phalanx.peer.attacks import parse_attack
+from phalanx.peer.checkpoint import load_latest, save_checkpoint
+from phalanx.peer.config import PeerConfig
+from phalanx.peer.health import PeerMetrics, open_node_health
+from phalanx.peer.node import DHT_DIED, Node, open_node, quiet_p2p_daemon_noise, visible_maddrs
+from phalanx.tasks import Task, compute_gradient, resolve_task
+from phalanx.protocol.engine import Resync, initial_version
 
 logger = logging.getLogger(__name__)
 
@@ -193,7 +193,7 @@ class Trainer:
             f"({self.model.numel} parameters, step {step})"
         )
         if not self.config.initial_peers:
-            from peer.bootstrap import initial_peers_line
+            from phalanx.peer.bootstrap import initial_peers_line
 
             logger.info(f"others join this new swarm with: {initial_peers_line(await visible_maddrs(node.dht))}")
         self._emit("started", peer_id=node.peer_id, step=step, params=self.model.numel, param_hash=self.model.param_hash())
@@ -205,7 +205,7 @@ class Trainer:
             if self.config.mode == "sync":
                 await self._loop(node)
             else:
-                from peer.local_loop import LocalLoop
+                from phalanx.peer.local_loop import LocalLoop
 
                 self._local = LocalLoop(self, node)
                 await self._local.run()

@@ -11,9 +11,9 @@ from cryptography.hazmat.primitives.asymmetric import ed25519
 from hivemind import DHT
 from hivemind.utils import get_dht_time
 
-from aggregation.errors import PeerProtocolError
-from protocol.dht_calls import dht_get, dht_store
-from security.admission import verify_certificate
+from phalanx.aggregation.errors import PeerProtocolError
+from phalanx.protocol.dht_calls import dht_get, dht_store
+from phalanx.security.admission import verify_certificate
 
 logger = logging.getLogger(__name__)
 

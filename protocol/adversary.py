@@ -1,73 +1,19 @@
 """Protocol-level attacks, for tests, demos and benchmarks (`phalanx join --attack NAME`).
 
-A `Behavior` is consulted at every point of a verified round where a member could lie;
-the base class is an honest member and each attack overrides one hook. Gradient-level
+Each attack overrides one hook of `Behavior` (protocol/btard/behavior.py), the honest member
+the verified round consults wherever a member could lie. Gradient-level
 attacks (what a member contributes) live with the trainer in peer/attacks.py.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable, Optional
-
 import torch
-
-from aggregation.registry import Registry
-from security.commitments import AggregateBody, part_hash
-from security.phases import RoundPhase
-from security.statements import sign_statement
-from security.wire import pack, unpack
-
-if TYPE_CHECKING:
-    from protocol.btard.round import VerifiedRound
-
-
-class Behavior:
-    """An honest member."""
-
-    name = "honest"
-    silent = False  # joins groups, then sends nothing at all
-
-    def committed_hashes(self, hashes: list[bytes]) -> list[bytes]:
-        return hashes
-
-    def sent_vector(self, vector: torch.Tensor) -> torch.Tensor:
-        """What is actually sent after committing to `vector`."""
-        return vector
-
-    def claimed_weight(self, weight: float) -> float:
-        return weight
-
-    def speaks(self, phase: RoundPhase) -> bool:
-        """Whether this member sends its message of `phase` (it still collects the others')."""
-        return True
-
-    async def reported(self, vr: "VerifiedRound", part: int, s: float, norm: float) -> tuple[float, float]:
-        """The (s, ‖x − v‖) this member reports for its contribution to `part`."""
-        return s, norm
-
-    def reports_for(self, vr: "VerifiedRound", body) -> dict[str, Optional[bytes]]:
-        """Members that get another signed report than `body` (peer ID -> packed statement, or None: none)."""
-        return {}
-
-    def wrap_reducer(self, reducer: Callable) -> Callable:
-        return reducer
-
-    def aggregate_reply(self, vr: "VerifiedRound", receiver: int, header: bytes, payload):
-        return header, payload
-
-    def false_accusations(self, vr: "VerifiedRound", reports: dict) -> list[str]:
-        return []
-
-    def claimed_undelivered(self, vr: "VerifiedRound", undelivered: set[int]) -> set[int]:
-        return undelivered
-
-    def served_state(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """The state this member hands to peers that download it (as a donor, or keeps as a witness)."""
-        return tensors
-
-    def counted(self, vr: "VerifiedRound", received: list[int]) -> list[int]:
-        """As a reducer: the received parts its aggregate is computed from."""
-        return received
+from phalanx.aggregation.registry import Registry
+from phalanx.protocol.btard.behavior import Behavior
+from phalanx.security.commitments import AggregateBody, part_hash
+from phalanx.security.phases import RoundPhase
+from phalanx.security.statements import sign_statement
+from phalanx.security.wire import pack, unpack
 
 
 class WrongAggregate(Behavior):
@@ -92,7 +38,7 @@ class Equivocate(Behavior):
     def aggregate_reply(self, vr, receiver, header, payload):
         if receiver % 2 == 0:
             return header, payload
-        from protocol.allreduce import AggregateHeader
+        from phalanx.protocol.allreduce import AggregateHeader
 
         forged = torch.frombuffer(bytearray(payload), dtype=torch.float32) + 1.0
         data = forged.numpy().tobytes()
@@ -187,7 +133,7 @@ class WithholdAggregate(Behavior):
     name = "withhold_aggregate"
 
     def aggregate_reply(self, vr, receiver, header, payload):
-        from aggregation.errors import RoundAbortedError
+        from phalanx.aggregation.errors import RoundAbortedError
 
         raise RoundAbortedError("withheld (attack)")
 

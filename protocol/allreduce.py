@@ -22,12 +22,12 @@ from typing import Annotated, Callable, Optional, Protocol
 import torch
 from pydantic import Field
 
-from aggregation.errors import AggregationInputError, PeerProtocolError, RoundAbortedError
-from protocol.channel import Activity, Hasher
-from protocol.codec import Codec, decode, encode, encoded_size_bound
-from protocol.partition import partition_bounds
-from protocol.transport import CallFailed, Landing, Transport
-from security.wire import RoundId, WireModel, pack, unpack
+from phalanx.aggregation.errors import AggregationInputError, PeerProtocolError, RoundAbortedError
+from phalanx.protocol.channel import Activity, Hasher
+from phalanx.protocol.codec import Codec, decode, encode, encoded_size_bound
+from phalanx.protocol.partition import partition_bounds
+from phalanx.protocol.transport import CallFailed, Landing, Transport
+from phalanx.security.wire import RoundId, WireModel, pack, unpack
 
 logger = logging.getLogger(__name__)
 

@@ -20,11 +20,11 @@ from hivemind.dht.validation import DHTRecord, RecordValidatorBase
 from hivemind.utils import get_dht_time
 from hivemind.utils.serializer import MSGPackSerializer
 
-from aggregation.errors import PeerProtocolError
-from protocol.dht_calls import dht_get, dht_store
-from security.evidence import BanVote, Vote, banned
-from security.statements import Signed, Statement, open_statement
-from security.wire import pack, unpack
+from phalanx.aggregation.errors import PeerProtocolError
+from phalanx.protocol.dht_calls import dht_get, dht_store
+from phalanx.security.evidence import BanVote, Vote, banned
+from phalanx.security.statements import Signed, Statement, open_statement
+from phalanx.security.wire import pack, unpack
 
 logger = logging.getLogger(__name__)
 

@@ -12,8 +12,8 @@ import torch
 from hivemind.compression import deserialize_torch_tensor, serialize_torch_tensor
 from hivemind.proto.runtime_pb2 import CompressionType, Tensor as TensorProto
 
-from aggregation.errors import PeerProtocolError
-from protocol.config import Codec
+from phalanx.aggregation.errors import PeerProtocolError
+from phalanx.protocol.config import Codec
 
 
 _HIVEMIND = {Codec.FP16: CompressionType.FLOAT16, Codec.UINT8: CompressionType.UNIFORM_8BIT}

@@ -8,7 +8,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from aggregation.errors import ConfigError
+from phalanx.aggregation.errors import ConfigError
 
 
 class Codec(str, enum.Enum):
@@ -99,7 +99,7 @@ class RoundConfig:
     def make_reducer(self):
         """(rows (n, d), weights (n,)) -> aggregate (d,) with the configured rule; unknown names and
         bad parameters raise ConfigError listing the valid ones."""
-        from aggregation.registry import make_aggregator
+        from phalanx.aggregation.registry import make_aggregator
 
         params = dict(self.aggregator_params)
         if self.aggregator == CLIPPED_GOSSIP:
@@ -156,7 +156,7 @@ def parse_aggregator_params(text: str, aggregator: str = "") -> tuple[tuple[str,
         except ValueError:
             pass
         if names is None:
-            from aggregation.registry import name_parameters  # imports torch: only once a value is text
+            from phalanx.aggregation.registry import name_parameters  # imports torch: only once a value is text
 
             names = name_parameters(aggregator)
         if key not in names or not value:
@@ -176,7 +176,7 @@ def clipped_gossip_reducer(params: dict):
     so the group's sum (hence its average) is kept."""
     import torch
 
-    from aggregation.gossip import clipped_gossip_update
+    from phalanx.aggregation.gossip import clipped_gossip_update
 
     unknown = set(params) - {"tau"}
     if "tau" not in params or unknown:

@@ -21,24 +21,24 @@ from typing import Awaitable, Callable, Optional, Union
 
 import torch
 
-from aggregation.errors import PeerProtocolError, RoundAbortedError
-from protocol.adversary import Behavior
-from protocol.allreduce import AllReduceResult, AllReduceService, RoundSpec
-from protocol.bans import BanBook, refresh_forever
-from protocol.btard import BtardService, Recompute, Verdict, VerifiedRound
-from protocol.codec import encode
-from protocol.config import Codec, RoundConfig
-from protocol.exchange import ExchangeService
-from protocol.matchmaking import GroupSpec, Matchmaker
-from protocol.membership import Membership
-from protocol.state_sync import StateService, StateSnapshot
-from protocol.sync_policy import SyncPolicy
-from protocol.transport import CallFailed, Transport
-from security.commitments import GroupBody
-from security.identity import Identity
-from security.projection import fingerprints_match, state_fingerprint
-from security.statements import Signed, open_statement
-from security.wire import unpack
+from phalanx.aggregation.errors import PeerProtocolError, RoundAbortedError
+from phalanx.protocol.btard.behavior import Behavior
+from phalanx.protocol.allreduce import AllReduceResult, AllReduceService, RoundSpec
+from phalanx.protocol.bans import BanBook, refresh_forever
+from phalanx.protocol.btard import BtardService, Recompute, Verdict, VerifiedRound
+from phalanx.protocol.codec import encode
+from phalanx.protocol.config import Codec, RoundConfig
+from phalanx.protocol.exchange import ExchangeService
+from phalanx.protocol.matchmaking import GroupSpec, Matchmaker
+from phalanx.protocol.membership import Membership
+from phalanx.protocol.state_sync import StateService, StateSnapshot
+from phalanx.protocol.sync_policy import SyncPolicy
+from phalanx.protocol.transport import CallFailed, Transport
+from phalanx.security.commitments import GroupBody
+from phalanx.security.identity import Identity
+from phalanx.security.projection import fingerprints_match, state_fingerprint
+from phalanx.security.statements import Signed, open_statement
+from phalanx.security.wire import unpack
 
 logger = logging.getLogger(__name__)
 

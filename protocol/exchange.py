@@ -18,10 +18,10 @@ from typing import Annotated, Optional
 
 from pydantic import Strict
 
-from aggregation.errors import PeerProtocolError, RoundAbortedError
-from protocol.transport import CallFailed, Transport
-from security.phases import RoundPhase
-from security.wire import RoundId, WireModel, pack, unpack
+from phalanx.aggregation.errors import PeerProtocolError, RoundAbortedError
+from phalanx.protocol.transport import CallFailed, Transport
+from phalanx.security.phases import RoundPhase
+from phalanx.security.wire import RoundId, WireModel, pack, unpack
 
 logger = logging.getLogger(__name__)
 

@@ -27,15 +27,15 @@ from typing import Annotated, Callable, Literal, Optional
 
 from pydantic import Field
 
-from aggregation.errors import PeerProtocolError, RoundTimeoutError
-from protocol.config import MatchmakingConfig
-from protocol.membership import Membership
-from protocol.sync_policy import SyncPolicy
-from protocol.transport import CallFailed, Transport
-from security.commitments import GroupBody
-from security.identity import Identity
-from security.statements import sign_statement
-from security.wire import PeerIdStr, RoundId, WireModel, pack, unpack
+from phalanx.aggregation.errors import PeerProtocolError, RoundTimeoutError
+from phalanx.protocol.config import MatchmakingConfig
+from phalanx.protocol.membership import Membership
+from phalanx.protocol.sync_policy import SyncPolicy
+from phalanx.protocol.transport import CallFailed, Transport
+from phalanx.security.commitments import GroupBody
+from phalanx.security.identity import Identity
+from phalanx.security.statements import sign_statement
+from phalanx.security.wire import PeerIdStr, RoundId, WireModel, pack, unpack
 
 logger = logging.getLogger(__name__)
 

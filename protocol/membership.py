@@ -18,8 +18,8 @@ from hivemind import DHT
 from hivemind.utils import get_dht_time
 from pydantic import ValidationError
 
-from protocol.dht_calls import dht_get, dht_store
-from security.wire import WireModel
+from phalanx.protocol.dht_calls import dht_get, dht_store
+from phalanx.security.wire import WireModel
 
 logger = logging.getLogger(__name__)
 

@@ -24,7 +24,7 @@ from hivemind.dht import DHTNode
 from hivemind.p2p import PeerID
 from multiaddr import Multiaddr
 
-from protocol.dht_calls import in_dht
+from phalanx.protocol.dht_calls import in_dht
 
 logger = logging.getLogger(__name__)
 

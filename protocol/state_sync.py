@@ -22,10 +22,10 @@ from typing import Annotated, Literal, Optional
 import torch
 from pydantic import Field
 
-from aggregation.errors import PeerProtocolError, RoundAbortedError
-from protocol.transport import Transport
-from security.projection import state_fingerprint
-from security.wire import RoundId, WireModel, pack, unpack
+from phalanx.aggregation.errors import PeerProtocolError, RoundAbortedError
+from phalanx.protocol.transport import Transport
+from phalanx.security.projection import state_fingerprint
+from phalanx.security.wire import RoundId, WireModel, pack, unpack
 
 logger = logging.getLogger(__name__)
 

@@ -27,8 +27,8 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from google.protobuf.wrappers_pb2 import BytesValue
 from hivemind.p2p import P2P, P2PContext, PeerID, ServicerBase
 
-from aggregation.errors import PeerProtocolError, RoundAbortedError
-from protocol.channel import (
+from phalanx.aggregation.errors import PeerProtocolError, RoundAbortedError
+from phalanx.protocol.channel import (
     Activity,
     CallFailed,
     Channel,
@@ -39,7 +39,7 @@ from protocol.channel import (
     StreamPipe,
     UploadLimiter,
 )
-from security.wire import MAX_MESSAGE_BYTES, Address, WireModel, pack, unpack
+from phalanx.security.wire import MAX_MESSAGE_BYTES, Address, WireModel, pack, unpack
 
 logger = logging.getLogger(__name__)
 

@@ -49,7 +49,7 @@ class Trainer:
 
     def start(self) -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "peer.cli", *self.args, "--http-port", str(self.port)],
+            [sys.executable, "-m", "phalanx", *self.args, "--http-port", str(self.port)],
             stdout=subprocess.DEVNULL, stderr=open(self.log, "ab"), start_new_session=True,
             env={**os.environ, "PHALANX_TORCH_THREADS": "1"},
         )  # fmt: skip
@@ -90,7 +90,7 @@ def main() -> None:
     opts = ap.parse_args()
     scratch = Path(tempfile.mkdtemp(prefix="phalanx-stalls-"))
     boot = subprocess.Popen(
-        [sys.executable, "-m", "peer.cli", "bootstrap", "--host-maddrs", LOOPBACK, "--identity-path", str(scratch / "b.id")],
+        [sys.executable, "-m", "phalanx", "bootstrap", "--host-maddrs", LOOPBACK, "--identity-path", str(scratch / "b.id")],
         stdout=subprocess.PIPE, stderr=open(scratch / "bootstrap.log", "wb"), text=True, start_new_session=True,
     )  # fmt: skip
     trainers: list[Trainer] = []

@@ -16,8 +16,8 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ed25519
 from pydantic import Field
 
-from aggregation.errors import ConfigError, PeerProtocolError
-from security.wire import PeerIdStr, WireModel, pack, unpack
+from phalanx.aggregation.errors import ConfigError, PeerProtocolError
+from phalanx.security.wire import PeerIdStr, WireModel, pack, unpack
 
 DOMAIN = b"phalanx-admission-v1\0"
 

@@ -16,7 +16,7 @@ from typing import Annotated
 
 from pydantic import Field
 
-from security.wire import PeerIdStr, WireModel
+from phalanx.security.wire import PeerIdStr, WireModel
 
 HASH_BYTES = 32
 MAX_MEMBERS = 256

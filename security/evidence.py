@@ -27,8 +27,8 @@ from typing import Annotated, Optional
 
 from pydantic import Field
 
-from aggregation.errors import PeerProtocolError
-from security.commitments import (
+from phalanx.aggregation.errors import PeerProtocolError
+from phalanx.security.commitments import (
     AggregateBody,
     CommitBody,
     GroupBody,
@@ -37,9 +37,9 @@ from security.commitments import (
     members_digest,
     share_commitment,
 )
-from security.phases import RoundPhase
-from security.statements import Signed, open_statement
-from security.wire import PeerIdStr, WireModel
+from phalanx.security.phases import RoundPhase
+from phalanx.security.statements import Signed, open_statement
+from phalanx.security.wire import PeerIdStr, WireModel
 
 MAX_EVIDENCE = 4
 

@@ -12,9 +12,9 @@ from typing import Annotated, TypeVar
 
 from pydantic import Field
 
-from aggregation.errors import PeerProtocolError
-from security.identity import Identity, verify
-from security.wire import PeerIdStr, WireModel, pack, unpack
+from phalanx.aggregation.errors import PeerProtocolError
+from phalanx.security.identity import Identity, verify
+from phalanx.security.wire import PeerIdStr, WireModel, pack, unpack
 
 DOMAIN = b"phalanx-statement-v1\0"
 MAX_BODY_BYTES = 256 << 10

@@ -23,9 +23,9 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from aggregation.errors import ConfigError
-from aggregation.registry import AGGREGATORS, make_aggregator
-from peer.bench import bench_console
+from phalanx.aggregation.errors import ConfigError
+from phalanx.aggregation.registry import AGGREGATORS, make_aggregator
+from phalanx.peer.bench import bench_console
 
 TAU = 1.0  # CenteredClip radius, in units where honest noise norms lie in [0.5, 2]
 CELL_MEMORY_FACTOR = 2.5  # input + the largest temporaries (a mean-sized copy, sort chunks) must fit

@@ -21,7 +21,7 @@ from typing import Any, Optional
 
 import torch
 
-from peer.bench import bench_console
+from phalanx.peer.bench import bench_console
 
 IMPLS = ("phalanx", "hivemind", "gloo")
 
@@ -101,9 +101,9 @@ def _run_hivemind(args) -> dict[str, Any]:
 def _run_phalanx(args) -> dict[str, Any]:
     import uvloop
 
-    from peer.config import PeerConfig
-    from peer.node import open_node
-    from protocol.engine import Averaged
+    from phalanx.peer.config import PeerConfig
+    from phalanx.peer.node import open_node
+    from phalanx.protocol.engine import Averaged
 
     config = PeerConfig(
         initial_peers=args.initial_peers,
@@ -218,7 +218,7 @@ def run_case(impl: str, world: int, numel: int, rounds: int, *, extra: Optional[
     try:
         for rank in range(world):
             cmd = [
-                sys.executable, "-m", "peer.bench.allreduce", impl, "--rank", str(rank), "--world", str(world),
+                sys.executable, "-m", "phalanx.peer.bench.allreduce", impl, "--rank", str(rank), "--world", str(world),
                 "--numel", str(numel), "--rounds", str(rounds), "--port", str(port), *(extra or []),
             ]  # fmt: skip
             if initial:

@@ -13,7 +13,7 @@ import time
 from rich.console import Console
 from rich.table import Table
 
-_PHALANX = [sys.executable, "-m", "peer.cli"]
+_PHALANX = [sys.executable, "-m", "phalanx"]
 CASES = {
     "python -c pass": [sys.executable, "-c", "pass"],
     "python -c 'import torch'": [sys.executable, "-c", "import torch"],

@@ -18,7 +18,7 @@ from typing import Any, Optional
 
 import torch
 
-from peer.bench import bench_console
+from phalanx.peer.bench import bench_console
 
 EVAL_EVERY = 10
 SEED = 0
@@ -30,7 +30,7 @@ HIVEMIND_AVERAGING_TIMEOUT_S = 10.0
 
 
 def _task_and_model():
-    from peer.tasks import resolve_task
+    from phalanx.tasks import resolve_task
 
     task = resolve_task("digits-mlp")
     model = task.build_model(SEED)
@@ -129,7 +129,7 @@ def worker_main(argv: Optional[list[str]] = None) -> None:
 
 
 def _run_reference(impl: str, world: int, target: float, time_limit_s: float) -> dict[str, Any]:
-    from peer.bench.allreduce import _free_port
+    from phalanx.peer.bench.allreduce import _free_port
 
     bootstrap = None
     initial: list[str] = []
@@ -143,7 +143,7 @@ def _run_reference(impl: str, world: int, target: float, time_limit_s: float) ->
     try:
         for rank in range(world):
             cmd = [
-                sys.executable, "-m", "peer.bench.swarm", impl, "--rank", str(rank), "--world", str(world),
+                sys.executable, "-m", "phalanx.peer.bench.swarm", impl, "--rank", str(rank), "--world", str(world),
                 "--port", str(port), "--target", str(target), "--time-limit-s", str(time_limit_s),
             ]  # fmt: skip
             if initial:
@@ -156,8 +156,8 @@ def _run_reference(impl: str, world: int, target: float, time_limit_s: float) ->
             )
         for rank, p in enumerate(procs):
             if p.stdout.readline().strip() != "READY":
-                from aggregation.errors import PhalanxError
-                from peer.swarm_report import error_line
+                from phalanx.aggregation.errors import PhalanxError
+                from phalanx.peer.swarm_report import error_line
 
                 p.kill()
                 why = error_line(p.communicate()[1]) or "nothing on its stderr"
@@ -195,7 +195,7 @@ def _is_failure(line: str) -> bool:
 def _run_phalanx(world: int, target: float, extra_args: list[str]) -> dict[str, Any]:
     import uvloop
 
-    from peer.swarm import Swarm
+    from phalanx.peer.swarm import Swarm
 
     args = [
         "--task", "digits-mlp", "--steps", "5000", "--target-accuracy", str(target), "--eval-every", str(EVAL_EVERY),

@@ -14,7 +14,7 @@ import asyncio
 from dataclasses import dataclass
 from typing import Optional
 
-from security.identity import read_varint  # the same protobuf varint the libp2p key files use
+from phalanx.security.identity import read_varint  # the same protobuf varint the libp2p key files use
 
 PROTOCOL = "/libp2p/autonat/1.0.0"
 MAX_RESPONSE_BYTES = 4096  # a response is a status, a short text and one address

@@ -10,10 +10,10 @@ import socket
 from pathlib import Path
 from typing import Optional
 
-from aggregation.errors import ConfigError
-from peer.config import PeerConfig
-from peer.doctor.rows import Row, failed, ok
-from security.identity import is_peer_id
+from phalanx.aggregation.errors import ConfigError
+from phalanx.peer.config import PeerConfig
+from phalanx.peer.doctor.rows import Row, failed, ok
+from phalanx.security.identity import is_peer_id
 
 BOOTSTRAP_LINE = "copy the whole --initial-peers line that `phalanx bootstrap` printed"
 
@@ -119,7 +119,7 @@ def identity_row(settings: PeerConfig) -> Row:
         if not os.access(path.parent, os.W_OK):
             return failed(check, f"cannot create {str(path)!r}: {str(path.parent)!r} is not writable", "point --identity-path at a writable folder")
         return ok(check, f"{str(path)!r} will be created at the first start")
-    from security.identity import Identity
+    from phalanx.security.identity import Identity
 
     try:
         identity = Identity.load(path)
@@ -130,8 +130,8 @@ def identity_row(settings: PeerConfig) -> Row:
 
 def task_rows(settings: PeerConfig) -> list[Row]:
     """Task resolvable with its data, the device usable, and room for checkpoints."""
-    from peer.tasks import resolve_task
-    from peer.trainer import resolve_device
+    from phalanx.tasks import resolve_task
+    from phalanx.peer.trainer import resolve_device
 
     rows = []
     options = {"data_dir": settings.data_dir} if settings.data_dir is not None else {}

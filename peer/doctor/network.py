@@ -11,10 +11,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Optional
 
-from peer.config import PeerConfig
-from peer.doctor import autonat
-from peer.doctor.local import BOOTSTRAP_LINE, host_port, peer_id_of, short
-from peer.doctor.rows import Row, failed, ok, skipped, warned
+from phalanx.peer.config import PeerConfig
+from phalanx.peer.doctor import autonat
+from phalanx.peer.doctor.local import BOOTSTRAP_LINE, host_port, peer_id_of, short
+from phalanx.peer.doctor.rows import Row, failed, ok, skipped, warned
 
 P2PD_STARTUP_TIMEOUT_S = 15.0  # hivemind's default, which `phalanx join` runs with
 TCP_TIMEOUT_S = 5.0
@@ -249,8 +249,8 @@ async def identity_free_row(p2p, settings: PeerConfig, probes: list[Probe]) -> O
     path = settings.identity_path
     if path is None or not path.is_file():
         return None
-    from aggregation.errors import ConfigError
-    from security.identity import Identity
+    from phalanx.aggregation.errors import ConfigError
+    from phalanx.security.identity import Identity
 
     try:
         peer_id = PeerID.from_base58(Identity.load(path).peer_id)

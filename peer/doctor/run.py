@@ -8,12 +8,12 @@ import json
 import logging
 import sys
 
-from aggregation.errors import ConfigError
-from peer.config import PeerConfig
-from peer.doctor import network
-from peer.doctor.local import cheap_rows, listen_host, multiaddr_row
-from peer.doctor.rows import Row, exit_code, ok, render_table, rows_json, skipped
-from peer.doctor.swarm import clock_row, fetch_records, swarm_rows
+from phalanx.aggregation.errors import ConfigError
+from phalanx.peer.config import PeerConfig
+from phalanx.peer.doctor import network
+from phalanx.peer.doctor.local import cheap_rows, listen_host, multiaddr_row
+from phalanx.peer.doctor.rows import Row, exit_code, ok, render_table, rows_json, skipped
+from phalanx.peer.doctor.swarm import clock_row, fetch_records, swarm_rows
 
 logger = logging.getLogger(__name__)
 

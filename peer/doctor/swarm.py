@@ -6,11 +6,11 @@ from __future__ import annotations
 import asyncio
 from typing import Optional
 
-from peer.config import PROTOCOL_VERSION, PeerConfig
-from peer.doctor.local import short
-from peer.doctor.rows import Row, failed, ok, skipped, warned
-from peer.health.record import TTL_S, HealthRecord, health_key, read_records
-from protocol.engine import GROUP_FRESH_S
+from phalanx.peer.config import PROTOCOL_VERSION, PeerConfig
+from phalanx.peer.doctor.local import short
+from phalanx.peer.doctor.rows import Row, failed, ok, skipped, warned
+from phalanx.peer.health.record import TTL_S, HealthRecord, health_key, read_records
+from phalanx.protocol.engine import GROUP_FRESH_S
 
 CLOCK_OK_S = TTL_S  # further off, the peers' health records expire (or come from the future) in each other's views
 RECORDS_TIMEOUT_S = 20.0
@@ -63,7 +63,7 @@ def swarm_rows(records: Optional[dict[str, HealthRecord]], settings: PeerConfig,
         rows.append(failed(names[0], f"{len(other)} of {len(records)} peers speak protocol {protocol} (e.g. {short(peer)}), this install {PROTOCOL_VERSION}", "install the phalanx version the swarm runs (pip install -U phalanx), or ask the swarm's organiser which"))
     else:
         rows.append(ok(names[0], f"protocol {PROTOCOL_VERSION}, as all {len(records)} peers in view"))
-    from peer.health.metrics import package_version
+    from phalanx.peer.health.metrics import package_version
 
     mine = package_version()[:32]  # as records carry it
     versions = sorted({r.version for r in records.values()} - {mine})

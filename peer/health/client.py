@@ -24,11 +24,11 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
-from peer.config import NetworkSettings
-from peer.health.legality import swarm_problems
-from peer.health.record import HealthRecord
-from peer.health.service import fetch_records, install_validator
-from peer.node import start_dht
+from phalanx.peer.config import NetworkSettings
+from phalanx.peer.health.legality import swarm_problems
+from phalanx.peer.health.record import HealthRecord
+from phalanx.peer.health.service import fetch_records, install_validator
+from phalanx.peer.node import start_dht
 
 logger = logging.getLogger(__name__)
 

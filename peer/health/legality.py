@@ -14,8 +14,8 @@ from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from peer.health.record import PUBLISH_EVERY_S, HealthRecord
-from peer.health.swarm_view import split_problem, training_groups
+from phalanx.peer.health.record import PUBLISH_EVERY_S, HealthRecord
+from phalanx.peer.health.swarm_view import split_problem, training_groups
 
 BAN_GRACE_S = 30.0  # ban lists may differ this long after either side changed (bans spread through the DHT)
 STALE_AFTER_S = 3 * PUBLISH_EVERY_S

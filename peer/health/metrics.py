@@ -19,12 +19,12 @@ from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from peer.health.record import LastRound, Outcome, Role
+from phalanx.peer.health.record import LastRound, Outcome, Role
 
 if TYPE_CHECKING:
-    from peer.health.service import HealthService
-    from protocol.engine import Averaged, Resync
-    from protocol.matchmaking import GroupSpec
+    from phalanx.peer.health.service import HealthService
+    from phalanx.protocol.engine import Averaged, Resync
+    from phalanx.protocol.matchmaking import GroupSpec
 
 ROUND_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 THROUGHPUT_HALF_LIFE_S = 10.0  # samples/s is an exponential average over roughly this long

@@ -7,8 +7,8 @@ import inspect
 from collections.abc import Callable
 from typing import Any
 
-from peer.cli_options import settings_command
-from peer.config import NetworkSettings
+from phalanx.peer.cli_options import settings_command
+from phalanx.peer.config import NetworkSettings
 
 
 def settings_command_with(

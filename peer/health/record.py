@@ -19,9 +19,9 @@ from hivemind.dht.routing import DHTID
 from hivemind.dht.validation import DHTRecord, RecordValidatorBase
 from pydantic import Field
 
-from aggregation.errors import PeerProtocolError
-from security.identity import Identity, verify
-from security.wire import PeerIdStr, WireModel, unpack
+from phalanx.aggregation.errors import PeerProtocolError
+from phalanx.security.identity import Identity, verify
+from phalanx.security.wire import PeerIdStr, WireModel, unpack
 
 PUBLISH_EVERY_S = 3.0  # how often a peer refreshes its record
 TTL_S = 10.0  # DHT expiration of a record: a silent peer vanishes from every view after this

@@ -15,10 +15,10 @@ from typing import TYPE_CHECKING, Any
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from aggregation.errors import ConfigError
+from phalanx.aggregation.errors import ConfigError
 
 if TYPE_CHECKING:
-    from peer.health.service import HealthService
+    from phalanx.peer.health.service import HealthService
 
 logger = logging.getLogger(__name__)
 

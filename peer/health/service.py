@@ -19,10 +19,10 @@ from typing import TYPE_CHECKING, Any, Optional
 import hivemind
 from hivemind.utils import get_dht_time
 
-from peer.config import PROTOCOL_VERSION, NetworkSettings
-from peer.health.legality import LocalView, check_legality
-from peer.health.metrics import NodeCollector, PeerMetrics, package_version, render
-from peer.health.record import (
+from phalanx.peer.config import PROTOCOL_VERSION, NetworkSettings
+from phalanx.peer.health.legality import LocalView, check_legality
+from phalanx.peer.health.metrics import NodeCollector, PeerMetrics, package_version, render
+from phalanx.peer.health.record import (
     MAX_BANS,
     MAX_VIOLATIONS,
     PUBLISH_EVERY_S,
@@ -34,16 +34,16 @@ from peer.health.record import (
     read_records,
     sign_record,
 )
-from peer.health.swarm_view import RecentPeers, Self, swarm_reasons, training_groups
-from peer.node import add_validators, visible_maddrs
-from protocol.dht_calls import dht_get, dht_store
-from protocol.redial import Redialer
-from security.identity import Identity
+from phalanx.peer.health.swarm_view import RecentPeers, Self, swarm_reasons, training_groups
+from phalanx.peer.node import add_validators, visible_maddrs
+from phalanx.protocol.dht_calls import dht_get, dht_store
+from phalanx.protocol.redial import Redialer
+from phalanx.security.identity import Identity
 
 if TYPE_CHECKING:
-    from peer.config import PeerConfig
-    from peer.health.server import HttpServer
-    from peer.node import Node
+    from phalanx.peer.config import PeerConfig
+    from phalanx.peer.health.server import HttpServer
+    from phalanx.peer.node import Node
 
 logger = logging.getLogger(__name__)
 
@@ -113,7 +113,7 @@ class HealthService:
         await self._cycle()
         self._task = asyncio.create_task(self._run(), name="health-publisher")
         if self.settings.http_port:
-            from peer.health.server import open_http, peer_app  # aiohttp: only peers that serve HTTP pay its import
+            from phalanx.peer.health.server import open_http, peer_app  # aiohttp: only peers that serve HTTP pay its import
 
             self.http = await open_http(peer_app(self), self.settings.http_host, self.settings.http_port)
 

@@ -21,7 +21,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Optional
 
-from peer.health.record import HealthRecord
+from phalanx.peer.health.record import HealthRecord
 
 RECENT_S = 120.0  # how long a peer that vanished without saying goodbye still counts as "recently seen"
 BEHIND_STEPS = 10  # lockstep: more steps than this below the others' median is "behind"

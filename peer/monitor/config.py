@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from peer.config import NetworkSettings
+from phalanx.peer.config import NetworkSettings
 
 
 class MonitorSettings(NetworkSettings):

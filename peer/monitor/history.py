@@ -10,7 +10,7 @@ from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Optional
 
-from peer.health.record import HealthRecord
+from phalanx.peer.health.record import HealthRecord
 
 STATES = ("joining", "online", "offline")
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import html
 
-from peer.health.client import PeerRow
-from peer.monitor.plots import PLOTS
+from phalanx.peer.health.client import PeerRow
+from phalanx.peer.monitor.plots import PLOTS
 
 _STYLE = """
 body { font-family: system-ui, sans-serif; margin: 1.5em; color: #222; }

@@ -14,7 +14,7 @@ matplotlib.use("Agg")  # headless; must precede pyplot's import
 
 from matplotlib.figure import Figure  # noqa: E402
 
-from peer.monitor.history import STATES, SwarmHistory  # noqa: E402
+from phalanx.peer.monitor.history import STATES, SwarmHistory  # noqa: E402
 
 PLOTS = {
     "loss": ("Training loss (last minibatch)", "loss"),

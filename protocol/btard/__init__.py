@@ -3,8 +3,8 @@ member's view of it and composes the rest: `relay` (aggregates a reducer kept fr
 `claims` (what reports dispute), `validator` (recomputing one member's gradient), `judge`
 (accusations and ban votes), `service` (per peer: evidence held for judges), `messages` (the wire)."""
 
-from protocol.btard.messages import Recompute, Verdict
-from protocol.btard.round import VerifiedRound
-from protocol.btard.service import BtardService
+from phalanx.protocol.btard.messages import Recompute, Verdict
+from phalanx.protocol.btard.round import VerifiedRound
+from phalanx.protocol.btard.service import BtardService
 
 __all__ = ["BtardService", "Recompute", "Verdict", "VerifiedRound"]

@@ -11,8 +11,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Optional
 
-from security.commitments import ReportBody
-from security.statements import Signed
+from phalanx.security.commitments import ReportBody
+from phalanx.security.statements import Signed
 
 Reports = dict[str, tuple[Signed, ReportBody]]  # member -> its signed report
 

@@ -13,20 +13,20 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from aggregation.errors import PeerProtocolError, RoundAbortedError
-from protocol.btard.claims import Reports
-from protocol.btard.messages import Accusation, AccuseBody, Verdict, VoteList
-from protocol.codec import encoded_size_bound, rounding_bound
-from protocol.transport import CallFailed
-from security.commitments import ReportBody, part_hash
-from security.evidence import BanVote, Offense, Vote, banned, check_self_contained
-from security.phases import RoundPhase
-from security.projection import fixed_point_holds, report_matches
-from security.statements import Signed, Statement, open_statement, sign_statement
-from security.wire import pack, unpack
+from phalanx.aggregation.errors import PeerProtocolError, RoundAbortedError
+from phalanx.protocol.btard.claims import Reports
+from phalanx.protocol.btard.messages import Accusation, AccuseBody, Verdict, VoteList
+from phalanx.protocol.codec import encoded_size_bound, rounding_bound
+from phalanx.protocol.transport import CallFailed
+from phalanx.security.commitments import ReportBody, part_hash
+from phalanx.security.evidence import BanVote, Offense, Vote, banned, check_self_contained
+from phalanx.security.phases import RoundPhase
+from phalanx.security.projection import fixed_point_holds, report_matches
+from phalanx.security.statements import Signed, Statement, open_statement, sign_statement
+from phalanx.security.wire import pack, unpack
 
 if TYPE_CHECKING:
-    from protocol.btard.round import VerifiedRound
+    from phalanx.protocol.btard.round import VerifiedRound
 
 logger = logging.getLogger(__name__)
 

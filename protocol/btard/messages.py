@@ -10,9 +10,9 @@ from typing import Annotated
 import torch
 from pydantic import Field
 
-from security.evidence import Offense
-from security.statements import Signed
-from security.wire import PeerIdStr, RoundId, WireModel
+from phalanx.security.evidence import Offense
+from phalanx.security.statements import Signed
+from phalanx.security.wire import PeerIdStr, RoundId, WireModel
 
 EVIDENCE_METHOD = "evidence"
 RELAY_METHOD = "relay"

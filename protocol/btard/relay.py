@@ -15,17 +15,17 @@ import math
 import time
 from typing import TYPE_CHECKING
 
-from aggregation.errors import PeerProtocolError, RoundAbortedError
-from protocol.btard.messages import RELAY_METHOD, RelayRequest
-from protocol.codec import Codec, encoded_size_bound
-from protocol.transport import CallFailed
-from security.commitments import part_hash
-from security.phases import RoundPhase
-from security.statements import Signed
-from security.wire import pack, unpack
+from phalanx.aggregation.errors import PeerProtocolError, RoundAbortedError
+from phalanx.protocol.btard.messages import RELAY_METHOD, RelayRequest
+from phalanx.protocol.codec import Codec, encoded_size_bound
+from phalanx.protocol.transport import CallFailed
+from phalanx.security.commitments import part_hash
+from phalanx.security.phases import RoundPhase
+from phalanx.security.statements import Signed
+from phalanx.security.wire import pack, unpack
 
 if TYPE_CHECKING:
-    from protocol.btard.round import VerifiedRound
+    from phalanx.protocol.btard.round import VerifiedRound
 
 logger = logging.getLogger(__name__)
 

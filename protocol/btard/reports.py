@@ -13,14 +13,14 @@ from typing import TYPE_CHECKING, Optional
 
 import torch
 
-from aggregation.errors import PeerProtocolError
-from protocol.btard.claims import Reports
-from protocol.btard.messages import Accusation
-from protocol.codec import Codec, decode, encode
-from security.commitments import ReportBody, ReportEntry
-from security.evidence import Offense
-from security.phases import RoundPhase
-from security.projection import (
+from phalanx.aggregation.errors import PeerProtocolError
+from phalanx.protocol.btard.claims import Reports
+from phalanx.protocol.btard.messages import Accusation
+from phalanx.protocol.codec import Codec, decode, encode
+from phalanx.security.commitments import ReportBody, ReportEntry
+from phalanx.security.evidence import Offense
+from phalanx.security.phases import RoundPhase
+from phalanx.security.projection import (
     clipped_reports,
     differences,
     direction,
@@ -29,11 +29,11 @@ from security.projection import (
     report,
     report_matches,
 )
-from security.statements import Signed, open_statement, sign_statement
-from security.wire import pack, unpack
+from phalanx.security.statements import Signed, open_statement, sign_statement
+from phalanx.security.wire import pack, unpack
 
 if TYPE_CHECKING:
-    from protocol.btard.round import VerifiedRound
+    from phalanx.protocol.btard.round import VerifiedRound
 
 logger = logging.getLogger(__name__)
 

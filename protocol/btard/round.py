@@ -27,19 +27,19 @@ from typing import Optional
 
 import torch
 
-from aggregation.base import norm_limit
-from aggregation.errors import PeerProtocolError
-from protocol.adversary import Behavior
-from protocol.btard.claims import Claims
-from protocol.btard.judge import Judge, exchange_accusations, failing_aggregates
-from protocol.btard.messages import Accusation, Recompute, Verdict
-from protocol.btard.relay import AggregateRelay
-from protocol.btard.reports import Reporter
-from protocol.btard.service import BtardService, Held
-from protocol.btard.validator import Validator
-from protocol.codec import Codec, decode
-from protocol.config import VerifyConfig
-from security.commitments import (
+from phalanx.aggregation.base import norm_limit
+from phalanx.aggregation.errors import PeerProtocolError
+from phalanx.protocol.btard.behavior import Behavior
+from phalanx.protocol.btard.claims import Claims
+from phalanx.protocol.btard.judge import Judge, exchange_accusations, failing_aggregates
+from phalanx.protocol.btard.messages import Accusation, Recompute, Verdict
+from phalanx.protocol.btard.relay import AggregateRelay
+from phalanx.protocol.btard.reports import Reporter
+from phalanx.protocol.btard.service import BtardService, Held
+from phalanx.protocol.btard.validator import Validator
+from phalanx.protocol.codec import Codec, decode
+from phalanx.protocol.config import VerifyConfig
+from phalanx.security.commitments import (
     AggregateBody,
     CommitBody,
     PartBody,
@@ -50,11 +50,11 @@ from security.commitments import (
     public_seed,
     share_commitment,
 )
-from security.evidence import Offense, RevealBody, check_self_contained
-from security.phases import RoundPhase
-from security.projection import direction, report
-from security.statements import Signed, Statement, open_statement, sign_statement
-from security.wire import pack, unpack
+from phalanx.security.evidence import Offense, RevealBody, check_self_contained
+from phalanx.security.phases import RoundPhase
+from phalanx.security.projection import direction, report
+from phalanx.security.statements import Signed, Statement, open_statement, sign_statement
+from phalanx.security.wire import pack, unpack
 
 logger = logging.getLogger(__name__)
 

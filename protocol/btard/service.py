@@ -8,15 +8,15 @@ from typing import TYPE_CHECKING, Optional
 
 import torch
 
-from aggregation.errors import PeerProtocolError, RoundAbortedError
-from protocol.btard.messages import EVIDENCE_METHOD, RELAY_METHOD, EvidenceRequest, RelayRequest
-from protocol.exchange import ExchangeService
-from protocol.transport import Transport
-from security.identity import Identity
-from security.wire import pack, unpack
+from phalanx.aggregation.errors import PeerProtocolError, RoundAbortedError
+from phalanx.protocol.btard.messages import EVIDENCE_METHOD, RELAY_METHOD, EvidenceRequest, RelayRequest
+from phalanx.protocol.exchange import ExchangeService
+from phalanx.protocol.transport import Transport
+from phalanx.security.identity import Identity
+from phalanx.security.wire import pack, unpack
 
 if TYPE_CHECKING:
-    from protocol.btard.round import VerifiedRound
+    from phalanx.protocol.btard.round import VerifiedRound
 
 HELD_ROUNDS = 8
 

@@ -17,17 +17,17 @@ from typing import TYPE_CHECKING, Optional
 
 import torch
 
-from aggregation.errors import PeerProtocolError, RoundAbortedError
-from protocol.btard.claims import Reports
-from protocol.btard.messages import Accusation, Recompute
-from protocol.codec import decode, encode, encoded_size_bound
-from protocol.transport import CallFailed
-from security.commitments import part_hash, validator_pairs
-from security.evidence import Offense
-from security.projection import report_matches
+from phalanx.aggregation.errors import PeerProtocolError, RoundAbortedError
+from phalanx.protocol.btard.claims import Reports
+from phalanx.protocol.btard.messages import Accusation, Recompute
+from phalanx.protocol.codec import decode, encode, encoded_size_bound
+from phalanx.protocol.transport import CallFailed
+from phalanx.security.commitments import part_hash, validator_pairs
+from phalanx.security.evidence import Offense
+from phalanx.security.projection import report_matches
 
 if TYPE_CHECKING:
-    from protocol.btard.round import VerifiedRound
+    from phalanx.protocol.btard.round import VerifiedRound
 
 logger = logging.getLogger(__name__)
 

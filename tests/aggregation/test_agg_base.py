@@ -7,9 +7,9 @@ import math
 import pytest
 import torch
 
-from aggregation.base import check_int, check_positive, prepare
-from aggregation.errors import AggregationInputError, ConfigError
-from aggregation.registry import AGGREGATORS, make_aggregator
+from phalanx.aggregation.base import check_int, check_positive, prepare
+from phalanx.aggregation.errors import AggregationInputError, ConfigError
+from phalanx.aggregation.registry import AGGREGATORS, make_aggregator
 
 PARAMS = {
     "centered_clip": {"tau": 1.0},

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from aggregation.errors import ConfigError
-from aggregation.registry import AGGREGATORS, BoundAggregator, Registry, make_aggregator
+from phalanx.aggregation.errors import ConfigError
+from phalanx.aggregation.registry import AGGREGATORS, BoundAggregator, Registry, make_aggregator
 
 STABLE_NAMES = [
     "mean",

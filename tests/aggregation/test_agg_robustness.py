@@ -13,8 +13,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from aggregation.attacks import apply_attack
-from aggregation.registry import make_aggregator
+from phalanx.aggregation.attacks import apply_attack
+from phalanx.aggregation.registry import make_aggregator
 
 H, B, D = 13, 6, 2000
 

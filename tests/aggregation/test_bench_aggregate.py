@@ -6,8 +6,8 @@ import io
 
 from rich.console import Console
 
-from aggregation.registry import AGGREGATORS
-from peer.bench.aggregate import goal_check, run_aggregate_bench
+from phalanx.aggregation.registry import AGGREGATORS
+from phalanx.peer.bench.aggregate import goal_check, run_aggregate_bench
 
 
 def test_tiny_bench_covers_every_aggregator():

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from aggregation.bucketing import bucketing
-from aggregation.coordinatewise import coordinate_median, mean
+from phalanx.aggregation.bucketing import bucketing
+from phalanx.aggregation.coordinatewise import coordinate_median, mean
 
 
 def test_inner_sees_the_bucket_means(device):

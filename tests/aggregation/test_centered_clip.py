@@ -7,9 +7,9 @@ import math
 import pytest
 import torch
 
-from aggregation.centered_clip import centered_clip, clip_coefficients, fixed_point_residual
-from aggregation.coordinatewise import coordinate_median
-from aggregation.errors import AggregationInputError
+from phalanx.aggregation.centered_clip import centered_clip, clip_coefficients, fixed_point_residual
+from phalanx.aggregation.coordinatewise import coordinate_median
+from phalanx.aggregation.errors import AggregationInputError
 
 
 def naive_centered_clip(x, w, tau, eps, max_iter, v, reweighted=True):

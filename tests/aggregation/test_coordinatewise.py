@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from aggregation.coordinatewise import coordinate_median, mean, trimmed_mean
-from aggregation.errors import AggregationInputError
+from phalanx.aggregation.coordinatewise import coordinate_median, mean, trimmed_mean
+from phalanx.aggregation.errors import AggregationInputError
 
 
 def _weighted_median_ref(col: np.ndarray, w: np.ndarray) -> float:

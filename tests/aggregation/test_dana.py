@@ -7,9 +7,9 @@ import random
 import pytest
 import torch
 
-from aggregation.dana import AsgdMaster, DanaSlimWorker, DanaZero
-from aggregation.errors import AggregationInputError
-from aggregation.staleness import GapAware
+from phalanx.aggregation.dana import AsgdMaster, DanaSlimWorker, DanaZero
+from phalanx.aggregation.errors import AggregationInputError
+from phalanx.aggregation.staleness import GapAware
 
 D = 16
 

@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from aggregation.attacks import apply_attack
-from aggregation.coordinatewise import coordinate_median, mean
-from aggregation.errors import AggregationInputError
-from aggregation.geometric_median import MAX_ITERS, geometric_median
-from aggregation.registry import make_aggregator
+from phalanx.aggregation.attacks import apply_attack
+from phalanx.aggregation.coordinatewise import coordinate_median, mean
+from phalanx.aggregation.errors import AggregationInputError
+from phalanx.aggregation.geometric_median import MAX_ITERS, geometric_median
+from phalanx.aggregation.registry import make_aggregator
 
 
 def naive_weiszfeld(x, w, nu, iters, eps):

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from aggregation.errors import AggregationInputError
-from aggregation.krum import krum, multi_krum
+from phalanx.aggregation.errors import AggregationInputError
+from phalanx.aggregation.krum import krum, multi_krum
 
 
 def loop_scores(x, b):

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from aggregation.sortnet import batcher_pairs, median_program, middle_program, run_program
+from phalanx.aggregation.sortnet import batcher_pairs, median_program, middle_program, run_program
 
 
 @pytest.mark.parametrize("n", range(1, 41))

@@ -20,7 +20,7 @@ def run_checkpoint_kills(workdir: Path, kills: int = 20, seed: int = 16, log: Ca
     after it wrote a checkpoint since its start, `--resume`, `kills` times; then read every checkpoint."""
     import torch
 
-    from peer.checkpoint import load_latest
+    from phalanx.peer.checkpoint import load_latest
 
     rng = random.Random(seed)
     swarm = FaultSwarm(workdir, trainers=1, tag="g")

@@ -137,7 +137,7 @@ class FaultSwarm:
         return f"/ip4/{self.lab[name].ip}/tcp/{P2P_PORT}/p2p/{peer_id}"
 
     def identity(self, name: str) -> tuple[Path, str]:
-        from security.identity import Identity
+        from phalanx.security.identity import Identity
 
         path = self.workdir / f"{name}.id"
         identity = Identity.load(path) if path.exists() else Identity.generate_ed25519(path)
@@ -147,7 +147,7 @@ class FaultSwarm:
         host = self.lab[peer.name]
         out = open(peer.log, "ab")
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "PHALANX_TORCH_THREADS": "1"}
-        peer.proc = host.popen([sys.executable, "-m", "peer.cli", *peer.args], stdout=out, stderr=subprocess.STDOUT, env=env, cwd=REPO)
+        peer.proc = host.popen([sys.executable, "-m", "phalanx", *peer.args], stdout=out, stderr=subprocess.STDOUT, env=env, cwd=REPO)
         out.close()
         peer.started_at = time.monotonic()
         if not any(t.name == f"{host.name}-poll" for t in self._pollers):

@@ -21,7 +21,7 @@ from typing import Any, Callable, Optional
 
 from fault_swarm import FaultSwarm, Sample
 
-from peer.health.record import TTL_S
+from phalanx.peer.health.record import TTL_S
 
 REF_S = 10.0  # clean reference window before the first fault
 # A peer notices a cut once the others' records in its own DHT storage expire (TTL_S after their

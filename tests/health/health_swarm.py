@@ -83,7 +83,7 @@ def spawn(name: str, args: list[str], workdir: Path, http_port: Optional[int] = 
     out, err = workdir / f"{name}.out", workdir / f"{name}.err"
     with open(out, "wb") as stdout, open(err, "wb") as stderr:  # the child keeps its own descriptors
         popen = subprocess.Popen(
-            [sys.executable, "-m", "peer.cli", *args],
+            [sys.executable, "-m", "phalanx", *args],
             stdout=stdout,
             stderr=stderr,
             env={**os.environ, "PYTHONUNBUFFERED": "1", "PHALANX_TORCH_THREADS": "1"},

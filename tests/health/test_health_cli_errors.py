@@ -17,7 +17,7 @@ def test_busy_http_port_is_a_one_line_config_error(tmp_path):
         busy.listen()
         port = busy.getsockname()[1]
         done = subprocess.run(
-            [sys.executable, "-m", "peer.cli", "bootstrap", "--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--http-port", str(port)],
+            [sys.executable, "-m", "phalanx", "bootstrap", "--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--http-port", str(port)],
             capture_output=True, text=True, timeout=240, start_new_session=True,
         )  # fmt: skip
     assert done.returncode == 2, done.stderr
@@ -30,7 +30,7 @@ def test_busy_http_port_is_a_one_line_config_error(tmp_path):
 @pytest.mark.parametrize("command", ["monitor", "join", "bootstrap"])
 def test_out_of_range_http_port_is_refused_before_starting(command):
     done = subprocess.run(
-        [sys.executable, "-m", "peer.cli", command, "--http-port", "70000"], capture_output=True, text=True, timeout=120
+        [sys.executable, "-m", "phalanx", command, "--http-port", "70000"], capture_output=True, text=True, timeout=120
     )
     assert done.returncode == 2
     assert done.stderr.strip() == "error: --http-port: Input should be less than or equal to 65535 (got 70000)"

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from peer.health.legality import BAN_GRACE_S, STALE_AFTER_S, LocalView, check_legality, swarm_problems
-from peer.health.record import HealthRecord, bans_digest
+from phalanx.peer.health.legality import BAN_GRACE_S, STALE_AFTER_S, LocalView, check_legality, swarm_problems
+from phalanx.peer.health.record import HealthRecord, bans_digest
 
 NOW = 1_800_000_000.0
 A, B, C, D = (

@@ -14,8 +14,8 @@ from health_swarm import LOOPBACK, WAIT_S, get_json, http_get, wait_until
 from hivemind.utils import get_dht_time
 from prometheus_client.parser import text_string_to_metric_families
 
-from peer.health.record import HealthRecord, health_key, sign_record
-from security.identity import Identity
+from phalanx.peer.health.record import HealthRecord, health_key, sign_record
+from phalanx.security.identity import Identity
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 
@@ -80,7 +80,7 @@ def test_bootstrap_serves_healthz_and_publishes_its_record(live_swarm):
 
 def _health_json(swarm, *extra: str) -> dict:
     done = subprocess.run(
-        [sys.executable, "-m", "peer.cli", "--log-format", "json", "health", "--initial-peers", ",".join(swarm.initial_peers),
+        [sys.executable, "-m", "phalanx", "--log-format", "json", "health", "--initial-peers", ",".join(swarm.initial_peers),
          "--host-maddrs", LOOPBACK, "--json", *extra],
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip

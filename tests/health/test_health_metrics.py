@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from peer.health.metrics import PeerMetrics
-from protocol.allreduce import AllReduceResult
-from protocol.engine import Averaged, Resync
-from protocol.matchmaking import GroupSpec
+from phalanx.peer.health.metrics import PeerMetrics
+from phalanx.protocol.allreduce import AllReduceResult
+from phalanx.protocol.engine import Averaged, Resync
+from phalanx.protocol.matchmaking import GroupSpec
 
 A, B = "QmAaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa", "QmBbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbb"
 GROUP = GroupSpec(round_id=b"r" * 16, members=[A, B], step=0, version=b"v", donations=[])

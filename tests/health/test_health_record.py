@@ -8,8 +8,8 @@ from hivemind.dht.routing import DHTID
 from hivemind.dht.validation import DHTRecord
 from hivemind.utils.serializer import MSGPackSerializer
 
-from aggregation.errors import PeerProtocolError
-from peer.health.record import (
+from phalanx.aggregation.errors import PeerProtocolError
+from phalanx.peer.health.record import (
     MAX_AGE_S,
     MAX_TTL_S,
     HealthRecord,
@@ -18,7 +18,7 @@ from peer.health.record import (
     sign_record,
     verify_entry,
 )
-from security.identity import Identity
+from phalanx.security.identity import Identity
 
 NOW = 1_800_000_000.0
 

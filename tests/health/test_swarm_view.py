@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from peer.health.legality import swarm_problems
-from peer.health.record import HealthRecord, LastRound, bans_digest
-from peer.health.swarm_view import (
+from phalanx.peer.health.legality import swarm_problems
+from phalanx.peer.health.record import HealthRecord, LastRound, bans_digest
+from phalanx.peer.health.swarm_view import (
     BEHIND_STEPS,
     RECENT_S,
     SPLIT_WINDOW_S,
@@ -148,10 +148,10 @@ class _LiveDHT:
 def test_a_cut_off_bootstrap_is_unready_with_the_reason_and_its_metrics_say_so(tmp_path):
     from hivemind.utils import get_dht_time
 
-    from peer.config import NetworkSettings
-    from peer.health.metrics import PeerMetrics, render
-    from peer.health.service import HealthService
-    from security.identity import Identity
+    from phalanx.peer.config import NetworkSettings
+    from phalanx.peer.health.metrics import PeerMetrics, render
+    from phalanx.peer.health.service import HealthService
+    from phalanx.security.identity import Identity
 
     identity = Identity.generate_ed25519(tmp_path / "boot.id")
     service = HealthService(
@@ -180,10 +180,10 @@ def test_records_that_expire_between_reads_count_at_once(tmp_path):
     wait for it once the others' records in its storage have expired."""
     from hivemind.utils import get_dht_time
 
-    from peer.config import NetworkSettings
-    from peer.health.metrics import PeerMetrics
-    from peer.health.service import HealthService
-    from security.identity import Identity
+    from phalanx.peer.config import NetworkSettings
+    from phalanx.peer.health.metrics import PeerMetrics
+    from phalanx.peer.health.service import HealthService
+    from phalanx.security.identity import Identity
 
     service = HealthService(
         dht=_LiveDHT(), identity=Identity.generate_ed25519(tmp_path / "boot.id"),

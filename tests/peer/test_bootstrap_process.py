@@ -14,7 +14,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
 def test_bootstrap_whose_dht_process_dies_exits_so_a_supervisor_restarts_it(tmp_path):
     proc = subprocess.Popen(
-        [sys.executable, "-m", "peer.cli", "bootstrap", "--host-maddrs", LOOPBACK],
+        [sys.executable, "-m", "phalanx", "bootstrap", "--host-maddrs", LOOPBACK],
         stdout=subprocess.PIPE, stderr=open(tmp_path / "log", "wb"), text=True, start_new_session=True,
     )  # fmt: skip
     sockets = set()

@@ -14,8 +14,8 @@ import pytest
 import torch
 from torch import nn
 
-from aggregation.errors import ConfigError
-from peer.checkpoint import Checkpoint, checkpoint_path, load_latest, save_checkpoint
+from phalanx.aggregation.errors import ConfigError
+from phalanx.peer.checkpoint import Checkpoint, checkpoint_path, load_latest, save_checkpoint
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -81,7 +81,7 @@ def test_truncated_newest_falls_back_to_previous(tmp_path: Path, caplog: pytest.
         _save_step(tmp_path, step)
     newest = checkpoint_path(tmp_path, 3)
     newest.write_bytes(newest.read_bytes()[: newest.stat().st_size // 2])
-    with caplog.at_level(logging.WARNING, logger="peer.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="phalanx.peer.checkpoint"):
         ckpt = load_latest(tmp_path)
     assert ckpt is not None and ckpt.step == 2 and torch.equal(ckpt.model_state["w"], torch.full((4,), 2.0))
     assert [r.getMessage().split(":")[0] for r in caplog.records] == [f"skipping unreadable checkpoint {newest}"]
@@ -173,7 +173,7 @@ def test_bad_arguments(tmp_path: Path) -> None:
 LAUNCHER = r'''
 import io, os, signal, sys, traceback
 import torch
-from peer.checkpoint import save_checkpoint
+from phalanx.peer.checkpoint import save_checkpoint
 
 torch.set_num_threads(1)  # no worker threads exist when we fork
 root, crash_step, scenarios = sys.argv[1], int(sys.argv[2]), sys.argv[3:]

@@ -69,7 +69,7 @@ def bootstrap(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("cli-errors-boot")
     identity = tmp / "boot.id"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "peer.cli", "bootstrap", "--identity-path", str(identity), "--host-maddrs", "/ip4/127.0.0.1/tcp/0"],
+        [sys.executable, "-m", "phalanx", "bootstrap", "--identity-path", str(identity), "--host-maddrs", "/ip4/127.0.0.1/tcp/0"],
         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, start_new_session=True, env=_env({}),
     )  # fmt: skip
     try:
@@ -116,7 +116,7 @@ def run_row(row: dict[str, str], values: dict[str, str]) -> subprocess.Completed
         env[name] = value
     assert words[0] == "phalanx", row
     return subprocess.run(
-        [sys.executable, "-m", "peer.cli", *words[1:]], capture_output=True, text=True, timeout=240,
+        [sys.executable, "-m", "phalanx", *words[1:]], capture_output=True, text=True, timeout=240,
         env=_env(env), start_new_session=True,
     )  # fmt: skip
 
@@ -141,7 +141,7 @@ def test_each_mistake_gets_its_documented_line(row, places, request):
 
 def test_debug_shows_the_traceback():
     done = subprocess.run(
-        [sys.executable, "-m", "peer.cli", "--debug", "join", "--aggregator", "nope"],
+        [sys.executable, "-m", "phalanx", "--debug", "join", "--aggregator", "nope"],
         capture_output=True, text=True, timeout=120, env=_env({}),
     )  # fmt: skip
     assert done.returncode != 0
@@ -155,8 +155,8 @@ def test_table_covers_each_kind_of_input():
 
 
 def test_builtin_task_names_match_the_registry():
-    from peer.config import BUILTIN_TASKS
-    from peer.tasks import TASKS
+    from phalanx.peer.config import BUILTIN_TASKS
+    from phalanx.tasks import TASKS
 
     assert tuple(TASKS) == BUILTIN_TASKS
 
@@ -164,7 +164,7 @@ def test_builtin_task_names_match_the_registry():
 def test_a_lone_join_says_it_starts_a_swarm_and_ctrl_c_says_where_the_checkpoint_went(tmp_path):
     ckpt = tmp_path / "ckpt"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "peer.cli", "join", "--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--checkpoint-dir", str(ckpt),
+        [sys.executable, "-m", "phalanx", "join", "--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--checkpoint-dir", str(ckpt),
          "--checkpoint-every", "1", "--torch-threads", "1"],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True, env=_env({}),
     )  # fmt: skip

@@ -11,9 +11,9 @@ HEAVY = ("torch", "hivemind", "scipy", "matplotlib", "aiohttp", "prometheus_clie
 
 PROBE = """
 import json, sys
-import peer.cli
+import phalanx.peer.cli
 try:
-    peer.cli.main(json.loads(sys.argv[1]))
+    phalanx.peer.cli.main(json.loads(sys.argv[1]))
 except SystemExit:
     pass
 print(json.dumps(sorted(m for m in {heavy} if m in sys.modules)), file=sys.__stderr__)
@@ -54,11 +54,11 @@ def test_hivemind_logs_go_through_our_handler_when_it_is_imported_later():
 
 @pytest.mark.parametrize("command", ["join", "bootstrap", "health", "monitor"])
 def test_help_at_80_columns_shows_every_flag_whole_with_its_default_and_variable(command):
-    from peer.config import NetworkSettings, PeerConfig
-    from peer.monitor.config import MonitorSettings
+    from phalanx.peer.config import NetworkSettings, PeerConfig
+    from phalanx.peer.monitor.config import MonitorSettings
 
     done = subprocess.run(
-        [sys.executable, "-m", "peer.cli", command, "--help"], capture_output=True, text=True, timeout=120,
+        [sys.executable, "-m", "phalanx", command, "--help"], capture_output=True, text=True, timeout=120,
         env={"COLUMNS": "80", "PATH": "/usr/bin:/bin"},
     )  # fmt: skip
     assert done.returncode == 0, done.stderr

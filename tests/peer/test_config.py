@@ -5,8 +5,8 @@ import sys
 
 import pytest
 
-from aggregation.errors import ConfigError
-from peer.config import PeerConfig, load_settings
+from phalanx.aggregation.errors import ConfigError
+from phalanx.peer.config import PeerConfig, load_settings
 
 BOOT = "/ip4/127.0.0.1/tcp/31337/p2p/QmdkQRh9vunbfpqzuFuwH2F1uKgPSeejQS6eM23ArdWdf7"
 
@@ -64,8 +64,8 @@ def test_errors_name_the_flag(overrides, message):
 def test_bucketing_takes_its_inner_rule_by_name():
     import torch
 
-    from aggregation.bucketing import bucketing
-    from aggregation.coordinatewise import coordinate_median
+    from phalanx.aggregation.bucketing import bucketing
+    from phalanx.aggregation.coordinatewise import coordinate_median
 
     settings = load_settings(PeerConfig, {"aggregator": "bucketing", "aggregator_params": "s=2, inner=median, seed=5"})
     assert settings.aggregator_kwargs() == (("inner", "median"), ("s", 2.0), ("seed", 5.0))
@@ -179,7 +179,7 @@ def test_every_field_is_hashed_or_local(tmp_path):
 
 def test_cli_prints_one_line_and_exits_2_on_a_user_mistake():
     result = subprocess.run(
-        [sys.executable, "-m", "peer.cli", "join", "--aggregator", "nope"], capture_output=True, text=True, timeout=120
+        [sys.executable, "-m", "phalanx", "join", "--aggregator", "nope"], capture_output=True, text=True, timeout=120
     )
     assert result.returncode == 2
     lines = [line for line in result.stderr.splitlines() if line.strip()]
@@ -188,7 +188,7 @@ def test_cli_prints_one_line_and_exits_2_on_a_user_mistake():
 
 def test_cli_names_valid_inner_rules_in_one_line():
     result = subprocess.run(
-        [sys.executable, "-m", "peer.cli", "join", "--aggregator", "bucketing", "--aggregator-params", "s=2,inner=meen"],
+        [sys.executable, "-m", "phalanx", "join", "--aggregator", "bucketing", "--aggregator-params", "s=2,inner=meen"],
         capture_output=True, text=True, timeout=120,
     )
     assert result.returncode == 2
@@ -199,7 +199,7 @@ def test_cli_names_valid_inner_rules_in_one_line():
 def test_every_command_has_help_with_examples():
     for command in (["bootstrap"], ["join"], ["swarm"], ["bench", "aggregate"], ["bench", "allreduce"], ["bench", "swarm"]):
         result = subprocess.run(
-            [sys.executable, "-m", "peer.cli", *command, "--help"], capture_output=True, text=True, timeout=120,
+            [sys.executable, "-m", "phalanx", *command, "--help"], capture_output=True, text=True, timeout=120,
             env={"COLUMNS": "200", "PATH": "/usr/bin:/bin"},
         )
         assert result.returncode == 0, result.stderr

@@ -18,14 +18,14 @@ sys.path.insert(0, str(Path(__file__).parents[1] / "health"))  # health_swarm: r
 
 from health_swarm import LOOPBACK, Proc, free_port, get_json, spawn, wait_until  # noqa: E402
 
-from peer.config import PeerConfig  # noqa: E402
-from peer.doctor import autonat  # noqa: E402
-from peer.doctor.local import identity_row, multiaddr_row, port_rows, task_rows  # noqa: E402
-from peer.doctor.rows import exit_code  # noqa: E402
-from peer.doctor.swarm import CLOCK_FIX, clock_row, swarm_rows  # noqa: E402
-from peer.health.record import HealthRecord  # noqa: E402
-from security.identity import read_varint  # noqa: E402
-from security.identity import Identity  # noqa: E402
+from phalanx.peer.config import PeerConfig  # noqa: E402
+from phalanx.peer.doctor import autonat  # noqa: E402
+from phalanx.peer.doctor.local import identity_row, multiaddr_row, port_rows, task_rows  # noqa: E402
+from phalanx.peer.doctor.rows import exit_code  # noqa: E402
+from phalanx.peer.doctor.swarm import CLOCK_FIX, clock_row, swarm_rows  # noqa: E402
+from phalanx.peer.health.record import HealthRecord  # noqa: E402
+from phalanx.security.identity import read_varint  # noqa: E402
+from phalanx.security.identity import Identity  # noqa: E402
 
 PEER = "QmaDnkJn14L31L9kNtpb1q1BjmENLgXCn6hcG7FqP4Gcyn"
 OTHER = "QmBbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbb"
@@ -159,7 +159,7 @@ def test_malformed_autonat_responses_are_refused(framed):
 
 def doctor(*args: str, json_out: bool = True) -> tuple[int, dict | str, str]:
     done = subprocess.run(
-        [sys.executable, "-m", "peer.cli", "doctor", *([] if "--host-maddrs" in args else ["--host-maddrs", LOOPBACK]), *args, *(["--json"] if json_out else [])],
+        [sys.executable, "-m", "phalanx", "doctor", *([] if "--host-maddrs" in args else ["--host-maddrs", LOOPBACK]), *args, *(["--json"] if json_out else [])],
         capture_output=True, text=True, timeout=240, start_new_session=True,
         env={**os.environ, "PHALANX_TORCH_THREADS": "1"},
     )  # fmt: skip
@@ -347,7 +347,7 @@ def test_join_stops_with_the_doctors_row(case):
             ),
         }[case]
         done = subprocess.run(
-            [sys.executable, "-m", "peer.cli", "join", *args], capture_output=True, text=True, timeout=240, start_new_session=True
+            [sys.executable, "-m", "phalanx", "join", *args], capture_output=True, text=True, timeout=240, start_new_session=True
         )
     assert done.returncode == 2
     lines = done.stderr.strip().splitlines()

@@ -19,7 +19,7 @@ GONE_WITHIN_S = 60  # a generous bound on the wait, not a timing goal: the watch
 ORPHAN = textwrap.dedent(
     """
     import os, sys, time
-    from peer.lifeline import exit_with_parent
+    from phalanx.peer.lifeline import exit_with_parent
     parent = os.getpid()
     child = os.fork()
     if child == 0:
@@ -100,7 +100,7 @@ def test_a_sigkilled_trainer_leaves_no_process_and_restarts_under_its_identity(b
 
 
 def test_a_sigkilled_bootstrap_leaves_no_process(tmp_path):
-    cmd = [sys.executable, "-m", "peer.cli", "bootstrap", "--host-maddrs", LOOPBACK, "--identity-path", str(tmp_path / "b.id")]
+    cmd = [sys.executable, "-m", "phalanx", "bootstrap", "--host-maddrs", LOOPBACK, "--identity-path", str(tmp_path / "b.id")]
     log = open(tmp_path / "log", "wb")
     procs = []
     try:

@@ -5,10 +5,10 @@ import asyncio
 import pytest
 import torch
 
-from aggregation.errors import ConfigError
-from aggregation.staleness import GapAware, staleness_aware
-from peer.local_sgd import LocalState, StalenessCorrection, look_ahead, merge
-from peer.slowdown import parse_slowdown
+from phalanx.aggregation.errors import ConfigError
+from phalanx.aggregation.staleness import GapAware, staleness_aware
+from phalanx.peer.local_sgd import LocalState, StalenessCorrection, look_ahead, merge
+from phalanx.peer.slowdown import parse_slowdown
 
 
 def test_merge_keeps_local_progress():

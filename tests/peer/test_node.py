@@ -11,8 +11,8 @@ import hivemind
 import pytest
 from trainer_procs import LOOPBACK, children
 
-from aggregation.errors import PhalanxError
-from peer.node import (
+from phalanx.aggregation.errors import PhalanxError
+from phalanx.peer.node import (
     add_validators,
     daemon_socket_file,
     in_dht,
@@ -20,7 +20,7 @@ from peer.node import (
     remove_if_stale,
     visible_maddrs,
 )
-from protocol.bans import BanVoteValidator
+from phalanx.protocol.bans import BanVoteValidator
 
 
 async def _never_returns(_dht, _node) -> None:

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from peer.swarm import Swarm
+from phalanx.peer.swarm import Swarm
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
@@ -27,7 +27,7 @@ def test_failing_trainers_are_reported_with_their_error_and_the_folder_is_kept(t
     scratch = tmp_path / "tmp"  # the swarm's own temporary folder is made here, so the test can find it
     scratch.mkdir()
     result = subprocess.run(
-        [sys.executable, "-m", "peer.cli", "swarm", "--peers", "3", "--byzantine", "2", *_no_data_args(tmp_path)],
+        [sys.executable, "-m", "phalanx", "swarm", "--peers", "3", "--byzantine", "2", *_no_data_args(tmp_path)],
         capture_output=True,
         text=True,
         timeout=240,

@@ -6,8 +6,8 @@ import signal
 import pytest
 from rich.console import Console
 
-from peer.swarm import PeerView, SwarmResult, _flag_value
-from peer.swarm_report import exit_reason, is_failure, last_error_line, print_report, startup_line
+from phalanx.peer.swarm import PeerView, SwarmResult, _flag_value
+from phalanx.peer.swarm_report import exit_reason, is_failure, last_error_line, print_report, startup_line
 
 TRACEBACK = """09:00:01 I peer.trainer: peer 12D3KooW training digits-mlp
 Traceback (most recent call last):
@@ -121,7 +121,7 @@ def test_startup_line_gives_time_to_first_step_and_each_stage():
 
 
 def test_startup_stages_count_trainers_and_take_the_last_one_to_get_there(tmp_path):
-    from peer.swarm import Swarm
+    from phalanx.peer.swarm import Swarm
 
     swarm = Swarm(3, ["--steps", "50"], target_accuracy=None, workdir=tmp_path, live=False)
     assert swarm.steps == 50

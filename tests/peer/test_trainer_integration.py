@@ -11,7 +11,7 @@ import hivemind
 import pytest
 import torch
 
-from peer.checkpoint import load_latest
+from phalanx.peer.checkpoint import load_latest
 from trainer_procs import LOOPBACK, children, join_args, spawn, unix_socket_files
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
@@ -114,7 +114,7 @@ def test_trainer_whose_dht_process_dies_says_so_and_exits(bootstrap, tmp_path):
 def test_swarm_command_reaches_target_and_cleans_up(tmp_path):
     workdir = tmp_path / "swarm"
     result = subprocess.run(
-        [sys.executable, "-m", "peer.cli", "swarm", "--peers", "2", "--steps", "600", "--workdir", str(workdir)],
+        [sys.executable, "-m", "phalanx", "swarm", "--peers", "2", "--steps", "600", "--workdir", str(workdir)],
         capture_output=True,
         text=True,
         timeout=500,

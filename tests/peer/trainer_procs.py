@@ -71,7 +71,7 @@ class Proc:
 def spawn(args: list[str], log: Path) -> Proc:
     out = open(log, "wb")
     popen = subprocess.Popen(
-        [sys.executable, "-m", "peer.cli", *args],
+        [sys.executable, "-m", "phalanx", *args],
         stdout=subprocess.PIPE,
         stderr=out,
         env={**os.environ, "PYTHONUNBUFFERED": "1", "PHALANX_TORCH_THREADS": "1"},

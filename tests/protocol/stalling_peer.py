@@ -11,7 +11,7 @@ import sys
 
 import torch
 
-from protocol.config import MatchmakingConfig, RoundConfig
+from phalanx.protocol.config import MatchmakingConfig, RoundConfig
 from swarm_fixture import open_peer
 
 

@@ -12,14 +12,14 @@ from typing import AsyncIterator, Optional
 
 import hivemind
 
-from protocol.adversary import Behavior
-from protocol.bans import BanBook, BanVoteValidator
-from protocol.config import RoundConfig
-from protocol.engine import RoundEngine
-from protocol.membership import Membership
-from protocol.sync_policy import SyncPolicy
-from protocol.transport import Transport
-from security.identity import Identity
+from phalanx.protocol.btard.behavior import Behavior
+from phalanx.protocol.bans import BanBook, BanVoteValidator
+from phalanx.protocol.config import RoundConfig
+from phalanx.protocol.engine import RoundEngine
+from phalanx.protocol.membership import Membership
+from phalanx.protocol.sync_policy import SyncPolicy
+from phalanx.protocol.transport import Transport
+from phalanx.security.identity import Identity
 
 LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
 RUN_HASH = hashlib.sha256(b"test-run").digest()

@@ -6,11 +6,11 @@ import asyncio
 import hivemind
 import pytest
 
-from protocol.admission import AdmissionGate
-from protocol.membership import Membership
-from protocol.transport import CallFailed, Transport
-from security.admission import generate_owner_key, issue, load_owner_private, load_owner_public
-from security.identity import Identity
+from phalanx.protocol.admission import AdmissionGate
+from phalanx.protocol.membership import Membership
+from phalanx.protocol.transport import CallFailed, Transport
+from phalanx.security.admission import generate_owner_key, issue, load_owner_private, load_owner_public
+from phalanx.security.identity import Identity
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]

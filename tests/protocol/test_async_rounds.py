@@ -6,12 +6,12 @@ import asyncio
 import pytest
 import torch
 
-from aggregation.staleness import GapAware
-from peer.local_loop import BASE_KEY
-from peer.local_sgd import LocalState, StalenessCorrection
-from protocol.config import MatchmakingConfig, RoundConfig
-from protocol.engine import Averaged
-from protocol.state_sync import StateSnapshot
+from phalanx.aggregation.staleness import GapAware
+from phalanx.peer.local_loop import BASE_KEY
+from phalanx.peer.local_sgd import LocalState, StalenessCorrection
+from phalanx.protocol.config import MatchmakingConfig, RoundConfig
+from phalanx.protocol.engine import Averaged
+from phalanx.protocol.state_sync import StateSnapshot
 from swarm_fixture import open_swarm
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
@@ -104,8 +104,8 @@ def test_stale_contribution_is_penalized_end_to_end_as_gap_aware_says():
 
 
 def test_clipped_gossip_pair_moves_each_member_at_most_tau_per_part():
-    from aggregation.gossip import clipped_gossip_update
-    from protocol.partition import partition_bounds
+    from phalanx.aggregation.gossip import clipped_gossip_update
+    from phalanx.protocol.partition import partition_bounds
 
     config = RoundConfig(
         aggregator="clipped_gossip",
@@ -136,7 +136,7 @@ def test_clipped_gossip_pair_moves_each_member_at_most_tau_per_part():
 
 
 def test_sync_policy_sets_the_group_size():
-    from protocol.sync_policy import parse_sync_policy
+    from phalanx.protocol.sync_policy import parse_sync_policy
 
     config = RoundConfig(
         matchmaking=MatchmakingConfig(min_group_size=2, lockstep=False, window_s=5.0, matchmaking_timeout_s=20.0)

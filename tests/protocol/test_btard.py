@@ -9,12 +9,12 @@ import os
 import pytest
 import torch
 
-from aggregation.centered_clip import centered_clip
-from aggregation.errors import PeerProtocolError, RoundAbortedError
-from protocol.adversary import PROTOCOL_ATTACKS, Behavior
-from protocol.config import Codec, MatchmakingConfig, RoundConfig, verify_config_for
-from protocol.engine import Averaged
-from protocol.partition import partition_bounds
+from phalanx.aggregation.centered_clip import centered_clip
+from phalanx.aggregation.errors import PeerProtocolError, RoundAbortedError
+from phalanx.protocol.adversary import PROTOCOL_ATTACKS, Behavior
+from phalanx.protocol.config import Codec, MatchmakingConfig, RoundConfig, verify_config_for
+from phalanx.protocol.engine import Averaged
+from phalanx.protocol.partition import partition_bounds
 from swarm_fixture import close_peer, open_peer, open_swarm
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
@@ -68,7 +68,7 @@ def test_no_member_reveals_before_it_holds_every_aggregate_statement(monkeypatch
     """The reveal overlaps the gather (it starts on the aggregates' signed headers, before their bytes),
     but the seed must stay unknown until every reducer is bound to its aggregate, and every reducer
     must hold its parts by then (the validator, who starts with the seed, may ask for them)."""
-    from protocol.btard import VerifiedRound
+    from phalanx.protocol.btard import VerifiedRound
 
     seen = []
     reveal = VerifiedRound._reveal
@@ -191,7 +191,7 @@ def test_validator_checks_its_target_while_the_gather_runs(monkeypatch):
     """The validator starts as soon as the seed is public (mid-gather): a recomputation that is not
     bit-identical fetches the target's parts from reducers, who hold them from the moment they signed
     their aggregate; an honest target passes, a target that sent another gradient is banned."""
-    from protocol.btard.validator import Validator
+    from phalanx.protocol.btard.validator import Validator
 
     async def main():
         async with open_swarm(4, CONFIG) as peers:
@@ -226,7 +226,7 @@ def test_a_reducer_covering_up_its_aggregate_with_its_own_report_is_caught_by_th
     """Only a reducer holds its own part, so its report on it is checked by nobody but the validator that
     targets it: a shifted aggregate covered up by that report passes the fixed-point check, and the
     validator (who holds the target's committed parts) proves the lie."""
-    from protocol.btard.validator import Validator
+    from phalanx.protocol.btard.validator import Validator
 
     async def main():
         behaviors = [None, None, None, PROTOCOL_ATTACKS["cover_up"]()]
@@ -290,7 +290,7 @@ class _HoldReply(Exception):
 
 
 def _hold_replies(monkeypatch, seconds: float) -> None:
-    from protocol.allreduce import AllReduceService
+    from phalanx.protocol.allreduce import AllReduceService
 
     serve = AllReduceService._serve_part
 
@@ -307,8 +307,8 @@ def _hold_replies(monkeypatch, seconds: float) -> None:
 def _holding_back(monkeypatch, how: str, seconds: float = 8.0):
     """A reducer behavior that answers the members in `victims` late (its signed statement, or only the
     bytes after it, `seconds` late) or refuses them at once (`how` = "refused")."""
-    from protocol.adversary import Behavior
-    from protocol.channel import Channel
+    from phalanx.protocol.adversary import Behavior
+    from phalanx.protocol.channel import Channel
 
     held_back: set[int] = set()
 
@@ -424,7 +424,7 @@ def test_a_member_that_relays_wrong_bytes_or_stalls_is_passed_over(monkeypatch, 
     """The victim asks the other members for a refused aggregate; the first to answer sends bytes
     other than those the reducer signed, or stalls them past everyone's patience. The victim takes
     the aggregate from the next one in time (a stalling relay would otherwise get it banned)."""
-    from protocol.btard.relay import AggregateRelay
+    from phalanx.protocol.btard.relay import AggregateRelay
 
     HoldBack = _holding_back(monkeypatch, "refused")
     victims: set[str] = set()
@@ -463,10 +463,10 @@ def test_a_member_gets_no_more_relayed_aggregates_than_an_honest_one_needs():
     """Fewer than half the reducers can fail an honest member, so a member serves any one requester
     at most ⌊(n − 1)/2⌋ relayed aggregates a round (else one member could double another's upload),
     and never the requester's own or the server's own part."""
-    from protocol.btard.messages import RELAY_METHOD, RelayRequest
-    from protocol.transport import CallFailed
-    from security.commitments import part_hash
-    from security.wire import pack
+    from phalanx.protocol.btard.messages import RELAY_METHOD, RelayRequest
+    from phalanx.protocol.transport import CallFailed
+    from phalanx.security.commitments import part_hash
+    from phalanx.security.wire import pack
 
     async def main():
         async with open_swarm(4, CONFIG) as peers:
@@ -499,7 +499,7 @@ def test_a_member_gets_no_more_relayed_aggregates_than_an_honest_one_needs():
 def test_two_reducers_dying_after_commit_get_only_themselves_banned(monkeypatch):
     """Every other member misses both their aggregates, i.e. disputes two parts: that is no offense when
     the reducers themselves fell silent."""
-    from protocol.adversary import Behavior
+    from phalanx.protocol.adversary import Behavior
 
     class Dies(Behavior):
         name = "dies_after_commit"
@@ -623,8 +623,8 @@ def test_a_member_most_reducers_left_out_is_banned_and_drops_nothing():
 def test_an_aggregate_that_cannot_be_checked_is_not_applied(monkeypatch):
     """A wrong aggregate passes no check if one of its contributors withholds its report and the reducer,
     which alone holds that contributor's part, does not show the true one: it must not be applied."""
-    from protocol.adversary import WrongAggregate
-    from protocol.btard.reports import Reporter
+    from phalanx.protocol.adversary import WrongAggregate
+    from phalanx.protocol.btard.reports import Reporter
 
     class Mute(Behavior):  # commits, sends its parts, reveals, then says nothing more
         name = "mute"
@@ -679,7 +679,7 @@ def test_a_member_sending_non_finite_or_overflowing_parts_is_banned_alone(value)
 
 def test_an_aggregate_with_malformed_contributors_is_refused():
     """Contributors must be member indices in increasing order that include the reducer itself."""
-    from security.commitments import AggregateBody
+    from phalanx.security.commitments import AggregateBody
 
     def body(contributors):
         return AggregateBody(part=1, hash=bytes(32), contributors=contributors)
@@ -712,7 +712,7 @@ def test_banned_peer_is_refused_by_matchmaking_and_handlers():
             if isinstance(results[3], Averaged):
                 assert results[3].group.members == [attacker.peer_id]
             # and every RPC handler refuses it
-            from protocol.transport import CallFailed
+            from phalanx.protocol.transport import CallFailed
 
             with pytest.raises(CallFailed, match="banned"):
                 await attacker.transport.call(honest[0].peer_id, "exchange", b"", b"", max_reply_payload=0, timeout_s=10)
@@ -732,12 +732,12 @@ def test_bans_by_majority_reach_the_swarm_and_forged_groups_ban_nobody(tmp_path)
     reducer's own commitment to it, so a peer that was not in the round learns the ban from the DHT.
     Two identities that sign a group of themselves and an honest peer, and vote it out, ban nobody:
     that peer never committed to such a group."""
-    from protocol.bans import open_vote
-    from security.commitments import GroupBody
-    from security.evidence import BanVote, Offense
-    from security.identity import Identity
-    from security.statements import sign_statement
-    from security.wire import pack
+    from phalanx.protocol.bans import open_vote
+    from phalanx.security.commitments import GroupBody
+    from phalanx.security.evidence import BanVote, Offense
+    from phalanx.security.identity import Identity
+    from phalanx.security.statements import sign_statement
+    from phalanx.security.wire import pack
 
     async def main():
         async with open_swarm(4, CONFIG, behaviors=[None, None, None, PROTOCOL_ATTACKS["wrong_aggregate"]()]) as peers:
@@ -775,7 +775,7 @@ def test_a_leader_reusing_a_round_id_cannot_make_members_sign_twice_for_one_roun
     commitment for it: members refuse a round id they already took part in, and a stale group."""
     import time
 
-    from protocol.btard import round as round_module
+    from phalanx.protocol.btard import round as round_module
 
     signed: list[tuple[str, bytes, object]] = []
     sign = round_module.sign_statement
@@ -833,8 +833,8 @@ def test_a_poisoned_state_download_is_refused_by_the_rounds_majority():
     """A peer that must catch up downloads the state its donor kept after a round. In verified runs every
     member of that round keeps its own as a witness, and the recipient compares fingerprints along
     directions it draws after the download: an honest donor's state is taken, a poisoned one refused."""
-    from protocol.engine import Resync
-    from protocol.matchmaking import Donation
+    from phalanx.protocol.engine import Resync
+    from phalanx.protocol.matchmaking import Donation
 
     async def main():
         async with open_swarm(4, CONFIG, behaviors=[None, None, None, PROTOCOL_ATTACKS["poison_state"]()]) as peers:
@@ -871,7 +871,7 @@ def test_a_poisoned_state_download_is_refused_by_the_rounds_majority():
 def test_a_peer_claiming_a_later_step_does_not_become_everyones_donor():
     """The state a round starts from is the one most joiners hold: a peer that claims a step far ahead
     of everyone is told to catch up with them, instead of them all downloading its state."""
-    from protocol.engine import Resync
+    from phalanx.protocol.engine import Resync
 
     async def main():
         async with open_swarm(4, CONFIG) as peers:
@@ -891,7 +891,7 @@ def test_a_peer_claiming_a_later_step_does_not_become_everyones_donor():
 def test_a_false_accuser_gets_judged_once(monkeypatch):
     """Judging a report accusation downloads the part: an accuser found false once (or one that repeats
     itself) costs the judges no more downloads, however many accusations it sends."""
-    from protocol.btard import BtardService
+    from phalanx.protocol.btard import BtardService
 
     class Flood(Behavior):
         name = "flood"
@@ -942,9 +942,9 @@ def test_a_report_kept_from_one_reducer_gets_nobody_banned_and_changes_nothing()
 def test_held_parts_are_served_to_the_rounds_members_only():
     """The parts a reducer keeps as evidence are the contributors' gradients: a peer that was not in the
     round cannot download them (a member can, to judge)."""
-    from protocol.btard.messages import EVIDENCE_METHOD, EvidenceRequest
-    from protocol.transport import CallFailed
-    from security.wire import pack
+    from phalanx.protocol.btard.messages import EVIDENCE_METHOD, EvidenceRequest
+    from phalanx.protocol.transport import CallFailed
+    from phalanx.security.wire import pack
 
     async def main():
         # a contested round (the weight is proof on sight), so that the parts are kept for the judges

@@ -6,10 +6,10 @@ import os
 import msgpack
 import pytest
 
-from aggregation.errors import PeerProtocolError
-from protocol.exchange import EXCHANGE_METHOD, ExchangeHeader, ExchangeService
-from security.phases import RoundPhase
-from security.wire import pack
+from phalanx.aggregation.errors import PeerProtocolError
+from phalanx.protocol.exchange import EXCHANGE_METHOD, ExchangeHeader, ExchangeService
+from phalanx.security.phases import RoundPhase
+from phalanx.security.wire import pack
 
 pytestmark = pytest.mark.timeout(60)
 ME, OTHER, OUTSIDER = "QmMe", "QmOther", "QmOutsider"

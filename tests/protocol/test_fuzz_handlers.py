@@ -9,17 +9,17 @@ import msgpack
 import pytest
 import torch
 
-from aggregation.errors import PeerProtocolError
-from protocol.allreduce import PART_METHOD, PartHeader
-from protocol.btard.messages import EVIDENCE_METHOD, RELAY_METHOD, EvidenceRequest, RelayRequest
-from protocol.config import MatchmakingConfig, RoundConfig, verify_config_for
-from protocol.engine import Averaged
-from protocol.exchange import EXCHANGE_METHOD, ExchangeHeader
-from protocol.matchmaking import JOIN_METHOD, JoinRequest
-from protocol.state_sync import CHECK_METHOD, STATE_METHOD, CheckRequest, StateRequest
-from protocol.transport import HELLO_MAGIC, CallFailed, Status
-from security.statements import Signed
-from security.wire import pack
+from phalanx.aggregation.errors import PeerProtocolError
+from phalanx.protocol.allreduce import PART_METHOD, PartHeader
+from phalanx.protocol.btard.messages import EVIDENCE_METHOD, RELAY_METHOD, EvidenceRequest, RelayRequest
+from phalanx.protocol.config import MatchmakingConfig, RoundConfig, verify_config_for
+from phalanx.protocol.engine import Averaged
+from phalanx.protocol.exchange import EXCHANGE_METHOD, ExchangeHeader
+from phalanx.protocol.matchmaking import JOIN_METHOD, JoinRequest
+from phalanx.protocol.state_sync import CHECK_METHOD, STATE_METHOD, CheckRequest, StateRequest
+from phalanx.protocol.transport import HELLO_MAGIC, CallFailed, Status
+from phalanx.security.statements import Signed
+from phalanx.security.wire import pack
 from swarm_fixture import RUN_HASH, open_swarm
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]

@@ -8,9 +8,9 @@ import pytest
 import torch
 from hivemind.utils import get_dht_time
 
-from protocol.config import MatchmakingConfig, RoundConfig
-from protocol.engine import Averaged
-from protocol.membership import Membership, PeerRecord
+from phalanx.protocol.config import MatchmakingConfig, RoundConfig
+from phalanx.protocol.engine import Averaged
+from phalanx.protocol.membership import Membership, PeerRecord
 from swarm_fixture import open_swarm
 
 PERIOD_S = 600.0

@@ -3,7 +3,7 @@
 import dataclasses
 import math
 
-from protocol.config import LOCAL_FIELDS, Codec, RoundConfig, VerifyConfig, protocol_fields
+from phalanx.protocol.config import LOCAL_FIELDS, Codec, RoundConfig, VerifyConfig, protocol_fields
 
 BASE = RoundConfig(aggregator="centered_clip", aggregator_params=(("tau", 1.0),), verify=VerifyConfig(tau=1.0))
 

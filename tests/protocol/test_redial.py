@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from protocol.redial import (
+from phalanx.protocol.redial import (
     BASE_DELAY_S,
     FORGET_S,
     JITTER,
@@ -133,7 +133,7 @@ def test_a_tick_polls_the_watch_for_the_membership_view():
 
 
 def test_each_due_peer_is_dialed_in_its_own_task_and_rescheduled_when_it_ends(monkeypatch):
-    import protocol.redial as redial
+    import phalanx.protocol.redial as redial
 
     started: list[str] = []
     release = asyncio.Event()

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from protocol.config import Codec, MatchmakingConfig, RoundConfig
-from protocol.engine import Averaged
-from protocol.partition import partition_bounds
+from phalanx.protocol.config import Codec, MatchmakingConfig, RoundConfig
+from phalanx.protocol.engine import Averaged
+from phalanx.protocol.partition import partition_bounds
 from swarm_fixture import open_swarm
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
@@ -51,7 +51,7 @@ def test_mean_round_equals_true_mean(n, numel):
 
 
 def test_centered_clip_round_equals_library_on_each_part():
-    from aggregation.centered_clip import centered_clip
+    from phalanx.aggregation.centered_clip import centered_clip
 
     config = RoundConfig(aggregator="centered_clip", aggregator_params=(("tau", 1.0),))
     n, numel = 4, 2000
@@ -76,9 +76,9 @@ def test_centered_clip_round_equals_library_on_each_part():
 def test_bucketing_round_from_the_command_line_settings():
     """--aggregator bucketing --aggregator-params s=2,inner=median, as `phalanx join` builds it: each
     reducer applies bucketing around the median to its part (one generator per reducer, seeded alike)."""
-    from aggregation.bucketing import bucketing
-    from aggregation.coordinatewise import coordinate_median
-    from peer.config import PeerConfig, load_settings
+    from phalanx.aggregation.bucketing import bucketing
+    from phalanx.aggregation.coordinatewise import coordinate_median
+    from phalanx.peer.config import PeerConfig, load_settings
 
     settings = load_settings(PeerConfig, {"aggregator": "bucketing", "aggregator_params": "s=2,inner=median,seed=3"})
     n, numel = 5, 2000
@@ -218,8 +218,8 @@ def test_a_round_in_which_nothing_arrived_before_the_deadline_is_not_applied(par
     """A peer frozen past the deadline (SIGSTOP, a laptop lid) wakes to a round the others left: its
     "average" would be its own stale part. A member that stopped sending is another matter: dropped
     for idleness, it costs a partial round."""
-    from aggregation.errors import RoundAbortedError
-    from protocol.allreduce import RoundSpec
+    from phalanx.aggregation.errors import RoundAbortedError
+    from phalanx.protocol.allreduce import RoundSpec
 
     async def main():
         async with open_swarm(2, RoundConfig(part_idle_timeout_s=part_idle_timeout_s)) as (awake, absent):

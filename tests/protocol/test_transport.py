@@ -6,10 +6,10 @@ import os
 import pytest
 from hivemind.p2p import P2P
 
-from aggregation.errors import PeerProtocolError, RoundAbortedError
-from protocol.channel import UploadLimiter
-from protocol.transport import HELLO_MAGIC, CallFailed, Landing, Status, Transport
-from security.commitments import part_hash, part_hasher
+from phalanx.aggregation.errors import PeerProtocolError, RoundAbortedError
+from phalanx.protocol.channel import UploadLimiter
+from phalanx.protocol.transport import HELLO_MAGIC, CallFailed, Landing, Status, Transport
+from phalanx.security.commitments import part_hash, part_hasher
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -153,8 +153,8 @@ def test_upload_limiter_paces_sends_to_its_rate(monkeypatch):
         slept.append(seconds)
         clock[0] += seconds
 
-    monkeypatch.setattr("protocol.channel.time.monotonic", lambda: clock[0])
-    monkeypatch.setattr("protocol.channel.asyncio.sleep", fake_sleep)
+    monkeypatch.setattr("phalanx.protocol.channel.time.monotonic", lambda: clock[0])
+    monkeypatch.setattr("phalanx.protocol.channel.asyncio.sleep", fake_sleep)
     limiter = UploadLimiter(10e6)  # 10 MB/s
 
     async def main():
@@ -283,8 +283,8 @@ def test_direct_socket_needs_a_fresh_ticket_and_the_right_key():
             from google.protobuf.wrappers_pb2 import BytesValue
             from hivemind.p2p import PeerID
 
-            from protocol.transport import _Ticket, _TicketRequest
-            from security.wire import pack, unpack
+            from phalanx.protocol.transport import _Ticket, _TicketRequest
+            from phalanx.security.wire import pack, unpack
 
             stub = tb.get_stub(tb.p2p, PeerID.from_base58(ta.peer_id), namespace="t")
             ticket = unpack((await stub.rpc_ticket(BytesValue(value=pack(_TicketRequest())))).value, _Ticket)

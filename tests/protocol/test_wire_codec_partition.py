@@ -4,10 +4,10 @@ import msgpack
 import pytest
 import torch
 
-from aggregation.errors import PeerProtocolError
-from protocol.codec import Codec, decode, encode
-from protocol.partition import partition_bounds
-from security.wire import MAX_MESSAGE_BYTES, PeerIdStr, RoundId, WireModel, pack, unpack
+from phalanx.aggregation.errors import PeerProtocolError
+from phalanx.protocol.codec import Codec, decode, encode
+from phalanx.protocol.partition import partition_bounds
+from phalanx.security.wire import MAX_MESSAGE_BYTES, PeerIdStr, RoundId, WireModel, pack, unpack
 
 
 class Sample(WireModel):

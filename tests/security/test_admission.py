@@ -2,8 +2,8 @@
 
 import pytest
 
-from aggregation.errors import ConfigError, PeerProtocolError
-from security.admission import generate_owner_key, issue, load_owner_private, load_owner_public, verify_certificate
+from phalanx.aggregation.errors import ConfigError, PeerProtocolError
+from phalanx.security.admission import generate_owner_key, issue, load_owner_private, load_owner_public, verify_certificate
 
 PEER = "12D3KooWGunkA55ShGBm6G2KBfLhk6oUr4GCkEoYyG6bbPj76gTc"
 OTHER = "QmReHQdH2S2Vw2oZNLAcATfesFFLpxSFRiF72GJwLv2X4b"

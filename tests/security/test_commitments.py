@@ -4,8 +4,8 @@ import hashlib
 
 import pytest
 
-from aggregation.errors import PeerProtocolError
-from security.commitments import (
+from phalanx.aggregation.errors import PeerProtocolError
+from phalanx.security.commitments import (
     AggregateBody,
     CommitBody,
     members_digest,
@@ -16,7 +16,7 @@ from security.commitments import (
     share_commitment,
     validator_pairs,
 )
-from security.wire import pack, unpack
+from phalanx.security.wire import pack, unpack
 
 
 def test_part_hash_is_blake3_and_streams_piece_by_piece():

@@ -7,7 +7,7 @@ for a ban only if the accused itself committed to it (or the judge saw that grou
 
 import pytest
 
-from security.commitments import (
+from phalanx.security.commitments import (
     AggregateBody,
     CommitBody,
     GroupBody,
@@ -17,9 +17,9 @@ from security.commitments import (
     members_digest,
     share_commitment,
 )
-from security.evidence import BanVote, Offense, RevealBody, Vote, banned, check_self_contained
-from security.identity import Identity
-from security.statements import sign_statement
+from phalanx.security.evidence import BanVote, Offense, RevealBody, Vote, banned, check_self_contained
+from phalanx.security.identity import Identity
+from phalanx.security.statements import sign_statement
 
 ROUND = b"r" * 16
 H = [bytes([i]) * 32 for i in range(8)]

@@ -5,8 +5,8 @@ import asyncio
 import pytest
 from hivemind.p2p import P2P, PeerID
 
-from aggregation.errors import ConfigError, PeerProtocolError
-from security.identity import Identity, verify
+from phalanx.aggregation.errors import ConfigError, PeerProtocolError
+from phalanx.security.identity import Identity, verify
 
 
 @pytest.fixture
@@ -58,7 +58,7 @@ def test_unreadable_identity_is_a_config_error(tmp_path):
 
 
 def test_a_checked_signature_is_remembered_but_never_for_other_data_or_another_peer(tmp_path, monkeypatch):
-    import security.identity as identity_module
+    import phalanx.security.identity as identity_module
 
     me = Identity.generate_ed25519(tmp_path / "me.id")
     other = Identity.generate_ed25519(tmp_path / "other.id")

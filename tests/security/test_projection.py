@@ -5,8 +5,8 @@ import math
 import pytest
 import torch
 
-from aggregation.centered_clip import centered_clip
-from security.projection import direction, fixed_point_holds, recompute, report, report_matches
+from phalanx.aggregation.centered_clip import centered_clip
+from phalanx.security.projection import direction, fixed_point_holds, recompute, report, report_matches
 
 
 def _rows(n=8, d=50_000, seed=0):
@@ -76,7 +76,7 @@ def test_direction_is_public_and_unit():
 def test_a_state_fingerprint_tells_rounding_from_a_changed_state():
     """Honest members' states differ by rounding only; a donor's change beyond that shows, along
     directions drawn after it sent the state, whatever its shape."""
-    from security.projection import fingerprints_match, state_fingerprint
+    from phalanx.security.projection import fingerprints_match, state_fingerprint
 
     g = torch.Generator().manual_seed(0)
     state = [torch.randn(300, 100, generator=g), torch.randn(10, generator=g), torch.tensor([7]), torch.empty(0)]

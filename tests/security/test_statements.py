@@ -5,10 +5,10 @@ import re
 
 import pytest
 
-from aggregation.errors import PeerProtocolError
-from security.commitments import PartBody, ReportBody
-from security.identity import Identity
-from security.statements import Signed, open_statement, sign_statement
+from phalanx.aggregation.errors import PeerProtocolError
+from phalanx.security.commitments import PartBody, ReportBody
+from phalanx.security.identity import Identity
+from phalanx.security.statements import Signed, open_statement, sign_statement
 
 ROUND = b"r" * 16
 BODY = PartBody(part=0, hash=b"h" * 32, weight=1.0)

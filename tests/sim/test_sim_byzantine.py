@@ -1,14 +1,14 @@
-"""peer/sim/byzantine.py: who attacks, what replaces their rows, and that robust aggregation matters."""
+"""sim/byzantine.py: who attacks, what replaces their rows, and that robust aggregation matters."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from aggregation.errors import ConfigError
-from peer.sim.byzantine import Adversary, attack_names
-from peer.sim.config import Budget, ByzantineConfig, SimConfig
-from peer.sim.runner import run_sim
+from phalanx.aggregation.errors import ConfigError
+from phalanx.sim.byzantine import Adversary, attack_names
+from phalanx.sim.config import Budget, ByzantineConfig, SimConfig
+from phalanx.sim.runner import run_sim
 
 
 def vectors(k: int, d: int = 5) -> list[torch.Tensor]:

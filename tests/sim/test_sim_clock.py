@@ -1,4 +1,4 @@
-"""peer/sim/clock.py: delay models, per-worker determinism, volunteer churn."""
+"""sim/clock.py: delay models, per-worker determinism, volunteer churn."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import statistics
 
 import pytest
 
-from aggregation.errors import ConfigError
-from peer.sim.clock import DELAYS, VolunteerClock, VolunteerParams, make_clocks
+from phalanx.aggregation.errors import ConfigError
+from phalanx.sim.clock import DELAYS, VolunteerClock, VolunteerParams, make_clocks
 
 
 def draws(clock, count=2000):

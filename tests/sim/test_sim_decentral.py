@@ -1,12 +1,12 @@
-"""peer/sim/decentral.py: LASGD merges and AD-PSGD gossip against hand-written references."""
+"""sim/decentral.py: LASGD merges and AD-PSGD gossip against hand-written references."""
 
 from __future__ import annotations
 
 import torch
 
-from peer.sim.config import Budget, SimConfig
-from peer.sim.runner import load_task, run_sim
-from peer.tasks import compute_gradient, flat_params, set_flat_params
+from phalanx.sim.config import Budget, SimConfig
+from phalanx.sim.runner import load_task, run_sim
+from phalanx.tasks import compute_gradient, flat_params, set_flat_params
 
 
 def grad_at(theta: torch.Tensor, worker: int, step: int) -> torch.Tensor:

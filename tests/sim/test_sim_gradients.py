@@ -1,4 +1,4 @@
-"""peer/sim/gradients.py: the batched engines agree with the task's own compute_gradient."""
+"""sim/gradients.py: the batched engines agree with the task's own compute_gradient."""
 
 from __future__ import annotations
 
@@ -6,10 +6,10 @@ import pytest
 import torch
 from torch import nn
 
-from aggregation.errors import ConfigError
-from peer.sim.gradients import GradientOracle, peer_id
-from peer.sim.runner import load_task
-from peer.tasks import Task, compute_gradient, set_flat_params
+from phalanx.aggregation.errors import ConfigError
+from phalanx.sim.gradients import GradientOracle, peer_id
+from phalanx.sim.runner import load_task
+from phalanx.tasks import Task, compute_gradient, set_flat_params
 
 
 def rows(oracle: GradientOracle, m: int = 3) -> torch.Tensor:

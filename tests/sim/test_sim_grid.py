@@ -1,4 +1,4 @@
-"""peer/sim/grid.py, presets.py, plots.py and report.py on a tiny grid."""
+"""sim/grid.py, presets.py, plots.py and report.py on a tiny grid."""
 
 from __future__ import annotations
 
@@ -7,12 +7,12 @@ import json
 
 import pytest
 
-from aggregation.errors import ConfigError
-from peer.sim.config import Budget, SimConfig
-from peer.sim.grid import GridRun, run_grid, summarize, write_outputs
-from peer.sim.plots import plot_run
-from peer.sim.presets import EQUAL_TIME_METHODS, STALENESS_DELAYS, STALENESS_WORKERS, TableSpec, build_preset
-from peer.sim.report import (
+from phalanx.aggregation.errors import ConfigError
+from phalanx.sim.config import Budget, SimConfig
+from phalanx.sim.grid import GridRun, run_grid, summarize, write_outputs
+from phalanx.sim.plots import plot_run
+from phalanx.sim.presets import EQUAL_TIME_METHODS, STALENESS_DELAYS, STALENESS_WORKERS, TableSpec, build_preset
+from phalanx.sim.report import (
     READING_END,
     READING_START,
     Check,
@@ -21,7 +21,7 @@ from peer.sim.report import (
     markdown_table,
     write_report,
 )
-from peer.sim.runner import policy_spec
+from phalanx.sim.runner import policy_spec
 
 
 def tiny_runs() -> list[GridRun]:

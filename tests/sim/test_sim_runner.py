@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from aggregation.errors import ConfigError
-from peer.sim.config import Budget, ByzantineConfig, SimConfig
-from peer.sim.methods import METHODS
-from peer.sim.runner import load_task, run_sim
-from peer.tasks import compute_gradient, flat_params
+from phalanx.aggregation.errors import ConfigError
+from phalanx.sim.config import Budget, ByzantineConfig, SimConfig
+from phalanx.sim.methods import METHODS
+from phalanx.sim.runner import load_task, run_sim
+from phalanx.tasks import compute_gradient, flat_params
 
 STEPS = 24
 NESTEROV = {"nag_asgd", "ga_momentum", "dana_zero", "dana_slim", "dana_ga"}  # DANA with one worker is Nesterov

@@ -6,8 +6,8 @@ import math
 
 import pytest
 
-from aggregation.errors import ConfigError
-from protocol.sync_policy import (
+from phalanx.aggregation.errors import ConfigError
+from phalanx.protocol.sync_policy import (
     SYNC_POLICIES,
     VALID_FORMS,
     AdaSync,

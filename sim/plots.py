@@ -17,7 +17,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
-from peer.sim.presets import NO_ATTACK, Preset, TableSpec  # noqa: E402
+from phalanx.sim.presets import NO_ATTACK, Preset, TableSpec  # noqa: E402
 
 DPI = 90
 CURVE_METHODS = ("ssgd", "asgd", "nag_asgd", "sa", "ga", "ga_momentum", "dana_zero", "dana_ga", "lasgd", "gossip")

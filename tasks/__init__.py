@@ -4,8 +4,8 @@
 (`digits-mlp`, the default; `mnist-cnn`; `cifar10-resnet18`).
 """
 
-from peer.tasks.base import Task, batch_generator, compute_gradient, flat_params, set_flat_params
-from peer.tasks.registry import DEFAULT_TASK, TASKS, register_task, resolve_task
+from phalanx.tasks.base import Task, batch_generator, compute_gradient, flat_params, set_flat_params
+from phalanx.tasks.registry import DEFAULT_TASK, TASKS, register_task, resolve_task
 
 __all__ = [
     "DEFAULT_TASK",

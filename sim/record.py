@@ -16,8 +16,8 @@ from typing import Any
 
 from torch import Tensor
 
-from peer.sim.config import Budget, SimConfig
-from peer.sim.gradients import GradientOracle
+from phalanx.sim.config import Budget, SimConfig
+from phalanx.sim.gradients import GradientOracle
 
 
 @dataclass

@@ -13,8 +13,8 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from aggregation.errors import ConfigError
-from peer.tasks.base import Task
+from phalanx.aggregation.errors import ConfigError
+from phalanx.tasks.base import Task
 
 MNIST_URL = "https://ossci-datasets.s3.amazonaws.com/mnist/"  # torchvision's mirror; the original
 MNIST_ORIGINAL_URL = "http://yann.lecun.com/exdb/mnist/"  # site is often unreachable

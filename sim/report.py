@@ -13,10 +13,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from peer.sim.byzantine import DEFAULT_LAG
-from peer.sim.clock import VolunteerParams
-from peer.sim.methods import METHODS, default_k
-from peer.sim.presets import (
+from phalanx.sim.byzantine import DEFAULT_LAG
+from phalanx.sim.clock import VolunteerParams
+from phalanx.sim.methods import METHODS, default_k
+from phalanx.sim.presets import (
     BYZANTINE_ATTACKS,
     BYZANTINE_COUNTS,
     NO_ATTACK,
@@ -25,7 +25,7 @@ from peer.sim.presets import (
     Preset,
     TableSpec,
 )
-from peer.sim.rules import DC_LAMBDA
+from phalanx.sim.rules import DC_LAMBDA
 
 READING_START = "<!-- reading:start (hand-written; kept when this file is regenerated) -->"
 READING_END = "<!-- reading:end -->"

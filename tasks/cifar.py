@@ -13,8 +13,8 @@ from types import ModuleType
 import torch
 from torch import Tensor, nn
 
-from aggregation.errors import ConfigError
-from peer.tasks.base import Task
+from phalanx.aggregation.errors import ConfigError
+from phalanx.tasks.base import Task
 
 CIFAR10_URL = "https://www.cs.toronto.edu/~kriz/cifar-10-python.tar.gz"
 CIFAR10_MEAN = (0.4914, 0.4822, 0.4465)  # training-set channel statistics on the [0, 1] scale

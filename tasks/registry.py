@@ -11,11 +11,11 @@ import inspect
 from collections.abc import Callable
 from typing import Any
 
-from aggregation.errors import ConfigError
-from peer.tasks.base import Task
-from peer.tasks.cifar import cifar10_resnet18
-from peer.tasks.digits import digits_mlp
-from peer.tasks.mnist import mnist_cnn
+from phalanx.aggregation.errors import ConfigError
+from phalanx.tasks.base import Task
+from phalanx.tasks.cifar import cifar10_resnet18
+from phalanx.tasks.digits import digits_mlp
+from phalanx.tasks.mnist import mnist_cnn
 
 TaskFactory = Callable[..., Task]
 
@@ -47,7 +47,7 @@ def resolve_task(spec: str, **options: Any) -> Task:
     task = factory(**options)
     if not isinstance(task, Task):
         raise ConfigError(
-            f"task={spec!r} returned {type(task).__name__}, not a peer.tasks.Task; make the factory return Task(...)"
+            f"task={spec!r} returned {type(task).__name__}, not a phalanx.tasks.Task; make the factory return Task(...)"
         )
     return task
 

@@ -20,7 +20,7 @@ from multiprocessing import get_context
 from pathlib import Path
 from typing import Any
 
-from peer.sim.config import SimConfig
+from phalanx.sim.config import SimConfig
 
 SUMMARY_FIELDS = (
     "table", "row", "column", "seeds", "final_accuracy", "final_accuracy_std", "best_accuracy",
@@ -50,7 +50,7 @@ def _init_process() -> None:
 
 
 def _run_one(config: SimConfig) -> dict[str, Any]:
-    from peer.sim.runner import run_sim
+    from phalanx.sim.runner import run_sim
 
     return run_sim(config).to_dict()
 

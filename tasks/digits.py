@@ -16,8 +16,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from aggregation.errors import ConfigError
-from peer.tasks.base import Task
+from phalanx.aggregation.errors import ConfigError
+from phalanx.tasks.base import Task
 
 SPLIT_SEED = 0  # fixed forever: every peer and every run must see the same train/test split
 TEST_FRACTION = 0.2
@@ -27,7 +27,7 @@ TEST_FRACTION = 0.2
 def _load_split() -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """(train x, test x, train y, test y) as scikit-learn's load_digits + train_test_split(stratify=labels)
     give them, read without importing scikit-learn: its import costs each trainer about a second of CPU
-    at start-up (tests/peer/test_tasks.py checks that both give the same arrays)."""
+    at start-up (tests/tasks/test_tasks.py checks that both give the same arrays)."""
     with gzip.open(_digits_csv()) as f:
         data = np.loadtxt(f, delimiter=",")
     features = (data[:, :-1] / 16.0).astype(np.float32)  # pixel counts 0..16 → [0, 1]

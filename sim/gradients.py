@@ -21,8 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from aggregation.errors import ConfigError
-from peer.tasks.base import Task, compute_gradient, flat_params, set_flat_params
+from phalanx.aggregation.errors import ConfigError
+from phalanx.tasks.base import Task, compute_gradient, flat_params, set_flat_params
 
 ENGINES = ("auto", "mlp", "vmap", "loop")
 # Modules the mlp engine applies as they are to (m, B, features): elementwise, no parameters.

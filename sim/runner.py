@@ -12,19 +12,19 @@ import functools
 import time
 from typing import Any
 
-from aggregation.errors import ConfigError
-from aggregation.registry import BoundAggregator, make_aggregator
-from peer.sim.byzantine import Adversary
-from peer.sim.clock import make_clocks
-from peer.sim.config import SimConfig, parse_spec
-from peer.sim.decentral import run_gossip, run_lasgd
-from peer.sim.gradients import GradientOracle
-from peer.sim.methods import build_rule, get_method, momentum_for, time_horizon
-from peer.sim.record import Recorder, SimResult
-from peer.sim.server import ParameterServerSim
-from peer.sim.workers import Workers
-from peer.tasks import Task, resolve_task
-from protocol.sync_policy import parse_sync_policy
+from phalanx.aggregation.errors import ConfigError
+from phalanx.aggregation.registry import BoundAggregator, make_aggregator
+from phalanx.sim.byzantine import Adversary
+from phalanx.sim.clock import make_clocks
+from phalanx.sim.config import SimConfig, parse_spec
+from phalanx.sim.decentral import run_gossip, run_lasgd
+from phalanx.sim.gradients import GradientOracle
+from phalanx.sim.methods import build_rule, get_method, momentum_for, time_horizon
+from phalanx.sim.record import Recorder, SimResult
+from phalanx.sim.server import ParameterServerSim
+from phalanx.sim.workers import Workers
+from phalanx.tasks import Task, resolve_task
+from phalanx.protocol.sync_policy import parse_sync_policy
 
 
 @functools.lru_cache(maxsize=4)

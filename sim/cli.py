@@ -53,7 +53,7 @@ def run(
 
       phalanx sim run --method k_async --sync hybrid:exp:50 --time 200 --delay volunteer --out runs/hybrid
     """
-    from peer.sim.config import ByzantineConfig, SimConfig
+    from phalanx.sim.config import ByzantineConfig, SimConfig
 
     _one_thread()
     config = SimConfig(
@@ -62,7 +62,7 @@ def run(
         byzantine=ByzantineConfig(count=byzantine, attack=attack, start=attack_from), local_steps=local_steps,
         gossip_tau=gossip_tau, eval_points=eval_points, engine=engine,
     )  # fmt: skip
-    from peer.sim.runner import describe, run_sim
+    from phalanx.sim.runner import describe, run_sim
 
     console = _console()
     with console.status(f"simulating {method} with {workers} workers..."):
@@ -96,11 +96,11 @@ def grid(
     """
     import time
 
-    from aggregation.errors import ConfigError
-    from peer.sim.grid import cpu_seconds, default_jobs, run_grid, summarize, write_outputs
-    from peer.sim.plots import plot_preset
-    from peer.sim.presets import build_preset
-    from peer.sim.report import Section, write_report
+    from phalanx.aggregation.errors import ConfigError
+    from phalanx.sim.grid import cpu_seconds, default_jobs, run_grid, summarize, write_outputs
+    from phalanx.sim.plots import plot_preset
+    from phalanx.sim.presets import build_preset
+    from phalanx.sim.report import Section, write_report
 
     jobs = jobs or default_jobs()
     if len(set(preset)) != len(preset):
@@ -130,8 +130,8 @@ def grid(
 
 
 def _budget(updates: Optional[int], gradients: Optional[int], time_budget: Optional[float]) -> Any:
-    from aggregation.errors import ConfigError
-    from peer.sim.config import Budget
+    from phalanx.aggregation.errors import ConfigError
+    from phalanx.sim.config import Budget
 
     given = {k: v for k, v in (("updates", updates), ("gradients", gradients), ("time", time_budget)) if v is not None}
     if len(given) > 1:
@@ -231,8 +231,8 @@ def _write_run(out: Path, record: dict[str, Any], console: Any) -> None:
     import csv
     import json
 
-    from peer.sim.grid import json_ready
-    from peer.sim.plots import plot_run
+    from phalanx.sim.grid import json_ready
+    from phalanx.sim.plots import plot_run
 
     out.mkdir(parents=True, exist_ok=True)
     record = json_ready(record)

@@ -15,8 +15,8 @@ import pytest
 import torch
 from torch import nn
 
-from aggregation.errors import ConfigError
-from peer.tasks import (
+from phalanx.aggregation.errors import ConfigError
+from phalanx.tasks import (
     DEFAULT_TASK,
     TASKS,
     Task,
@@ -27,8 +27,8 @@ from peer.tasks import (
     resolve_task,
     set_flat_params,
 )
-from peer.tasks.cifar import PAD, _augment
-from peer.tasks.mnist import MNIST_URL, read_idx
+from phalanx.tasks.cifar import PAD, _augment
+from phalanx.tasks.mnist import MNIST_URL, read_idx
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -213,7 +213,7 @@ def test_task_options_reach_the_factory() -> None:
 USER_MODULE = '''
 import torch
 from torch import nn
-from peer.tasks import Task
+from phalanx.tasks import Task
 
 def make(width=3):
     x = torch.linspace(0, 1, 40).reshape(20, 2)
@@ -254,7 +254,7 @@ def test_user_factory_by_import_path(user_module: str) -> None:
     [
         (":missing", "task='{m}:missing': module '{m}' has no attribute 'missing'; check the name"),
         (":NOT_CALLABLE", "task='{m}:NOT_CALLABLE': {m}.NOT_CALLABLE is a int, not a callable returning a Task"),
-        (":not_a_task", "task='{m}:not_a_task' returned int, not a peer.tasks.Task; make the factory return Task(...)"),
+        (":not_a_task", "task='{m}:not_a_task' returned int, not a phalanx.tasks.Task; make the factory return Task(...)"),
         (":needs_path", "task='{m}:needs_path' needs option(s) path; pass them as task options"),
         (":make:extra", "task='{m}:make:extra' is not of the form package.module:factory"),
         (":", "task='{m}:' is not of the form package.module:factory"),
@@ -463,7 +463,7 @@ def test_digits_split_is_scikit_learns_without_importing_it():
     from sklearn.datasets import load_digits
     from sklearn.model_selection import train_test_split
 
-    from peer.tasks.digits import SPLIT_SEED, TEST_FRACTION, _load_split
+    from phalanx.tasks.digits import SPLIT_SEED, TEST_FRACTION, _load_split
 
     data = load_digits()
     labels = data.target.astype(np.int64)
@@ -472,6 +472,6 @@ def test_digits_split_is_scikit_learns_without_importing_it():
     )
     for ours, theirs in zip(_load_split(), expected):
         assert ours.dtype == theirs.dtype and np.array_equal(ours, theirs)
-    probe = "import sys; from peer.tasks import resolve_task; resolve_task('digits-mlp'); print('sklearn' in sys.modules)"
+    probe = "import sys; from phalanx.tasks import resolve_task; resolve_task('digits-mlp'); print('sklearn' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"

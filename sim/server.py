@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import heapq
 
-from peer.sim.byzantine import Adversary
-from peer.sim.config import Budget
-from peer.sim.record import Progress, Recorder
-from peer.sim.rules import Row, ServerRule, finite
-from peer.sim.workers import Job, Workers
-from protocol.sync_policy import SyncPolicy
+from phalanx.sim.byzantine import Adversary
+from phalanx.sim.config import Budget
+from phalanx.sim.record import Progress, Recorder
+from phalanx.sim.rules import Row, ServerRule, finite
+from phalanx.sim.workers import Job, Workers
+from phalanx.protocol.sync_policy import SyncPolicy
 
 ENGINES = ("k_sync", "k_async", "k_batch_async")
 

@@ -17,9 +17,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from aggregation.dana import AsgdMaster, DanaSlimWorker, DanaZero
-from aggregation.registry import BoundAggregator
-from aggregation.staleness import GapAware, dc_asgd, staleness_aware
+from phalanx.aggregation.dana import AsgdMaster, DanaSlimWorker, DanaZero
+from phalanx.aggregation.registry import BoundAggregator
+from phalanx.aggregation.staleness import GapAware, dc_asgd, staleness_aware
 
 CORRECTIONS = (None, "sa", "dc", "ga")
 DC_LAMBDA = 0.04  # DC-ASGD's λ (Zheng et al.'s default for CIFAR)

@@ -20,9 +20,9 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from aggregation.attacks import ATTACKS, make_attack
-from aggregation.errors import ConfigError
-from peer.sim.config import ByzantineConfig, parse_spec
+from phalanx.aggregation.attacks import ATTACKS, make_attack
+from phalanx.aggregation.errors import ConfigError
+from phalanx.sim.config import ByzantineConfig, parse_spec
 
 SIM_ONLY_ATTACKS = ("label_flip", "delayed")
 DEFAULT_LAG = 100

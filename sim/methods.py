@@ -25,9 +25,9 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
-from aggregation.errors import ConfigError
-from aggregation.registry import BoundAggregator
-from peer.sim.rules import DanaRule, DanaSlimRule, ServerRule, SgdRule
+from phalanx.aggregation.errors import ConfigError
+from phalanx.aggregation.registry import BoundAggregator
+from phalanx.sim.rules import DanaRule, DanaSlimRule, ServerRule, SgdRule
 
 
 def default_k(n: int) -> int:

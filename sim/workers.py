@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from peer.sim.clock import WorkerClock
-from peer.sim.gradients import GradientOracle
+from phalanx.sim.clock import WorkerClock
+from phalanx.sim.gradients import GradientOracle
 
 
 @dataclass(eq=False)

@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from aggregation.errors import ConfigError
+from phalanx.aggregation.errors import ConfigError
 
 BUDGET_KINDS = ("gradients", "updates", "time")
 
@@ -70,7 +70,7 @@ class ByzantineConfig:
     count: int = 0
     """b, the number of Byzantine workers (0: an honest run)."""
     attack: str = "sign_flip"
-    """Attack spec, e.g. ``ipm:eps=0.5``; see peer/sim/byzantine.py for the list."""
+    """Attack spec, e.g. ``ipm:eps=0.5``; see sim/byzantine.py for the list."""
     start: int = 0
     """First model update at which the Byzantine workers attack (before it they behave honestly)."""
 
@@ -80,11 +80,11 @@ class SimConfig:
     """One simulated run. Fields left as None take the method's or the task's default."""
 
     method: str = "asgd"
-    """Registry name of the method, see peer/sim/methods.py."""
+    """Registry name of the method, see sim/methods.py."""
     workers: int = 16
     """N, the number of virtual workers."""
     delay: str = "exp"
-    """Compute-time model spec: const, exp, shifted-exp, gamma, volunteer (peer/sim/clock.py)."""
+    """Compute-time model spec: const, exp, shifted-exp, gamma, volunteer (sim/clock.py)."""
     budget: Budget = field(default_factory=Budget)
     seed: int = 0
     """Seeds the model, every minibatch, every delay and every attack."""
@@ -107,7 +107,7 @@ class SimConfig:
     eval_points: int = 20
     """Test evaluations spread evenly over the budget (plus one at the start)."""
     engine: str = "auto"
-    """Gradient engine: auto, mlp, vmap, loop (peer/sim/gradients.py)."""
+    """Gradient engine: auto, mlp, vmap, loop (sim/gradients.py)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.workers, bool) or not isinstance(self.workers, int) or self.workers < 1:

@@ -22,12 +22,12 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from aggregation.gossip import clipped_gossip_update
-from aggregation.registry import BoundAggregator
-from peer.sim.config import Budget
-from peer.sim.record import Progress, Recorder
-from peer.sim.rules import finite
-from peer.sim.workers import Job, Workers
+from phalanx.aggregation.gossip import clipped_gossip_update
+from phalanx.aggregation.registry import BoundAggregator
+from phalanx.sim.config import Budget
+from phalanx.sim.record import Progress, Recorder
+from phalanx.sim.rules import finite
+from phalanx.sim.workers import Job, Workers
 
 _GOSSIP_STREAM = 0x6055
 

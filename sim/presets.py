@@ -12,10 +12,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from aggregation.errors import ConfigError
-from peer.sim.config import Budget, ByzantineConfig, SimConfig
-from peer.sim.grid import GridRun
-from peer.sim.methods import METHODS
+from phalanx.aggregation.errors import ConfigError
+from phalanx.sim.config import Budget, ByzantineConfig, SimConfig
+from phalanx.sim.grid import GridRun
+from phalanx.sim.methods import METHODS
 
 STALENESS_WORKERS = (8, 16, 32)
 STALENESS_DELAYS = ("exp", "const", "volunteer")

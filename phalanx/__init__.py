@@ -1,0 +1,16 @@
+"""Phalanx: train one model on many volunteers' GPUs.
+
+Installed, every part lives under this name: `phalanx.peer` (the CLI, a node, training modes),
+`phalanx.protocol` (rounds, matchmaking, transport), `phalanx.aggregation` (robust aggregators,
+staleness corrections), `phalanx.security` (identities, commitments), `phalanx.tasks` (models and
+data) and `phalanx.sim` (the simulator). Nothing heavy is imported here.
+"""
+
+from importlib.metadata import PackageNotFoundError, version
+
+try:
+    __version__ = version("phalanx")
+except PackageNotFoundError:  # run from a source tree that was never installed
+    __version__ = "0+unknown"
+
+__all__ = ["__version__"]
