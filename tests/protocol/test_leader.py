@@ -2,6 +2,7 @@
 every time; a forming group whose leader's period ends sends its joiners to the new leader."""
 
 import asyncio
+import dataclasses
 from collections import Counter
 
 import pytest
@@ -10,6 +11,7 @@ from hivemind.utils import get_dht_time
 
 from protocol.config import MatchmakingConfig, RoundConfig
 from protocol.engine import Averaged
+from protocol.matchmaking import JOIN_METHOD, PROBE_METHOD
 from protocol.membership import Membership, PeerRecord
 from swarm_fixture import open_swarm
 
@@ -92,5 +94,41 @@ def test_a_new_leader_period_during_formation_sends_the_joiners_to_the_new_leade
                 assert by_id[peer].engine.matchmaker.last_leader == new
             for peer in early:
                 assert peer.engine.matchmaker.stats.redirects >= 1
+
+    asyncio.run(main())
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(300)
+def test_joiners_give_up_on_a_leader_that_stops_answering_and_regroup_without_it():
+    """The leader freezes (its join and probe handlers never answer) while its DHT record stays fresh: the
+    joiners' probes go unanswered, they suspect it and form a group of their own. The join call's own
+    timeout is two hours here, so only the probe can end the wait."""
+    config = RoundConfig(matchmaking=MatchmakingConfig(matchmaking_timeout_s=3600.0, join_timeout_s=7200.0))
+
+    async def never(peer, header, payload):
+        await asyncio.Event().wait()
+
+    async def main():
+        async with open_swarm(3, config) as peers:
+            for peer in peers:
+                peer.engine.set_state(b"v0", 0)
+            frozen_id = peers[0].membership.leader()
+            assert {p.membership.leader() for p in peers} == {frozen_id}
+            frozen = next(p for p in peers if p.peer_id == frozen_id)
+            for method in (JOIN_METHOD, PROBE_METHOD):
+                entry = frozen.transport._methods[method]
+                frozen.transport._methods[method] = dataclasses.replace(entry, handler=never)
+            others = [p for p in peers if p is not frozen]
+            xs = [torch.full((1000,), float(i)) for i in range(len(others))]
+            async with asyncio.timeout(120):  # a hang here is the joiners waiting on the frozen leader
+                outcomes = await asyncio.gather(*(p.engine.run_round(x) for p, x in zip(others, xs)))
+            for peer, outcome in zip(others, outcomes):
+                assert isinstance(outcome, Averaged), outcome
+                assert sorted(outcome.group.members) == sorted(p.peer_id for p in others)
+                assert peer.engine.matchmaker.last_leader != frozen_id
+                assert peer.engine.matchmaker.stats.leaders_unresponsive >= 1
+                assert peer.membership.is_suspect(frozen_id)
+                assert (outcome.result.vector - 0.5).abs().max() < 1e-6
 
     asyncio.run(main())
