@@ -258,7 +258,7 @@ class AllReduceService:
             # verified rounds get a late reducer's aggregate relayed by the others (see _reply_or_relayed)
             watch = self.part_idle_timeout_s if guard is None else None
             idle_parts = await _await_calls(calls, activities, reduce_task, watch, silent=reduction.idle)
-            outcomes = [_outcome(calls[j], j in idle_parts, watch) for j in others]
+            outcomes = [_outcome(calls[j], j in idle_parts, watch, j in reduction.idle) for j in others]
             gathered = time.monotonic()
             for j in sorted(skip - {me}):
                 missing.append(j)
@@ -529,7 +529,9 @@ async def _await_calls(
     return sorted(stalled)
 
 
-def _outcome(call: asyncio.Future, stalled: bool, idle_s: Optional[float]) -> Optional[BaseException]:
+def _outcome(call: asyncio.Future, stalled: bool, idle_s: Optional[float], silent: bool = False) -> Optional[BaseException]:
+    if stalled and silent:
+        return CallFailed(f"its bytes to us stopped and none moved on our call to it for {idle_s:.1f} s")
     if stalled:
         return CallFailed(f"no bytes moved for {2 * idle_s:.1f} s after our own part was reduced")
     return call.exception()
