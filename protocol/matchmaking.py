@@ -125,6 +125,7 @@ class Matchmaker:
     _expected_next: set[str] = field(default_factory=set)
     _arrived: Optional[asyncio.Event] = None
     _former: Optional[asyncio.Task] = None
+    _probes: dict[str, asyncio.Task] = field(default_factory=dict)  # probes of the peer that would lead next
     _rng: random.Random = field(default_factory=lambda: random.Random(secrets.randbits(64)))
     _started: float = field(default_factory=time.monotonic)
 
@@ -141,6 +142,9 @@ class Matchmaker:
         if self._former is not None:
             self._former.cancel()
             await asyncio.gather(self._former, return_exceptions=True)
+        for probe in list(self._probes.values()):
+            probe.cancel()
+        await asyncio.gather(*self._probes.values(), return_exceptions=True)
         for pending in self._pending.values():
             if not pending.reply.done():
                 pending.reply.set_result(JoinReply(kind="retry"))
@@ -203,12 +207,12 @@ class Matchmaker:
                 if seen and leader not in self.membership.peers():
                     self.stats.leaders_unresponsive += 1
                     raise CallFailed(f"leader {leader[-8:]} left the view")
-                probe = asyncio.create_task(
-                    self.transport.call(
-                        leader, PROBE_METHOD, pack(LeaderProbe(run=self.run_hash)), max_reply_payload=0, timeout_s=LEADER_ALIVE_S
-                    ),
-                    name="join-probe",
-                )
+                probe = asyncio.create_task(self._probe(leader), name="join-probe")
+                fallback = self.membership.leader(excluding=frozenset({leader}))
+                if fallback != self.peer_id and fallback not in self._probes:
+                    # the peer this one would turn to next is probed too: a split or cut that took the leader
+                    # away often took it as well, and finding that out only after the leader costs twice
+                    self._probes[fallback] = asyncio.create_task(self._probe_fallback(fallback), name="fallback-probe")
                 done, _ = await asyncio.wait({call, probe}, return_when=asyncio.FIRST_COMPLETED)
                 if call in done:
                     probe.cancel()
@@ -226,6 +230,20 @@ class Matchmaker:
             if not call.done():
                 call.cancel()
             await asyncio.gather(call, return_exceptions=True)
+
+    async def _probe(self, peer: str) -> tuple[bytes, bytearray | memoryview]:
+        request = pack(LeaderProbe(run=self.run_hash))
+        return await self.transport.call(peer, PROBE_METHOD, request, max_reply_payload=0, timeout_s=LEADER_ALIVE_S)
+
+    async def _probe_fallback(self, peer: str) -> None:
+        try:
+            header, _ = await self._probe(peer)
+            unpack(header, ProbeReply, peer=peer)
+        except (CallFailed, PeerProtocolError) as e:
+            logger.info(f"next leader {peer[-8:]} does not answer probes ({e}); passing it over")
+            self.membership.suspect(peer, for_s=self.membership.ttl_s * 2)
+        finally:
+            self._probes.pop(peer, None)
 
     # ---- leader -----------------------------------------------------------------------------
 

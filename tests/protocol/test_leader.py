@@ -100,35 +100,37 @@ def test_a_new_leader_period_during_formation_sends_the_joiners_to_the_new_leade
 
 @pytest.mark.integration
 @pytest.mark.timeout(300)
-def test_joiners_give_up_on_a_leader_that_stops_answering_and_regroup_without_it():
-    """The leader freezes (its join and probe handlers never answer) while its DHT record stays fresh: the
-    joiners' probes go unanswered, they suspect it and form a group of their own. The join call's own
-    timeout is two hours here, so only the probe can end the wait."""
+@pytest.mark.parametrize("frozen_count", [1, 2], ids=["leader", "leader-and-next"])
+def test_joiners_give_up_on_a_leader_that_stops_answering_and_regroup_without_it(frozen_count):
+    """The leader (and with 2 the peer that would lead next, as a split takes both away) freezes: its join
+    and probe handlers never answer while its DHT record stays fresh. The joiners' probes go unanswered,
+    they suspect it and form a group of their own. The join call's own timeout is two hours here, so
+    only the probes can end the wait."""
     config = RoundConfig(matchmaking=MatchmakingConfig(matchmaking_timeout_s=3600.0, join_timeout_s=7200.0))
 
     async def never(peer, header, payload):
         await asyncio.Event().wait()
 
     async def main():
-        async with open_swarm(3, config) as peers:
+        async with open_swarm(2 + frozen_count, config) as peers:
             for peer in peers:
                 peer.engine.set_state(b"v0", 0)
-            frozen_id = peers[0].membership.leader()
-            assert {p.membership.leader() for p in peers} == {frozen_id}
-            frozen = next(p for p in peers if p.peer_id == frozen_id)
-            for method in (JOIN_METHOD, PROBE_METHOD):
-                entry = frozen.transport._methods[method]
-                frozen.transport._methods[method] = dataclasses.replace(entry, handler=never)
-            others = [p for p in peers if p is not frozen]
+            frozen_ids = sorted(p.peer_id for p in peers)[:frozen_count]  # the lowest IDs lead first
+            assert {p.membership.leader() for p in peers} == {frozen_ids[0]}
+            for frozen in (p for p in peers if p.peer_id in frozen_ids):
+                for method in (JOIN_METHOD, PROBE_METHOD):
+                    entry = frozen.transport._methods[method]
+                    frozen.transport._methods[method] = dataclasses.replace(entry, handler=never)
+            others = [p for p in peers if p.peer_id not in frozen_ids]
             xs = [torch.full((1000,), float(i)) for i in range(len(others))]
             async with asyncio.timeout(120):  # a hang here is the joiners waiting on the frozen leader
                 outcomes = await asyncio.gather(*(p.engine.run_round(x) for p, x in zip(others, xs)))
             for peer, outcome in zip(others, outcomes):
                 assert isinstance(outcome, Averaged), outcome
                 assert sorted(outcome.group.members) == sorted(p.peer_id for p in others)
-                assert peer.engine.matchmaker.last_leader != frozen_id
+                assert peer.engine.matchmaker.last_leader not in frozen_ids
                 assert peer.engine.matchmaker.stats.leaders_unresponsive >= 1
-                assert peer.membership.is_suspect(frozen_id)
+                assert all(peer.membership.is_suspect(f) for f in frozen_ids)
                 assert (outcome.result.vector - 0.5).abs().max() < 1e-6
 
     asyncio.run(main())
