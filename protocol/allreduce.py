@@ -529,7 +529,9 @@ async def _await_calls(
     return sorted(stalled)
 
 
-def _outcome(call: asyncio.Future, stalled: bool, idle_s: Optional[float], silent: bool = False) -> Optional[BaseException]:
+def _outcome(
+    call: asyncio.Future, stalled: bool, idle_s: Optional[float], silent: bool = False
+) -> Optional[BaseException]:
     if stalled and silent:
         return CallFailed(f"its bytes to us stopped and none moved on our call to it for {idle_s:.1f} s")
     if stalled:

@@ -191,10 +191,9 @@ class Matchmaker:
     async def _join_remote(self, leader: str, request: JoinRequest) -> JoinReply:
         """The join call to `leader`, abandoned (CallFailed) as soon as the leader stops answering probes or
         leaves the view: a cut-off or frozen leader would otherwise hold every joiner for the call's timeout."""
+        timeout_s = self.config.matchmaking_timeout_s * 2 + 5
         call = asyncio.create_task(
-            self.transport.call(
-                leader, JOIN_METHOD, pack(request), max_reply_payload=0, timeout_s=self.config.matchmaking_timeout_s * 2 + 5
-            ),
+            self.transport.call(leader, JOIN_METHOD, pack(request), max_reply_payload=0, timeout_s=timeout_s),
             name="join-call",
         )
         seen = leader in self.membership.peers()  # a redirect may name a leader this peer does not see yet
