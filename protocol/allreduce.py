@@ -257,8 +257,8 @@ class AllReduceService:
             }  # fmt: skip
             # verified rounds get a late reducer's aggregate relayed by the others (see _reply_or_relayed)
             watch = self.part_idle_timeout_s if guard is None else None
-            idle_parts = await _await_calls(calls, activities, reduce_task, watch)
-            outcomes = [_outcome(calls[j], j in idle_parts, watch) for j in others]
+            idle_parts = await _await_calls(calls, activities, reduce_task, watch, silent=reduction.idle)
+            outcomes = [_outcome(calls[j], j in idle_parts, watch, j in reduction.idle) for j in others]
             gathered = time.monotonic()
             for j in sorted(skip - {me}):
                 missing.append(j)
@@ -480,14 +480,21 @@ class AllReduceService:
 
 
 async def _await_calls(
-    calls: dict[int, asyncio.Future], activities: dict[int, Activity], reduced: asyncio.Task, idle_s: Optional[float]
+    calls: dict[int, asyncio.Future],
+    activities: dict[int, Activity],
+    reduced: asyncio.Task,
+    idle_s: Optional[float],
+    silent: frozenset[int] | set[int] = frozenset(),
 ) -> list[int]:
     """Wait for the calls to the reducers; returns the parts whose call was given up because it stalled.
 
     Until this peer's own part is reduced, a reducer may rightly be waiting for a slow sender. After
     that, every live reducer has its parts or drops its stragglers within `idle_s` of their last byte
     (which may have reached it later than us): a call on which no byte moved for twice that since then
-    (the reducer is dead, frozen or cut off) is cancelled.
+    (the reducer is dead, frozen or cut off) is cancelled. A reducer in `silent` (our own reduction
+    already dropped it as a sender: its bytes to us stopped or its connection broke) whose call has
+    moved no byte for `idle_s` is dead, frozen or cut off for certain: a live one, however slow, keeps
+    sending us its part. Its call is cancelled at once, not waited for twice `idle_s` more.
     """
     pending = set(calls.values())
     stalled: list[int] = []
@@ -501,13 +508,15 @@ async def _await_calls(
             wait = limit_s
             for j, call in calls.items():
                 if call in pending:
-                    idle = activities[j].idle_s(since)
-                    if idle >= limit_s:
+                    # silent reducers: counted from the call's last byte, not from our part's reduction
+                    idle = activities[j].idle_s() if j in silent else activities[j].idle_s(since)
+                    limit_j = idle_s if j in silent else limit_s
+                    if idle >= limit_j:
                         call.cancel()
                         pending.discard(call)
                         stalled.append(j)
                     else:
-                        wait = min(wait, limit_s - idle)
+                        wait = min(wait, limit_j - idle)
             if pending:
                 await asyncio.wait(pending, timeout=max(wait, 0.01), return_when=asyncio.FIRST_COMPLETED)
                 pending = {c for c in pending if not c.done()}
@@ -520,7 +529,11 @@ async def _await_calls(
     return sorted(stalled)
 
 
-def _outcome(call: asyncio.Future, stalled: bool, idle_s: Optional[float]) -> Optional[BaseException]:
+def _outcome(
+    call: asyncio.Future, stalled: bool, idle_s: Optional[float], silent: bool = False
+) -> Optional[BaseException]:
+    if stalled and silent:
+        return CallFailed(f"its bytes to us stopped and none moved on our call to it for {idle_s:.1f} s")
     if stalled:
         return CallFailed(f"no bytes moved for {2 * idle_s:.1f} s after our own part was reduced")
     return call.exception()

@@ -11,7 +11,10 @@ then answers all of them at once:
     split) is told to resync: download the state a named donor holds after this round,
     then join the next one, which waits for them.
 A peer that is not the leader in its own view redirects the joiner to the one it sees, and a
-forming group whose leader stops leading sends its joiners there too.
+forming group whose leader stops leading sends its joiners there too. A joiner waiting on a leader
+probes it every second: a leader that does not answer within LEADER_ALIVE_S (cut off, frozen) or has
+left this peer's view is given up on and suspected, so the swarm regroups around the next one instead
+of waiting out the whole join call.
 """
 
 from __future__ import annotations
@@ -40,6 +43,9 @@ from phalanx.security.wire import PeerIdStr, RoundId, WireModel, pack, unpack
 logger = logging.getLogger(__name__)
 
 JOIN_METHOD = "join"
+PROBE_METHOD = "join_probe"
+LEADER_PROBE_S = 1.0  # a joiner probes the leader holding its join this often ...
+LEADER_ALIVE_S = 4.0  # ... and gives up on it when a probe is not answered within this (a live one answers in ms)
 MAX_REDIRECTS = 3
 LEADER_RECHECK_S = 1.0  # a forming group checks this often that its former still leads
 
@@ -48,6 +54,14 @@ class JoinRequest(WireModel):
     run: Annotated[bytes, Field(max_length=32)]  # configuration hash: peers of another run (or another config) are refused
     version: Annotated[bytes, Field(max_length=32)]  # hash of the state the joiner holds (see protocol.engine)
     step: Annotated[int, Field(ge=0)]  # training step of that state
+
+
+class LeaderProbe(WireModel):
+    run: Annotated[bytes, Field(max_length=32)]
+
+
+class ProbeReply(WireModel):
+    leading: bool  # the probed peer is the leader in its own view (a joiner it does not lead is redirected anyway)
 
 
 class Donation(WireModel):
@@ -80,6 +94,7 @@ class MatchmakingStats:
     redirects: int = 0
     retries: int = 0
     leader_failures: int = 0
+    leaders_unresponsive: int = 0  # leaders given up on by a probe (cut off, frozen) or gone from the view
 
 
 @dataclass
@@ -110,12 +125,14 @@ class Matchmaker:
     _expected_next: set[str] = field(default_factory=set)
     _arrived: Optional[asyncio.Event] = None
     _former: Optional[asyncio.Task] = None
+    _probes: dict[str, asyncio.Task] = field(default_factory=dict)  # probes of the peer that would lead next
     _rng: random.Random = field(default_factory=lambda: random.Random(secrets.randbits(64)))
     _started: float = field(default_factory=time.monotonic)
 
     def __post_init__(self) -> None:
         self._arrived = asyncio.Event()
         self.transport.register(JOIN_METHOD, self._serve_join, max_payload=0)
+        self.transport.register(PROBE_METHOD, self._serve_probe, max_payload=0)
 
     @property
     def peer_id(self) -> str:
@@ -125,6 +142,9 @@ class Matchmaker:
         if self._former is not None:
             self._former.cancel()
             await asyncio.gather(self._former, return_exceptions=True)
+        for probe in list(self._probes.values()):
+            probe.cancel()
+        await asyncio.gather(*self._probes.values(), return_exceptions=True)
         for pending in self._pending.values():
             if not pending.reply.done():
                 pending.reply.set_result(JoinReply(kind="retry"))
@@ -144,14 +164,7 @@ class Matchmaker:
                 reply = await self._submit(self.peer_id, request)
             else:
                 try:
-                    header, _ = await self.transport.call(
-                        leader,
-                        JOIN_METHOD,
-                        pack(request),
-                        max_reply_payload=0,
-                        timeout_s=self.config.matchmaking_timeout_s * 2 + 5,
-                    )
-                    reply = unpack(header, JoinReply, peer=leader)
+                    reply = await self._join_remote(leader, request)
                 except (CallFailed, PeerProtocolError) as e:
                     self.stats.leader_failures += 1
                     logger.info(f"leader {leader[-8:]} failed ({e}); choosing another")
@@ -175,7 +188,69 @@ class Matchmaker:
             return reply
         raise RoundTimeoutError(f"no group formed within {self.config.join_timeout_s:.0f} s")
 
+    async def _join_remote(self, leader: str, request: JoinRequest) -> JoinReply:
+        """The join call to `leader`, abandoned (CallFailed) as soon as the leader stops answering probes or
+        leaves the view: a cut-off or frozen leader would otherwise hold every joiner for the call's timeout."""
+        timeout_s = self.config.matchmaking_timeout_s * 2 + 5
+        call = asyncio.create_task(
+            self.transport.call(leader, JOIN_METHOD, pack(request), max_reply_payload=0, timeout_s=timeout_s),
+            name="join-call",
+        )
+        seen = leader in self.membership.peers()  # a redirect may name a leader this peer does not see yet
+        try:
+            while True:
+                done, _ = await asyncio.wait({call}, timeout=LEADER_PROBE_S)
+                if done:
+                    header, _ = call.result()
+                    return unpack(header, JoinReply, peer=leader)
+                if seen and leader not in self.membership.peers():
+                    self.stats.leaders_unresponsive += 1
+                    raise CallFailed(f"leader {leader[-8:]} left the view")
+                probe = asyncio.create_task(self._probe(leader), name="join-probe")
+                fallback = self.membership.leader(excluding=frozenset({leader}))
+                if fallback != self.peer_id and fallback not in self._probes:
+                    # the peer this one would turn to next is probed too: a split or cut that took the leader
+                    # away often took it as well, and finding that out only after the leader costs twice
+                    self._probes[fallback] = asyncio.create_task(self._probe_fallback(fallback), name="fallback-probe")
+                done, _ = await asyncio.wait({call, probe}, return_when=asyncio.FIRST_COMPLETED)
+                if call in done:
+                    probe.cancel()
+                    await asyncio.gather(probe, return_exceptions=True)
+                    continue  # read the reply above
+                try:
+                    header, _ = probe.result()
+                    unpack(header, ProbeReply, peer=leader)
+                except CallFailed as e:
+                    if call.done():
+                        continue  # the reply landed while the probe failed: take it
+                    self.stats.leaders_unresponsive += 1
+                    raise CallFailed(f"leader {leader[-8:]} does not answer probes ({e})") from None
+        finally:
+            if not call.done():
+                call.cancel()
+            await asyncio.gather(call, return_exceptions=True)
+
+    async def _probe(self, peer: str) -> tuple[bytes, bytearray | memoryview]:
+        request = pack(LeaderProbe(run=self.run_hash))
+        return await self.transport.call(peer, PROBE_METHOD, request, max_reply_payload=0, timeout_s=LEADER_ALIVE_S)
+
+    async def _probe_fallback(self, peer: str) -> None:
+        try:
+            header, _ = await self._probe(peer)
+            unpack(header, ProbeReply, peer=peer)
+        except (CallFailed, PeerProtocolError) as e:
+            logger.info(f"next leader {peer[-8:]} does not answer probes ({e}); passing it over")
+            self.membership.suspect(peer, for_s=self.membership.ttl_s * 2)
+        finally:
+            self._probes.pop(peer, None)
+
     # ---- leader -----------------------------------------------------------------------------
+
+    async def _serve_probe(self, peer: str, header: bytes, payload: bytearray) -> tuple[bytes, bytes]:
+        request = unpack(header, LeaderProbe, peer=peer)
+        if request.run != self.run_hash:
+            raise PeerProtocolError("probe for a different run configuration", peer=peer)
+        return pack(ProbeReply(leading=self.membership.leader() == self.peer_id)), b""
 
     async def _serve_join(self, peer: str, header: bytes, payload: bytearray) -> tuple[bytes, bytes]:
         request = unpack(header, JoinRequest, peer=peer)

@@ -141,13 +141,13 @@ class Membership:
             return False
         return True
 
-    def leader(self) -> str:
+    def leader(self, *, excluding: frozenset[str] = frozenset()) -> str:
         """Every peer computes the same answer from the same view (disagreement only costs a redirect or a
         resync): among announced, unsuspected peers and ourselves, the lowest peer ID, or with
         `leader_period_s` the lowest hash of (period number, peer ID). The leader forms the groups, and
         anyone can make a key with a low peer ID; no key has a low hash in every period, so a Byzantine
-        peer leads about its share of the periods, not all of them."""
-        candidates = [p for p in self.peers() if not self.is_suspect(p)]
+        peer leads about its share of the periods, not all of them. `excluding`: who would lead without them."""
+        candidates = [p for p in self.peers() if not self.is_suspect(p) and p not in excluding]
         candidates.append(self.peer_id)
         if self.leader_period_s is None:
             return min(candidates)

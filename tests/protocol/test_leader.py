@@ -2,6 +2,7 @@
 every time; a forming group whose leader's period ends sends its joiners to the new leader."""
 
 import asyncio
+import dataclasses
 from collections import Counter
 
 import pytest
@@ -10,6 +11,7 @@ from hivemind.utils import get_dht_time
 
 from phalanx.protocol.config import MatchmakingConfig, RoundConfig
 from phalanx.protocol.engine import Averaged
+from phalanx.protocol.matchmaking import JOIN_METHOD, PROBE_METHOD
 from phalanx.protocol.membership import Membership, PeerRecord
 from swarm_fixture import open_swarm
 
@@ -92,5 +94,43 @@ def test_a_new_leader_period_during_formation_sends_the_joiners_to_the_new_leade
                 assert by_id[peer].engine.matchmaker.last_leader == new
             for peer in early:
                 assert peer.engine.matchmaker.stats.redirects >= 1
+
+    asyncio.run(main())
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("frozen_count", [1, 2], ids=["leader", "leader-and-next"])
+def test_joiners_give_up_on_a_leader_that_stops_answering_and_regroup_without_it(frozen_count):
+    """The leader (and with 2 the peer that would lead next, as a split takes both away) freezes: its join
+    and probe handlers never answer while its DHT record stays fresh. The joiners' probes go unanswered,
+    they suspect it and form a group of their own. The join call's own timeout is two hours here, so
+    only the probes can end the wait."""
+    config = RoundConfig(matchmaking=MatchmakingConfig(matchmaking_timeout_s=3600.0, join_timeout_s=7200.0))
+
+    async def never(peer, header, payload):
+        await asyncio.Event().wait()
+
+    async def main():
+        async with open_swarm(2 + frozen_count, config) as peers:
+            for peer in peers:
+                peer.engine.set_state(b"v0", 0)
+            frozen_ids = sorted(p.peer_id for p in peers)[:frozen_count]  # the lowest IDs lead first
+            assert {p.membership.leader() for p in peers} == {frozen_ids[0]}
+            for frozen in (p for p in peers if p.peer_id in frozen_ids):
+                for method in (JOIN_METHOD, PROBE_METHOD):
+                    entry = frozen.transport._methods[method]
+                    frozen.transport._methods[method] = dataclasses.replace(entry, handler=never)
+            others = [p for p in peers if p.peer_id not in frozen_ids]
+            xs = [torch.full((1000,), float(i)) for i in range(len(others))]
+            async with asyncio.timeout(120):  # a hang here is the joiners waiting on the frozen leader
+                outcomes = await asyncio.gather(*(p.engine.run_round(x) for p, x in zip(others, xs)))
+            for peer, outcome in zip(others, outcomes):
+                assert isinstance(outcome, Averaged), outcome
+                assert sorted(outcome.group.members) == sorted(p.peer_id for p in others)
+                assert peer.engine.matchmaker.last_leader not in frozen_ids
+                assert peer.engine.matchmaker.stats.leaders_unresponsive >= 1
+                assert all(peer.membership.is_suspect(f) for f in frozen_ids)
+                assert (outcome.result.vector - 0.5).abs().max() < 1e-6
 
     asyncio.run(main())
