@@ -139,7 +139,8 @@ def task_rows(settings: PeerConfig) -> list[Row]:
         task = resolve_task(settings.task, **options)
     except ConfigError as e:
         task = None
-        rows.append(failed("task", str(e), "fix --task / --data-dir as the message says (see `phalanx join --help` for the built-in tasks)"))
+        seen, _, fix = str(e).removeprefix("task ").partition("; ")  # the task's message carries its own fix
+        rows.append(failed("task", seen, fix or "fix --task / --data-dir (see `phalanx join --help` for the built-in tasks)"))
     else:
         rows.append(ok("task", f"{settings.task}: {len(task.train_targets)} training and {len(task.test_targets)} test samples"))
     try:
