@@ -22,7 +22,8 @@ RUN if ls /wheels/*.whl >/dev/null 2>&1; then /opt/phalanx/bin/pip install /whee
 COPY pyproject.toml setup.py /src/
 RUN cd /src && mkdir -p phalanx peer protocol aggregation security sim tasks && touch README.md \
     && for d in phalanx peer protocol aggregation security sim tasks; do touch $d/__init__.py; done \
-    && /opt/phalanx/bin/pip install /src && /opt/phalanx/bin/pip uninstall -y phalanx
+    && /opt/phalanx/bin/pip install /src && /opt/phalanx/bin/pip uninstall -y phalanx \
+    && rm -rf /src/build /src/*.egg-info  # stale stubs in build/ would shadow the real files below
 
 # ---- build: the phalanx wheel itself ------------------------------------------------------------
 FROM deps AS build
