@@ -14,10 +14,9 @@ import typer
 
 from phalanx.aggregation.errors import ConfigError, PhalanxError
 from phalanx.peer.cli_options import PlainHelp, settings_command, str_list
-from phalanx.peer.config import NetworkSettings, PeerConfig
+from phalanx.peer.config import MonitorSettings, NetworkSettings, PeerConfig
 from phalanx.peer.health.options import settings_command_with
 from phalanx.peer.logs import configure_logging
-from phalanx.peer.monitor.config import MonitorSettings
 
 app = typer.Typer(
     name="phalanx",

@@ -233,6 +233,16 @@ class PeerConfig(NetworkSettings):
         return config
 
 
+class MonitorSettings(NetworkSettings):
+    """Everything `phalanx monitor` needs (here beside the others: known_settings lists every command's)."""
+
+    http_port: int = Field(8000, ge=1, le=65535, description="Serve the dashboard on this TCP port.")
+    poll_s: float = Field(2.0, ge=0.2, le=60, description="Read every peer's health record this often (seconds).")
+    history_points: int = Field(
+        1800, ge=10, le=100_000, description="Polls kept for the plots (1800 × 2 s = one hour)."
+    )
+
+
 def load_settings(model: type[NetworkSettings], overrides: dict[str, Any], config_file: Optional[Path] = None):
     """Build `model` from flags (`overrides`), environment and `config_file`; an error names where the
     bad value came from: the flag, the PHALANX_* variable or the file's key."""
@@ -303,8 +313,6 @@ OTHER_ENV_VARS = ("LOG_FORMAT", "BOOTSTRAP_URL", "BOOTSTRAP_WAIT_S", "REPLICA_DI
 
 def known_settings() -> set[str]:
     """Every field name of every command's settings model."""
-    from phalanx.peer.monitor.config import MonitorSettings
-
     return set(PeerConfig.model_fields) | set(MonitorSettings.model_fields)
 
 
