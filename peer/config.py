@@ -29,6 +29,7 @@ ENV_PREFIX = "PHALANX_"
 _config_data: contextvars.ContextVar[Optional[dict]] = contextvars.ContextVar("phalanx_config_data", default=None)
 
 StrList = Annotated[list[str], NoDecode]
+PARAMS_HINT = "(parameters go in --aggregator-params name=value)"
 
 
 class NetworkSettings(BaseSettings):
@@ -187,9 +188,10 @@ class PeerConfig(NetworkSettings):
                 name, params = parse_spec(self.aggregator, "--aggregator")
                 kwargs = dict(aggregator_params(params, name, "--aggregator"))
             else:
-                name, kwargs = self.aggregator_name, dict(parse_aggregator_params(self.aggregator_params, self.aggregator))
+                name = self.aggregator_name
+                kwargs = dict(parse_aggregator_params(self.aggregator_params, name))
         except ConfigError as e:
-            raise ConfigError(f"--aggregator {self.aggregator}: {e} (parameters go in --aggregator-params name=value)") from None
+            raise ConfigError(f"--aggregator {self.aggregator}: {e} {PARAMS_HINT}") from None
         if self.tau is not None:
             kwargs["tau"] = self.tau
         return name, tuple(sorted(kwargs.items()))
@@ -222,14 +224,16 @@ class PeerConfig(NetworkSettings):
                 allreduce_timeout_s=self.allreduce_timeout_s,
                 part_idle_timeout_s=self.part_idle_timeout_s or None,
                 verify=(
-                    verify_config_for(aggregator, params, phase_timeout_s=self.phase_timeout_s, validators=self.validators)
+                    verify_config_for(
+                        aggregator, params, phase_timeout_s=self.phase_timeout_s, validators=self.validators
+                    )
                     if self.verify
                     else None
                 ),
             )
             config.make_reducer()  # unknown names and bad parameters fail here, with the valid choices listed
         except ConfigError as e:
-            raise ConfigError(f"--aggregator {self.aggregator}: {e} (parameters go in --aggregator-params name=value)") from None
+            raise ConfigError(f"--aggregator {self.aggregator}: {e} {PARAMS_HINT}") from None
         return config
 
 

@@ -118,7 +118,8 @@ class LocalLoop:
 
     async def _fetch_base(self, donor: str, version: int) -> torch.Tensor:
         template = {"base": self.state.base}
-        snapshot = await self.engine.state.fetch(donor, BASE_KEY, template, timeout_s=self.trainer.plan.round.allreduce_timeout_s)
+        timeout_s = self.trainer.plan.round.allreduce_timeout_s
+        snapshot = await self.engine.state.fetch(donor, BASE_KEY, template, timeout_s=timeout_s)
         if snapshot.step != version:
             raise PeerProtocolError(f"base of version {snapshot.step}, expected {version}", peer=donor)
         return snapshot.tensors["base"]

@@ -357,9 +357,8 @@ async def open_node(plan: PeerPlan, *, loss: Callable[[], Optional[float]] = lam
             announce_hosts=hosts,
             upload_limit_bytes_per_s=config.upload_limit_mbps * 1e6 / 8,
         )
-        membership = Membership(
-            dht, key + ".peers", transport.peer_id, leader_period_s=LEADER_PERIOD_S if plan.round.verify is not None else None
-        )
+        leader_period_s = LEADER_PERIOD_S if plan.round.verify is not None else None
+        membership = Membership(dht, key + ".peers", transport.peer_id, leader_period_s=leader_period_s)
         await add_validators(dht, [BanVoteValidator(key + ".bans")])
         bans = BanBook(dht, key + ".bans", membership.banned)
         engine = RoundEngine(

@@ -37,7 +37,8 @@ async def network_rows(settings: PeerConfig, initial_peers: list[str], config_ha
     if p2p is None:
         why = "the p2p daemon did not start"
         peers = network.reached_row([], 0) if not initial_peers else skipped("initial peers", why)
-        return rows + [peers, skipped("reachable from outside", why), skipped("clock", why), *swarm_rows(None, settings, config_hash, why)]
+        skips = [skipped("reachable from outside", why), skipped("clock", why)]
+        return rows + [peers, *skips, *swarm_rows(None, settings, config_hash, why)]
     try:
         usable = [a for a in initial_peers if multiaddr_row(a).status == "pass"]
         probes = list(await asyncio.gather(*(network.probe_initial_peer(p2p, a) for a in usable)))

@@ -137,10 +137,12 @@ def _record(peer: str, **changes) -> HealthRecord:
 
 
 def test_swarm_rows_compare_protocol_and_run_config():
-    rows = {r.check: r for r in swarm_rows({PEER: _record(PEER), OTHER: _record(OTHER, role="bootstrap", config_hash="")}, PeerConfig(), _hash(PeerConfig()))}
+    records = {PEER: _record(PEER), OTHER: _record(OTHER, role="bootstrap", config_hash="")}
+    rows = {r.check: r for r in swarm_rows(records, PeerConfig(), _hash(PeerConfig()))}
     assert rows["protocol version"].status == rows["run config"].status == "pass"
     assert rows["run config"].detail.endswith("as all 1 trainers in view")
-    rows = {r.check: r for r in swarm_rows({PEER: _record(PEER, protocol=2)}, PeerConfig(lr=0.5), _hash(PeerConfig(lr=0.5)))}
+    changed = PeerConfig(lr=0.5)
+    rows = {r.check: r for r in swarm_rows({PEER: _record(PEER, protocol=2)}, changed, _hash(changed))}
     assert rows["protocol version"].status == "fail" and "speak protocol 2 (e.g. …FqP4Gcyn), this install 1" in rows["protocol version"].detail
     assert rows["run config"].status == "fail" and rows["run config"].fix.startswith("peers group only with the same --task")
 
