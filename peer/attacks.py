@@ -16,6 +16,7 @@ import torch
 
 from phalanx.aggregation.attacks import make_attack
 from phalanx.aggregation.errors import ConfigError
+from phalanx.aggregation.spec import parse_spec
 from phalanx.protocol.adversary import PROTOCOL_ATTACKS, Behavior
 
 GRADIENT_ATTACKS = ("sign_flip", "random_direction", "label_flip", "delayed", "ipm", "alie", "nan")
@@ -54,10 +55,14 @@ class GradientAttack:
         return self.name == "label_flip"
 
 
-def parse_attack(name: Optional[str], seed: int) -> tuple[Behavior, Optional[GradientAttack]]:
-    """(protocol behavior, gradient attack) for `--attack NAME`; (honest, None) without one."""
-    if name is None:
+def parse_attack(spec: Optional[str], seed: int) -> tuple[Behavior, Optional[GradientAttack]]:
+    """(protocol behavior, gradient attack) for `--attack NAME`; (honest, None) without one. The spec
+    syntax is every rule's (aggregation.spec), though no attack of a peer takes parameters yet."""
+    if spec is None:
         return Behavior(), None
+    name, params = parse_spec(spec, "--attack")
+    if params:
+        raise ConfigError(f"--attack {spec}: {name} takes no parameters; give its name alone")
     if name in GRADIENT_ATTACKS:
         return Behavior(), GradientAttack(name, seed)
     if name in PROTOCOL_ATTACKS:

@@ -6,7 +6,6 @@ tracebacks appear only with --debug.
 
 from __future__ import annotations
 
-import math
 import sys
 from pathlib import Path
 from typing import Optional
@@ -14,11 +13,10 @@ from typing import Optional
 import typer
 
 from phalanx.aggregation.errors import ConfigError, PhalanxError
-from phalanx.peer.cli_options import PlainHelp, settings_command
-from phalanx.peer.config import NetworkSettings, PeerConfig
+from phalanx.peer.cli_options import PlainHelp, settings_command, str_list
+from phalanx.peer.config import MonitorSettings, NetworkSettings, PeerConfig
 from phalanx.peer.health.options import settings_command_with
 from phalanx.peer.logs import configure_logging
-from phalanx.peer.monitor.config import MonitorSettings
 
 app = typer.Typer(
     name="phalanx",
@@ -28,12 +26,10 @@ app = typer.Typer(
     rich_markup_mode="rich",
     pretty_exceptions_enable=False,
 )
-bench_app = typer.Typer(
-    help="Benchmarks: each measures its reference in the same run and prints ratios.",
-    no_args_is_help=True,
-)
-app.add_typer(bench_app, name="bench")
+from phalanx.peer.bench.commands import bench_app  # noqa: E402  (imports only typer, like sim_app)
 from phalanx.sim.cli import sim_app  # noqa: E402  (imports only typer; the simulator loads when a command runs)
+
+app.add_typer(bench_app, name="bench")
 
 app.add_typer(sim_app, name="sim")
 
@@ -85,15 +81,17 @@ def join(settings: PeerConfig) -> None:
       PHALANX_INITIAL_PEERS=/ip4/... phalanx join --config peer.toml
     """
     from phalanx.peer.doctor import preflight
+    from phalanx.peer.plan import make_plan
     from phalanx.peer.trainer import run_trainer
 
+    plan = make_plan(settings)  # the settings' strings parsed once; the trainer gets the plan only
     preflight(settings)  # the doctor's checks that need no network: one line instead of a traceback
     if not settings.initial_peers:  # after the checks, so that a mistake stays one line
         typer.secho(
             "notice: no --initial-peers: this peer starts a new swarm of its own (the log shows the line others join it with)",
             err=True, fg="yellow",
         )  # fmt: skip
-    report = run_trainer(settings)
+    report = run_trainer(plan)
     if settings.target_accuracy is not None and not report.reached_target:
         raise typer.Exit(3)
 
@@ -120,9 +118,11 @@ def doctor(settings: PeerConfig, initial_peers: Optional[list[str]], as_json: bo
     import re
 
     from phalanx.peer.doctor import run_doctor
+    from phalanx.peer.plan import make_plan
 
+    config_hash = make_plan(settings).run_hash.hex()  # the same mistakes as `join` fail here, in one line
     given = [a for v in initial_peers or [] for a in re.split(r"[\s,]+", v) if a] or settings.initial_peers
-    code = run_doctor(settings, given, as_json=as_json)
+    code = run_doctor(settings, given, as_json=as_json, config_hash=config_hash)
     if code:
         raise typer.Exit(code)
 
@@ -166,14 +166,10 @@ def swarm(
         "--task", task, "--steps", str(steps), "--target-accuracy", str(target_accuracy),
         "--wait-for-peers", str(peers), *ctx.args,
     ]  # fmt: skip
-    attacks = _str_list(attack)
+    attacks = str_list(attack)
     if byzantine and not attacks:
         raise ConfigError("--attack needs at least one attack name with --byzantine")
     chosen = [attacks[i % len(attacks)] for i in range(byzantine)]
-    if slowdown is not None:
-        from phalanx.peer.slowdown import parse_slowdown
-
-        parse_slowdown(slowdown)
     if stragglers and slowdown is None:
         raise ConfigError("--stragglers needs --slowdown (how much slower they are)")
     slow_args = ["--slowdown", slowdown] if slowdown else []
@@ -299,173 +295,13 @@ def admit(
     typer.echo(f"certificate for {peer_id} in run {run_id!r}, valid {valid_days:g} days: {path}")
 
 
-@bench_app.command("aggregate")
-def bench_aggregate(
-    n: str = typer.Option("8,16,32", "--n", help="Comma-separated numbers of rows (peers)."),
-    d: str = typer.Option("1000000,10000000", "--d", help="Comma-separated vector sizes."),
-    aggregators: str = typer.Option("all", "--aggregators", help="Comma-separated registry names, or 'all'."),
-    device: str = typer.Option("auto", "--device", help="cpu, cuda, cuda:N or auto (every available device)."),
-    repeats: int = typer.Option(5, "--repeats", min=1, help="Timed repetitions per cell (median reported)."),
-    seed: int = typer.Option(0, "--seed"),
-) -> None:
-    """Time every aggregator against one read of its (n, d) input (x.sum(0), the memory-bandwidth floor).
-
-    [bold]Examples[/bold]
-
-      phalanx bench aggregate
-
-      phalanx bench aggregate --n 8 --d 1000000 --aggregators mean,centered_clip --repeats 3
-    """
-    from phalanx.peer.bench.aggregate import run_aggregate_bench
-
-    run_aggregate_bench(
-        ns=_int_list(n, "--n"),
-        ds=_int_list(d, "--d"),
-        names=None if aggregators == "all" else _str_list(aggregators),
-        device=device,
-        repeats=repeats,
-        seed=seed,
-    )
-
-
-@bench_app.command("allreduce")
-def bench_allreduce(
-    peers: str = typer.Option("2,4", "--peers", help="Comma-separated group sizes."),
-    numel: int = typer.Option(10_000_000, "--numel", min=1, help="float32 values per peer."),
-    rounds: int = typer.Option(5, "--rounds", min=1, help="Timed rounds after one warm-up (median reported)."),
-    impls: str = typer.Option("phalanx,hivemind,gloo", "--impls", help="Which of phalanx, hivemind, gloo to run."),
-    verify: bool = typer.Option(False, "--verify", help="Instead: plain mean vs CenteredClip vs CenteredClip with full verification (time and bytes per round)."),
-    upload_mbps: str = typer.Option("0", "--upload-mbps", help="With --verify: comma-separated per-peer upload caps in Mbit/s to repeat the comparison at (0: uncapped loopback)."),
-) -> None:
-    """All-reduce one vector per peer on loopback: Phalanx's round engine (mean), hivemind's
-    DecentralizedAverager and torch.distributed gloo, each in N worker processes; prints medians and ratios.
-
-    [bold]Examples[/bold]
-
-      phalanx bench allreduce --peers 2,4 --numel 10000000
-
-      phalanx bench allreduce --peers 4 --numel 1000000 --impls phalanx,gloo
-
-      phalanx bench allreduce --verify --peers 4 --numel 10000000
-
-      phalanx bench allreduce --verify --peers 4 --upload-mbps 0,1000,100
-    """
-    from phalanx.peer.bench.allreduce import IMPLS, run_allreduce_bench, run_verify_bench
-
-    limits = _float_list(upload_mbps, "--upload-mbps")
-    if any(x < 0 for x in limits):
-        raise ConfigError("--upload-mbps: caps must be ≥ 0 (0: uncapped)")
-    if verify:
-        run_verify_bench(_int_list(peers, "--peers"), numel, rounds, tuple(limits))
-        return
-    if any(limits):
-        raise ConfigError("--upload-mbps applies to --verify only (hivemind and gloo cannot be capped the same way)")
-    chosen = _str_list(impls)
-    unknown = sorted(set(chosen) - set(IMPLS))
-    if unknown:
-        raise ConfigError(f"--impls: unknown {', '.join(unknown)}; choose from {', '.join(IMPLS)}")
-    run_allreduce_bench(_int_list(peers, "--peers"), numel, rounds, chosen)
-
-
-@bench_app.command("swarm")
-def bench_swarm(
-    peers: int = typer.Option(4, "--peers", min=1, help="Peers (processes) per run."),
-    target_accuracy: float = typer.Option(0.95, "--target-accuracy", min=0.0, max=1.0),
-    impls: str = typer.Option("phalanx,hivemind,ddp", "--impls", help="Which of phalanx, hivemind, ddp to run."),
-    repeats: int = typer.Option(1, "--repeats", min=1, help="Runs per implementation (median reported)."),
-    time_limit_s: float = typer.Option(300.0, "--time-limit-s", help="Give up on a reference run after this long."),
-) -> None:
-    """Wall time to the target test accuracy on digits: `phalanx swarm` (sync), hivemind's
-    collaborative hivemind.Optimizer and torch DDP over gloo, same model, data and optimizer.
-
-    [bold]Examples[/bold]
-
-      phalanx bench swarm --peers 4
-
-      phalanx bench swarm --peers 2 --impls phalanx,ddp --repeats 3
-    """
-    from phalanx.peer.bench.swarm import IMPLS, run_swarm_bench
-
-    chosen = _str_list(impls)
-    unknown = sorted(set(chosen) - set(IMPLS))
-    if unknown:
-        raise ConfigError(f"--impls: unknown {', '.join(unknown)}; choose from {', '.join(IMPLS)}")
-    run_swarm_bench(peers, target_accuracy, chosen, repeats=repeats, time_limit_s=time_limit_s)
-
-
-@bench_app.command("convergence")
-def bench_convergence(
-    peers: int = typer.Option(4, "--peers", min=2, help="Peers per run (one of them a straggler)."),
-    target_accuracy: float = typer.Option(0.95, "--target-accuracy", min=0.0, max=1.0),
-    repeats: int = typer.Option(3, "--repeats", min=1, help="Runs per mode (median reported)."),
-    base_step_s: float = typer.Option(0.01, "--base-step-s", min=0.0, help="Every local step takes at least this long (stands in for GPU work)."),
-    straggler: str = typer.Option("shifted-exp:0.025:0.025", "--straggler", help="The straggler's step time (--slowdown form); the default is ~5× the others."),
-    max_steps: int = typer.Option(3000, "--max-steps", min=1),
-) -> None:
-    """Wall time to the target accuracy on digits with one straggler: sync, lasgd with Gap-Aware,
-    lasgd without correction, and gossip, each run --repeats times as a real swarm.
-
-    [bold]Examples[/bold]
-
-      phalanx bench convergence
-
-      phalanx bench convergence --peers 4 --repeats 1 --straggler shifted-exp:0.05:0.05
-    """
-    from phalanx.peer.bench.convergence import run_convergence_bench
-    from phalanx.peer.slowdown import parse_slowdown
-
-    parse_slowdown(straggler)
-    run_convergence_bench(
-        peers, target_accuracy, repeats, base_step_s=base_step_s, straggler=straggler, max_steps=max_steps
-    )
-
-
-@bench_app.command("cli")
-def bench_cli(repeats: int = typer.Option(5, "--repeats", min=1, help="Timed runs per command (median reported).")) -> None:
-    """Time `phalanx --help`, `phalanx join --help` and mistyped flags (fresh processes) against
-    `python -c pass` and `python -c "import torch"` measured in the same run.
-
-    [bold]Examples[/bold]
-
-      phalanx bench cli
-
-      phalanx bench cli --repeats 10
-    """
-    from phalanx.peer.bench.cli import run_cli_bench
-
-    run_cli_bench(repeats)
-
-
 def _check_join_args(args: list[str]) -> None:
     """Validate `phalanx join` flags as the trainers will parse them, without starting anything."""
     command = typer.main.get_command(app).get_command(None, "join")  # type: ignore[union-attr]
+    from phalanx.peer.plan import make_plan
+
     with command.make_context("phalanx swarm", list(args)) as ctx:
-        join.settings(**ctx.params)  # type: ignore[attr-defined]
-
-
-def _split_numbers(text: str, flag: str, convert, kind: str) -> list:
-    try:
-        return [convert(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise ConfigError(f"{flag} takes comma-separated {kind}, not {text!r}") from None
-
-
-def _int_list(text: str, flag: str) -> list[int]:
-    values = _split_numbers(text, flag, lambda x: int(float(x)), "integers like 8,16")
-    if not values or min(values) <= 0:
-        raise ConfigError(f"{flag} needs at least one positive integer, got {text!r}")
-    return values
-
-
-def _float_list(text: str, flag: str) -> list[float]:
-    values = _split_numbers(text, flag, float, "numbers like 0,1000")
-    if not values or not all(math.isfinite(v) for v in values):
-        raise ConfigError(f"{flag} needs at least one finite number, got {text!r}")
-    return values
-
-
-def _str_list(text: str) -> list[str]:
-    return [x.strip() for x in text.split(",") if x.strip()]
+        make_plan(join.settings(**ctx.params))  # type: ignore[attr-defined]
 
 
 def main(argv: Optional[list[str]] = None) -> None:

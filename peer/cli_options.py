@@ -4,6 +4,7 @@ share one definition (name, type, default, help) and cannot drift apart."""
 from __future__ import annotations
 
 import inspect
+import math
 import re
 import types
 import typing
@@ -14,6 +15,7 @@ import typer
 from pydantic.fields import FieldInfo
 from typer.core import TyperCommand
 
+from phalanx.aggregation.errors import ConfigError
 from phalanx.peer.config import NetworkSettings, load_settings, misspelt_env_vars
 
 
@@ -120,3 +122,29 @@ def warn_misspelt_env_vars() -> None:
     for name, close in misspelt_env_vars():
         hint = f"did you mean {close}?" if close else "see `phalanx <command> --help` for the [env: ...] names"
         typer.secho(f"warning: {name} is not a Phalanx setting and is ignored ({hint})", err=True, fg="yellow")
+
+
+def _split_numbers(text: str, flag: str, convert, kind: str) -> list:
+    try:
+        return [convert(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ConfigError(f"{flag} takes comma-separated {kind}, not {text!r}") from None
+
+
+def int_list(text: str, flag: str) -> list[int]:
+    """`--n 8,16,32` → [8, 16, 32]; one line naming the flag when it is not that."""
+    values = _split_numbers(text, flag, lambda x: int(float(x)), "integers like 8,16")
+    if not values or min(values) <= 0:
+        raise ConfigError(f"{flag} needs at least one positive integer, got {text!r}")
+    return values
+
+
+def float_list(text: str, flag: str) -> list[float]:
+    values = _split_numbers(text, flag, float, "numbers like 0,1000")
+    if not values or not all(math.isfinite(v) for v in values):
+        raise ConfigError(f"{flag} needs at least one finite number, got {text!r}")
+    return values
+
+
+def str_list(text: str) -> list[str]:
+    return [x.strip() for x in text.split(",") if x.strip()]

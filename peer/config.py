@@ -2,27 +2,25 @@
 
 Precedence: flag > environment > config file > default. Every field is also a flag
 (`initial_peers` → `--initial-peers`) and an environment variable
-(`PHALANX_INITIAL_PEERS`); lists accept commas or spaces. Components never see this
-object: they get their own config built by the `*_config()` methods.
+(`PHALANX_INITIAL_PEERS`); lists accept commas or spaces. Components never see PeerConfig:
+peer.plan turns it once into a plan of per-component sections and parsed rules.
 """
 
 from __future__ import annotations
 
 import contextvars
 import difflib
-import hashlib
-import json
 import os
 import re
 import tomllib
 from pathlib import Path
 from typing import Annotated, Any, Literal, Optional
 
+from phalanx.aggregation.errors import ConfigError
+from phalanx.aggregation.spec import aggregator_params, parse_aggregator_params, parse_spec
+from phalanx.protocol.config import Codec, MatchmakingConfig, RoundConfig, verify_config_for
 from pydantic import Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, InitSettingsSource, NoDecode, PydanticBaseSettingsSource, SettingsConfigDict
-
-from phalanx.aggregation.errors import ConfigError
-from phalanx.protocol.config import Codec, MatchmakingConfig, RoundConfig, parse_aggregator_params, protocol_fields, verify_config_for
 
 PROTOCOL_VERSION = 1
 BUILTIN_TASKS = ("digits-mlp", "mnist-cnn", "cifar10-resnet18")
@@ -31,6 +29,7 @@ ENV_PREFIX = "PHALANX_"
 _config_data: contextvars.ContextVar[Optional[dict]] = contextvars.ContextVar("phalanx_config_data", default=None)
 
 StrList = Annotated[list[str], NoDecode]
+PARAMS_HINT = "(parameters go in --aggregator-params name=value)"
 
 
 class NetworkSettings(BaseSettings):
@@ -64,7 +63,7 @@ class NetworkSettings(BaseSettings):
         return value
 
     @model_validator(mode="after")
-    def _check(self) -> "NetworkSettings":
+    def _check(self) -> NetworkSettings:
         if self.public_ip is not None and self.port == 0 and not self.host_maddrs:
             raise ValueError("--public-ip needs a fixed --port (not 0) so others can dial it")
         for flag, addrs in (("--initial-peers", self.initial_peers), ("--host-maddrs", self.host_maddrs), ("--announce-maddrs", self.announce_maddrs)):
@@ -118,9 +117,9 @@ class PeerConfig(NetworkSettings):
     steps: Optional[int] = Field(None, ge=1, description="Stop after this many steps (default: run until stopped).")
     target_accuracy: Optional[float] = Field(None, gt=0, le=1, description="Stop once test accuracy reaches this.")
     eval_every: int = Field(25, ge=1, description="Evaluate on the test split every N steps.")
-    aggregator: str = Field("mean", description="Rule each reducer applies: mean, centered_clip, median, trimmed_mean, krum, multi_krum, geometric_median, bucketing; clipped_gossip (gossip/lasgd: each member gets its own clipped average).")
+    aggregator: str = Field("mean", description="Rule each reducer applies, with parameters as NAME:name=value,... (e.g. bucketing:s=2,inner=mean): mean, centered_clip, median, trimmed_mean, krum, multi_krum, geometric_median, bucketing; clipped_gossip (gossip/lasgd: each member gets its own clipped average).")
     tau: Optional[float] = Field(None, gt=0, description="Clipping radius for centered_clip (shorthand for --aggregator-params tau=…).")
-    aggregator_params: str = Field("", description="Extra aggregator parameters as name=value pairs, e.g. 'tau=1,max_iter=100'; bucketing: 's=2,inner=mean' (inner: the rule applied to the bucket means).")
+    aggregator_params: str = Field("", description="Extra aggregator parameters as name=value pairs, e.g. 'tau=1,max_iter=100'; bucketing: 's=2,inner=mean' (inner: the rule applied to the bucket means). Not together with --aggregator NAME:params.")
     compression: Literal["none", "fp16", "8bit"] = Field("none", description="Codec for tensors on the wire.")
     min_group_size: int = Field(1, ge=1, description="Fewest peers a round may close with at its deadline.")
     target_group_size: Optional[int] = Field(None, ge=2, description="Most peers per group (default: everyone ready).")
@@ -142,7 +141,7 @@ class PeerConfig(NetworkSettings):
     attack: Optional[str] = Field(None, description="Make this peer an attacker (tests and demos): sign_flip, random_direction, label_flip, delayed, ipm, alie, nan, wrong_aggregate, equivocate, false_report, false_accusation, withhold_reveal, bad_commitment, silent, inflate_weight, withhold_aggregate, false_dispute, leave_out, deflate_weight, cover_up, equivocate_report, withhold_report, poison_state.")
 
     @model_validator(mode="after")
-    def _check_peer(self) -> "PeerConfig":
+    def _check_peer(self) -> PeerConfig:
         if ":" not in self.task and self.task not in BUILTIN_TASKS:
             raise ValueError(f"--task {self.task}: not a built-in task; use one of {', '.join(BUILTIN_TASKS)}, or package.module:factory for your own")
         if self.resume and self.checkpoint_dir is None:
@@ -156,15 +155,6 @@ class PeerConfig(NetworkSettings):
         for flag, path in (("--admission", self.admission), ("--certificate", self.certificate)):
             if path is not None and not path.is_file():
                 raise ValueError(f"{flag}: no such file {str(path)!r}")
-        from phalanx.peer.slowdown import parse_slowdown
-        from phalanx.protocol.sync_policy import parse_sync_policy
-
-        try:
-            parse_sync_policy(self.sync_policy)
-            if self.slowdown is not None:
-                parse_slowdown(self.slowdown)
-        except ConfigError as e:
-            raise ValueError(f"--sync-policy / --slowdown: {e}") from None
         if self.verify and self.mode != "sync":
             raise ValueError(
                 "--verify runs BTARD-SGD and needs --mode sync: asynchronous exchanges weight stale "
@@ -175,35 +165,44 @@ class PeerConfig(NetworkSettings):
                 "--verify needs --compression none or fp16: 8-bit codebooks can move an honest aggregate "
                 "further than the projection check can tell from tampering"
             )
-        if self.aggregator == "clipped_gossip" and self.mode == "sync":
+        if self.aggregator_name == "clipped_gossip" and self.mode == "sync":
             raise ValueError("--aggregator clipped_gossip gives every member its own result: use it with --mode gossip (or lasgd)")
         if self.mode == "gossip" and self.target_group_size not in (None, 2):
             raise ValueError("--mode gossip averages with one peer at a time: drop --target-group-size")
-        if self.attack is not None:
-            from phalanx.peer.attacks import parse_attack
+        return self
 
-            try:
-                parse_attack(self.attack, self.seed)
-            except ConfigError as e:
-                raise ValueError(str(e)) from None
-        if self.verify and self.aggregator == "centered_clip" and "tau" not in dict(self.aggregator_kwargs()):
-            raise ValueError(
+    @property
+    def aggregator_name(self) -> str:
+        """The rule's name from --aggregator NAME[:k=v,...]."""
+        return self.aggregator.partition(":")[0].strip()
+
+    def aggregator_spec(self) -> tuple[str, tuple[tuple[str, float | str], ...]]:
+        """(name, sorted parameters) from --aggregator NAME[:k=v,...], --aggregator-params and --tau."""
+        if ":" in self.aggregator and self.aggregator_params.strip():
+            raise ConfigError(
+                f"--aggregator {self.aggregator} and --aggregator-params {self.aggregator_params} both give "
+                "parameters: keep one of them"
+            )
+        try:
+            if ":" in self.aggregator:
+                name, params = parse_spec(self.aggregator, "--aggregator")
+                kwargs = dict(aggregator_params(params, name, "--aggregator"))
+            else:
+                name = self.aggregator_name
+                kwargs = dict(parse_aggregator_params(self.aggregator_params, name))
+        except ConfigError as e:
+            raise ConfigError(f"--aggregator {self.aggregator}: {e} {PARAMS_HINT}") from None
+        if self.tau is not None:
+            kwargs["tau"] = self.tau
+        return name, tuple(sorted(kwargs.items()))
+
+    def round_config(self, aggregator: str, params: tuple[tuple[str, float | str], ...]) -> RoundConfig:
+        """The round every peer of the run runs, for the parsed `aggregator_spec()` (see peer.plan)."""
+        if self.verify and aggregator == "centered_clip" and "tau" not in dict(params):
+            raise ConfigError(
                 "--verify with --aggregator centered_clip needs --tau (the clipping radius every reducer and "
                 "verifier must share, e.g. --tau 1)"
             )
-        try:
-            self.round_config()  # validates aggregator name and parameters early
-        except ConfigError as e:
-            raise ValueError(f"--aggregator {self.aggregator}: {e} (parameters go in --aggregator-params name=value)") from None
-        return self
-
-    def aggregator_kwargs(self) -> tuple[tuple[str, float | str], ...]:
-        params = dict(parse_aggregator_params(self.aggregator_params, self.aggregator))
-        if self.tau is not None:
-            params["tau"] = self.tau
-        return tuple(sorted(params.items()))
-
-    def round_config(self) -> RoundConfig:
         try:
             asynchronous = self.mode != "sync"
             matchmaking = MatchmakingConfig(
@@ -216,46 +215,36 @@ class PeerConfig(NetworkSettings):
             )
         except ValueError as e:
             raise ConfigError(str(e)) from None
-        config = RoundConfig(
-            matchmaking=matchmaking,
-            aggregator=self.aggregator,
-            aggregator_params=self.aggregator_kwargs(),
-            compression=Codec.parse(self.compression),
-            allreduce_timeout_s=self.allreduce_timeout_s,
-            part_idle_timeout_s=self.part_idle_timeout_s or None,
-            verify=(
-                verify_config_for(
-                    self.aggregator, self.aggregator_kwargs(),
-                    phase_timeout_s=self.phase_timeout_s, validators=self.validators,
-                )
-                if self.verify
-                else None
-            ),
-        )  # fmt: skip
-        config.make_reducer()  # unknown names and bad parameters fail here, with the valid choices listed
+        try:
+            config = RoundConfig(
+                matchmaking=matchmaking,
+                aggregator=aggregator,
+                aggregator_params=params,
+                compression=Codec.parse(self.compression),
+                allreduce_timeout_s=self.allreduce_timeout_s,
+                part_idle_timeout_s=self.part_idle_timeout_s or None,
+                verify=(
+                    verify_config_for(
+                        aggregator, params, phase_timeout_s=self.phase_timeout_s, validators=self.validators
+                    )
+                    if self.verify
+                    else None
+                ),
+            )
+            config.make_reducer()  # unknown names and bad parameters fail here, with the valid choices listed
+        except ConfigError as e:
+            raise ConfigError(f"--aggregator {self.aggregator}: {e} {PARAMS_HINT}") from None
         return config
 
-    def run_hash(self) -> bytes:
-        """Hash of everything peers must agree on to train together; part of every DHT key and join."""
-        fields = {
-            "protocol": PROTOCOL_VERSION,
-            "run_id": self.run_id,
-            "task": self.task,
-            "mode": self.mode,
-            "batch_size": self.batch_size,
-            "lr": self.lr,
-            "momentum": self.momentum,
-            "weight_decay": self.weight_decay,
-            "seed": self.seed,
-            # the round itself: aggregator, codec, group sizes, timeouts the others depend on, verification
-            "round": protocol_fields(self.round_config()),
-            "sync_policy": self.sync_policy,
-            "average_optimizer_state": self.average_optimizer_state,
-            "exchanges": [self.sync_every, self.staleness, self.dana] if self.mode != "sync" else None,
-            # peers of different private swarms (different owners) never meet
-            "owner": hashlib.sha256(self.admission.read_bytes()).hexdigest() if self.admission else None,
-        }
-        return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).digest()
+
+class MonitorSettings(NetworkSettings):
+    """Everything `phalanx monitor` needs (here beside the others: known_settings lists every command's)."""
+
+    http_port: int = Field(8000, ge=1, le=65535, description="Serve the dashboard on this TCP port.")
+    poll_s: float = Field(2.0, ge=0.2, le=60, description="Read every peer's health record this often (seconds).")
+    history_points: int = Field(
+        1800, ge=10, le=100_000, description="Polls kept for the plots (1800 × 2 s = one hour)."
+    )
 
 
 def load_settings(model: type[NetworkSettings], overrides: dict[str, Any], config_file: Optional[Path] = None):
@@ -328,8 +317,6 @@ OTHER_ENV_VARS = ("LOG_FORMAT", "BOOTSTRAP_URL", "BOOTSTRAP_WAIT_S", "REPLICA_DI
 
 def known_settings() -> set[str]:
     """Every field name of every command's settings model."""
-    from phalanx.peer.monitor.config import MonitorSettings
-
     return set(PeerConfig.model_fields) | set(MonitorSettings.model_fields)
 
 

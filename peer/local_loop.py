@@ -20,7 +20,6 @@ import torch
 
 from phalanx.aggregation.errors import PeerProtocolError, PhalanxError, RoundAbortedError, RoundTimeoutError
 from phalanx.peer.local_sgd import LocalState, StalenessCorrection, look_ahead, merge
-from phalanx.peer.slowdown import parse_slowdown
 from phalanx.protocol.engine import Averaged
 from phalanx.protocol.matchmaking import GroupSpec
 from phalanx.protocol.state_sync import StateSnapshot
@@ -38,14 +37,14 @@ PUBLISH_STATE_EVERY = 5  # merges between full-state snapshots for newcomers
 class LocalLoop:
     def __init__(self, trainer: "Trainer", node: "Node") -> None:
         self.trainer, self.node, self.engine = trainer, node, node.engine
-        self.config = trainer.config
+        self.config, self.exchange = trainer.config, trainer.plan.exchange
         self.model = trainer.model
         lr = self.model.optimizer.param_groups[0]["lr"]
         self.momentum = self.model.optimizer.param_groups[0].get("momentum", 0.0)
         self.lr = lr
-        self.correction = StalenessCorrection(self.config.staleness, lr)
+        self.correction = StalenessCorrection(self.exchange.staleness, lr)
         self.state = LocalState(base=self._params())
-        self.slowdown = parse_slowdown(self.config.slowdown) if self.config.slowdown else None
+        self.slowdown = trainer.plan.slowdown
         self._slow_rng = self.slowdown.sampler(self.config.seed, node.peer_id) if self.slowdown else None
         self.local_step = 0
         self.merges = 0
@@ -70,7 +69,7 @@ class LocalLoop:
 
     def _step(self, step: int) -> float:
         """One local step: gradient (at the look-ahead with --dana), optimizer step, Gap-Aware's statistic."""
-        if self.config.dana:
+        if self.exchange.dana:
             buffers = [self.model.optimizer.state[p].get("momentum_buffer") for p in self.model.params]
             with look_ahead(self.model.params, buffers, self.lr, self.momentum):
                 loss, grad = self.trainer._contribution(self.node.peer_id, step)
@@ -97,7 +96,7 @@ class LocalLoop:
         async def fetch(index: int) -> torch.Tensor:
             return await self._fetch_base(group.members[index], versions[index])
 
-        part = await self.state.contribution(versions, fetch, self.correction, self.config.max_gap)
+        part = await self.state.contribution(versions, fetch, self.correction, self.exchange.max_gap)
         self._base_ref = part.base_ref
         if part.reset_to is not None:
             logger.info(f"{part.penalty.gap_versions} versions behind (> --max-gap): taking the current model")
@@ -112,14 +111,15 @@ class LocalLoop:
             self.trainer.health.staleness_penalty = part.penalty.mean_divisor
             self.trainer._emit("penalty", gap=part.penalty.gap_versions, method=part.penalty.method, divisor=part.penalty.mean_divisor)
         update = part.update
-        if self.config.average_optimizer_state:
+        if self.exchange.average_optimizer_state:
             momentum = await self.trainer._in_thread(self._momentum)
             update = torch.cat([update, momentum if momentum is not None else torch.zeros_like(update)])
         return update, part.weight
 
     async def _fetch_base(self, donor: str, version: int) -> torch.Tensor:
         template = {"base": self.state.base}
-        snapshot = await self.engine.state.fetch(donor, BASE_KEY, template, timeout_s=self.config.allreduce_timeout_s)
+        timeout_s = self.trainer.plan.round.allreduce_timeout_s
+        snapshot = await self.engine.state.fetch(donor, BASE_KEY, template, timeout_s=timeout_s)
         if snapshot.step != version:
             raise PeerProtocolError(f"base of version {snapshot.step}, expected {version}", peer=donor)
         return snapshot.tensors["base"]
@@ -130,7 +130,7 @@ class LocalLoop:
         new_base = self._base_ref + averaged[:numel]
         x_now = self._params()
         self._set_params(merge(new_base, x_now, self.state.snapshot))
-        if self.config.average_optimizer_state:
+        if self.exchange.average_optimizer_state:
             momentum = averaged[numel:]
             offset = 0
             for p in self.model.params:
@@ -158,7 +158,7 @@ class LocalLoop:
         donor = max(peers, key=lambda p: peers[p].step)
         try:
             snapshot = await self.engine.state.fetch(
-                donor, None, self.model.state_tensors(), timeout_s=self.config.allreduce_timeout_s
+                donor, None, self.model.state_tensors(), timeout_s=self.trainer.plan.round.allreduce_timeout_s
             )
         except (PhalanxError, ValueError) as e:
             logger.warning(f"could not download the swarm's model from {donor[-8:]}: {e}; starting fresh")
@@ -186,7 +186,7 @@ class LocalLoop:
                 since_exchange += 1
                 if self.slowdown is not None:
                     await trainer._sleep_or_stop(self.slowdown.draw(self._slow_rng))
-                if exchange is None and since_exchange >= config.sync_every:
+                if exchange is None and since_exchange >= self.exchange.sync_every:
                     self.state.snapshot = await trainer._in_thread(self._params)
                     exchange = asyncio.create_task(engine.run_round(prepare=self._prepare))
                     since_exchange = 0

@@ -15,7 +15,7 @@ from contextlib import suppress
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 import hivemind
 from hivemind.dht import DHTNode
@@ -23,8 +23,7 @@ from hivemind.p2p import P2P
 from multiaddr import Multiaddr
 
 from phalanx.aggregation.errors import ConfigError, PeerProtocolError, PhalanxError
-from phalanx.peer.attacks import parse_attack
-from phalanx.peer.config import NetworkSettings, PeerConfig
+from phalanx.peer.config import NetworkSettings
 from phalanx.peer.lifeline import exit_with_parent
 from phalanx.peer.ports import check_listen_ports
 from phalanx.protocol.admission import AdmissionGate
@@ -33,10 +32,12 @@ from phalanx.protocol.dht_calls import DHT_DIED, in_dht
 from phalanx.protocol.engine import RoundEngine
 from phalanx.protocol.membership import LEADER_PERIOD_S, Membership
 from phalanx.protocol.redial import Redialer
-from phalanx.protocol.sync_policy import parse_sync_policy
 from phalanx.protocol.transport import Transport
 from phalanx.security.admission import load_owner_public
 from phalanx.security.identity import Identity
+
+if TYPE_CHECKING:
+    from phalanx.peer.plan import PeerPlan
 
 logger = logging.getLogger(__name__)
 
@@ -121,7 +122,7 @@ def start_dht(
         try:
             dht.wait_until_ready(timeout=0.5)
             return dht
-        except TimeoutError:
+        except asyncio.TimeoutError:
             if not dht.is_alive():
                 raise PhalanxError("the DHT process died during start-up; run with --debug to see why") from None
             if time.monotonic() > deadline:
@@ -300,10 +301,6 @@ def quiet_p2p_daemon_noise(loop: asyncio.AbstractEventLoop, context: dict) -> No
         loop.default_exception_handler(context)
 
 
-def run_key(config: PeerConfig) -> str:
-    return f"phalanx.{config.run_id}.{config.run_hash().hex()[:16]}"
-
-
 @dataclass
 class Node:
     dht: hivemind.DHT
@@ -337,7 +334,9 @@ class Node:
         self.scratch.cleanup()
 
 
-async def open_node(config: PeerConfig, *, loss: Callable[[], Optional[float]] = lambda: None) -> Node:
+async def open_node(plan: PeerPlan, *, loss: Callable[[], Optional[float]] = lambda: None) -> Node:
+    """Start the DHT and everything a trainer's rounds need, as `plan` says; close with `Node.aclose`."""
+    config = plan.network
     loop = asyncio.get_running_loop()
     scratch = tempfile.TemporaryDirectory(prefix="phalanx-peer-")
     try:
@@ -348,7 +347,7 @@ async def open_node(config: PeerConfig, *, loss: Callable[[], Optional[float]] =
         raise
     try:
         p2p = await replicate_p2p(dht)
-        key = run_key(config)
+        key = plan.run_key
         listen, hosts = await direct_hosts(dht, config)
         transport = await Transport.open(
             p2p,
@@ -358,20 +357,18 @@ async def open_node(config: PeerConfig, *, loss: Callable[[], Optional[float]] =
             announce_hosts=hosts,
             upload_limit_bytes_per_s=config.upload_limit_mbps * 1e6 / 8,
         )
-        membership = Membership(
-            dht, key + ".peers", transport.peer_id, leader_period_s=LEADER_PERIOD_S if config.verify else None
-        )
+        leader_period_s = LEADER_PERIOD_S if plan.round.verify is not None else None
+        membership = Membership(dht, key + ".peers", transport.peer_id, leader_period_s=leader_period_s)
         await add_validators(dht, [BanVoteValidator(key + ".bans")])
         bans = BanBook(dht, key + ".bans", membership.banned)
-        behavior, _ = parse_attack(config.attack, config.seed)
         engine = RoundEngine(
-            transport, membership, config.round_config(), config.run_hash(), identity=identity, bans=bans,
-            behavior=behavior, sync_policy=parse_sync_policy(config.sync_policy), loss=loss,
+            transport, membership, plan.round, plan.run_hash, identity=identity, bans=bans,
+            behavior=plan.attack.behavior, sync_policy=plan.sync_policy, loss=loss,
         )  # fmt: skip
-        if config.admission is not None:
+        if plan.private is not None:
             gate = AdmissionGate(
-                dht, key + ".certs", load_owner_public(config.admission), config.run_id, transport.peer_id,
-                config.certificate.read_bytes(),
+                dht, key + ".certs", load_owner_public(plan.private.owner_key), config.run_id, transport.peer_id,
+                plan.private.certificate.read_bytes(),
             )  # fmt: skip
             try:
                 await gate.start()

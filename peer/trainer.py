@@ -29,11 +29,10 @@ from typing import Any, Optional
 import torch
 
 from phalanx.aggregation.errors import ConfigError, PeerProtocolError, PhalanxError, RoundAbortedError, RoundTimeoutError
-from phalanx.peer.attacks import parse_attack
 from phalanx.peer.checkpoint import load_latest, save_checkpoint
-from phalanx.peer.config import PeerConfig
 from phalanx.peer.health import PeerMetrics, open_node_health
 from phalanx.peer.node import DHT_DIED, Node, open_node, quiet_p2p_daemon_noise, visible_maddrs
+from phalanx.peer.plan import PeerPlan, TrainingConfig
 from phalanx.tasks import Task, compute_gradient, resolve_task
 from phalanx.protocol.engine import Resync, initial_version
 
@@ -55,7 +54,7 @@ def resolve_device(name: str) -> torch.device:
 class Model:
     """The model, its optimizer and the conversions the protocol needs (flat grads, named state)."""
 
-    def __init__(self, task: Task, config: PeerConfig) -> None:
+    def __init__(self, task: Task, config: TrainingConfig) -> None:
         self.task = task
         self.module = task.build_model(config.seed)
         self.params = [p for p in self.module.parameters() if p.requires_grad]
@@ -131,8 +130,9 @@ class Report:
 
 
 class Trainer:
-    def __init__(self, config: PeerConfig) -> None:
-        self.config = config
+    def __init__(self, plan: PeerPlan) -> None:
+        self.plan, self.config = plan, plan.training
+        config = plan.training
         if config.torch_threads:
             torch.set_num_threads(config.torch_threads)
         self.device = resolve_device(config.device)
@@ -140,7 +140,7 @@ class Trainer:
         self.task = resolve_task(config.task, **options).to(self.device)
         self.model = Model(self.task, config)
         self.batch_size = config.batch_size or self.task.batch_size
-        _, self.attack = parse_attack(config.attack, config.seed)
+        self.attack = plan.attack.gradient
         self._validator_model: Optional[torch.nn.Module] = None  # a copy: recomputation must not touch BatchNorm stats
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="train")
         self.report = Report()
@@ -177,29 +177,29 @@ class Trainer:
             step=step,
             model_state=self.model.module.state_dict(),
             optimizer_state=self.model.optimizer.state_dict(),
-            extra={"task": self.config.task, "run_id": self.config.run_id},
+            extra={"task": self.config.task, "run_id": self.plan.network.run_id},
             keep=self.config.checkpoint_keep,
         )
 
     async def run(self) -> Report:
         started = time.monotonic()
         step = await self._in_thread(self._resume)
-        node = self._node = await open_node(self.config, loss=lambda: self.report.loss)
+        node = self._node = await open_node(self.plan, loss=lambda: self.report.loss)
         self.report.peer_id = node.peer_id
         engine = node.engine
-        engine.set_state(initial_version(self.config.run_hash(), self.model.state_tensors(), step), step)
+        engine.set_state(initial_version(self.plan.run_hash, self.model.state_tensors(), step), step)
         logger.info(
             f"peer {node.peer_id} training {self.config.task} on {self.device} "
             f"({self.model.numel} parameters, step {step})"
         )
-        if not self.config.initial_peers:
+        if not self.plan.network.initial_peers:
             from phalanx.peer.bootstrap import initial_peers_line
 
             logger.info(f"others join this new swarm with: {initial_peers_line(await visible_maddrs(node.dht))}")
         self._emit("started", peer_id=node.peer_id, step=step, params=self.model.numel, param_hash=self.model.param_hash())
         health = None
         try:
-            health = await open_node_health(node, self.config, self.health)
+            health = await open_node_health(node, self.plan, self.health)
             await self._wait_for_peers(node)
             self._emit("training", step=node.engine.step, peers=len(node.membership.peers()))
             if self.config.mode == "sync":
@@ -218,7 +218,7 @@ class Trainer:
             self.report.rounds_ok, self.report.rounds_partial, self.report.rounds_failed = s.rounds_ok, s.rounds_partial, s.rounds_failed
             self.report.resyncs = s.resyncs
             self.report.banned = sorted(node.membership.banned)
-            self.report.attack = self.config.attack
+            self.report.attack = self.plan.attack.name
             self.report.bytes_sent = node.transport.stats.bytes_sent
             self.report.bytes_received = node.transport.stats.bytes_received
             if self.config.checkpoint_dir is not None and engine.step > 0:
@@ -306,7 +306,7 @@ class Trainer:
     async def _sleep_or_stop(self, seconds: float) -> None:
         try:
             await asyncio.wait_for(self.stop_requested.wait(), timeout=seconds)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             pass
 
     async def _loop(self, node: Node) -> None:
@@ -419,12 +419,12 @@ def dump_stacks() -> None:
     sys.stderr.flush()
 
 
-def run_trainer(config: PeerConfig) -> Report:
+def run_trainer(plan: PeerPlan) -> Report:
     """Run a trainer until its stop condition or SIGINT/SIGTERM; returns its final report."""
     import uvloop
 
     async def main() -> Report:
-        trainer = Trainer(config)
+        trainer = Trainer(plan)
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, trainer.stop_requested.set)

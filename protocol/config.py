@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import hashlib
+import json
 import math
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -109,6 +111,12 @@ class RoundConfig:
         aggregate = make_aggregator(self.aggregator, **params)
         return lambda rows, weights: aggregate(rows, weights).value
 
+    def fingerprint(self) -> str:
+        """SHA-256 (hex) of every protocol-relevant field (protocol_fields): equal on peers whose rounds
+        can run together, whatever their local waits; the run hash includes it."""
+        encoded = json.dumps(protocol_fields(self), sort_keys=True, allow_nan=True)
+        return hashlib.sha256(encoded.encode()).hexdigest()
+
 
 # Fields of the round's configs (dotted names) that only this peer's own waiting depends on: peers
 # may set them differently and still train together. Every other field is hashed into the run key
@@ -136,34 +144,6 @@ def protocol_fields(config: RoundConfig) -> dict[str, Any]:
 
     walk(config, "")
     return fields
-
-
-def parse_aggregator_params(text: str, aggregator: str = "") -> tuple[tuple[str, float | str], ...]:
-    """'tau=1,eps=1e-6' -> (('eps', 1e-6), ('tau', 1.0)); sorted so equal settings hash equally.
-
-    Values are numbers, except for the parameters of `aggregator` that name another rule
-    (bucketing's inner=mean), which stay text; the aggregator checks the name.
-    """
-    params: list[tuple[str, float | str]] = []
-    names: frozenset[str] | None = None
-    for item in filter(None, (x.strip() for x in text.split(","))):
-        key, sep, value = (part.strip() for part in item.partition("="))
-        if not sep or not key:
-            raise ConfigError(f"--aggregator-params takes name=number pairs like tau=1, not {item!r}")
-        try:
-            params.append((key, float(value)))
-            continue
-        except ValueError:
-            pass
-        if names is None:
-            from phalanx.aggregation.registry import name_parameters  # imports torch: only once a value is text
-
-            names = name_parameters(aggregator)
-        if key not in names or not value:
-            hint = f" (--aggregator {aggregator} takes a name for {', '.join(sorted(names))})" if names else ""
-            raise ConfigError(f"--aggregator-params takes name=number pairs like tau=1, not {item!r}{hint}")
-        params.append((key, value))
-    return tuple(sorted(params))
 
 
 CLIPPED_GOSSIP = "clipped_gossip"

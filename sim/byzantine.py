@@ -22,7 +22,8 @@ from torch import Tensor
 
 from phalanx.aggregation.attacks import ATTACKS, make_attack
 from phalanx.aggregation.errors import ConfigError
-from phalanx.sim.config import ByzantineConfig, parse_spec
+from phalanx.aggregation.spec import parse_spec
+from phalanx.sim.config import ByzantineConfig
 
 SIM_ONLY_ATTACKS = ("label_flip", "delayed")
 DEFAULT_LAG = 100

@@ -1,44 +1,17 @@
-"""What one simulated run is: `SimConfig` and its parts, plus the ``name:key=value`` spec syntax.
+"""What one simulated run is: `SimConfig` and its parts.
 
-Specs name a registered rule with parameters, e.g. ``centered_clip:tau=1``,
-``sign_flip:scale=-1000``, ``volunteer:offline_mean=20``. Values parse as int, float
-(``inf`` too) or, failing both, stay strings.
+Rules are named by specs in the one ``name:key=value`` syntax (aggregation.spec), e.g.
+``centered_clip:tau=1``, ``sign_flip:scale=-1000``, ``volunteer:offline_mean=20``.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any
 
 from phalanx.aggregation.errors import ConfigError
 
 BUDGET_KINDS = ("gradients", "updates", "time")
-
-
-def parse_spec(text: str, what: str) -> tuple[str, dict[str, Any]]:
-    """``name:key=value,key=value`` → (name, params); ``what`` names the flag in errors."""
-    if not isinstance(text, str) or not text.strip():
-        raise ConfigError(f"{what} must be a name like 'mean' or 'centered_clip:tau=1', got {text!r}")
-    name, _, rest = text.strip().partition(":")
-    params: dict[str, Any] = {}
-    for item in filter(None, (s.strip() for s in rest.split(","))):
-        key, eq, value = item.partition("=")
-        if not eq or not key.strip():
-            raise ConfigError(f"{what}={text!r}: parameters go as key=value after ':', e.g. centered_clip:tau=1")
-        params[key.strip()] = _value(value.strip())
-    return name, params
-
-
-def _value(text: str) -> Any:
-    try:
-        return int(text)
-    except ValueError:
-        pass
-    try:
-        return float(text)
-    except ValueError:
-        return text
 
 
 @dataclass(frozen=True, kw_only=True)

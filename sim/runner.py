@@ -14,9 +14,11 @@ from typing import Any
 
 from phalanx.aggregation.errors import ConfigError
 from phalanx.aggregation.registry import BoundAggregator, make_aggregator
+from phalanx.aggregation.spec import parse_spec
+from phalanx.protocol.sync_policy import parse_sync_policy
 from phalanx.sim.byzantine import Adversary
 from phalanx.sim.clock import make_clocks
-from phalanx.sim.config import SimConfig, parse_spec
+from phalanx.sim.config import SimConfig
 from phalanx.sim.decentral import run_gossip, run_lasgd
 from phalanx.sim.gradients import GradientOracle
 from phalanx.sim.methods import build_rule, get_method, momentum_for, time_horizon
@@ -24,7 +26,6 @@ from phalanx.sim.record import Recorder, SimResult
 from phalanx.sim.server import ParameterServerSim
 from phalanx.sim.workers import Workers
 from phalanx.tasks import Task, resolve_task
-from phalanx.protocol.sync_policy import parse_sync_policy
 
 
 @functools.lru_cache(maxsize=4)

@@ -103,6 +103,7 @@ def _run_phalanx(args) -> dict[str, Any]:
 
     from phalanx.peer.config import PeerConfig
     from phalanx.peer.node import open_node
+    from phalanx.peer.plan import make_plan
     from phalanx.protocol.engine import Averaged
 
     config = PeerConfig(
@@ -123,7 +124,7 @@ def _run_phalanx(args) -> dict[str, Any]:
     async def main() -> dict[str, Any]:
         from hivemind.utils import get_dht_time
 
-        node = await open_node(config)
+        node = await open_node(make_plan(config))
         engine = node.engine
         engine.set_state(b"bench", 0)
         base = _worker_tensor(args.rank, args.numel)

@@ -25,7 +25,7 @@ def preflight(settings: PeerConfig) -> None:
             raise ConfigError(row.line())
 
 
-async def network_rows(settings: PeerConfig, initial_peers: list[str]) -> list[Row]:
+async def network_rows(settings: PeerConfig, initial_peers: list[str], config_hash: str) -> list[Row]:
     p2p, daemon = await network.start_daemon(settings)
     rows = [daemon]
     free_port = f"/ip4/{listen_host(settings)}/tcp/0"
@@ -37,7 +37,8 @@ async def network_rows(settings: PeerConfig, initial_peers: list[str]) -> list[R
     if p2p is None:
         why = "the p2p daemon did not start"
         peers = network.reached_row([], 0) if not initial_peers else skipped("initial peers", why)
-        return rows + [peers, skipped("reachable from outside", why), skipped("clock", why), *swarm_rows(None, settings, why)]
+        skips = [skipped("reachable from outside", why), skipped("clock", why)]
+        return rows + [peers, *skips, *swarm_rows(None, settings, config_hash, why)]
     try:
         usable = [a for a in initial_peers if multiaddr_row(a).status == "pass"]
         probes = list(await asyncio.gather(*(network.probe_initial_peer(p2p, a) for a in usable)))
@@ -61,22 +62,23 @@ async def network_rows(settings: PeerConfig, initial_peers: list[str]) -> list[R
             await network.ping_more(p2p, probes, {p: r.addresses for p, r in records.items()})
         offsets = {p.peer_id: p.offset_s for p in probes if p.offset_s is not None}
         rows.append(clock_row(offsets, strict=settings.verify or settings.admission is not None))
-        rows += swarm_rows(records, settings, why_not)
+        rows += swarm_rows(records, settings, config_hash, why_not)
     finally:
         await p2p.shutdown()
     return rows
 
 
-def collect(settings: PeerConfig, initial_peers: list[str]) -> list[Row]:
+def collect(settings: PeerConfig, initial_peers: list[str], config_hash: str) -> list[Row]:
     import uvloop
 
     rows = cheap_rows(settings, initial_peers)
-    return rows + uvloop.run(network_rows(settings, initial_peers))
+    return rows + uvloop.run(network_rows(settings, initial_peers, config_hash))
 
 
-def run_doctor(settings: PeerConfig, initial_peers: list[str], *, as_json: bool) -> int:
-    """Print every row; the exit status is 1 when any check failed."""
-    rows = collect(settings, initial_peers)
+def run_doctor(settings: PeerConfig, initial_peers: list[str], *, as_json: bool, config_hash: str) -> int:
+    """Print every row; the exit status is 1 when any check failed. `config_hash` is the plan's run
+    hash (hex), compared with the trainers' records."""
+    rows = collect(settings, initial_peers, config_hash)
     if as_json:
         sys.stdout.write(json.dumps(rows_json(rows)) + "\n")
     else:

@@ -49,8 +49,11 @@ async def fetch_records(p2p, initial_peers: list[str], run_id: str) -> tuple[dic
     return {peer: record for peer, (record, _) in records.items()}, invalid
 
 
-def swarm_rows(records: Optional[dict[str, HealthRecord]], settings: PeerConfig, why_not: str = "") -> list[Row]:
-    """Protocol version, package version and run-configuration hash against the records in view."""
+def swarm_rows(
+    records: Optional[dict[str, HealthRecord]], settings: PeerConfig, config_hash: str, why_not: str = ""
+) -> list[Row]:
+    """Protocol version, package version and run-configuration hash (`config_hash`: the plan's run
+    hash, hex) against the records in view."""
     names = ("protocol version", "package version", "run config")
     if records is None:
         return [skipped(n, why_not) for n in names]
@@ -72,7 +75,7 @@ def swarm_rows(records: Optional[dict[str, HealthRecord]], settings: PeerConfig,
     else:
         rows.append(ok(names[1], f"phalanx {mine}, as all peers in view"))
     trainers = {p: r.config_hash for p, r in records.items() if r.role == "trainer"}
-    ours = settings.run_hash().hex()
+    ours = config_hash
     if not trainers:
         rows.append(skipped(names[2], "no trainer in view to compare the run configuration with"))
         return rows

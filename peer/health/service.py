@@ -41,9 +41,9 @@ from phalanx.protocol.redial import Redialer
 from phalanx.security.identity import Identity
 
 if TYPE_CHECKING:
-    from phalanx.peer.config import PeerConfig
     from phalanx.peer.health.server import HttpServer
     from phalanx.peer.node import Node
+    from phalanx.peer.plan import PeerPlan
 
 logger = logging.getLogger(__name__)
 
@@ -409,13 +409,13 @@ async def open_health(
     return service
 
 
-async def open_node_health(node: Node, config: PeerConfig, metrics: PeerMetrics) -> HealthService:
+async def open_node_health(node: Node, plan: PeerPlan, metrics: PeerMetrics) -> HealthService:
     """The health service of a trainer: its node's DHT, identity and stats, its run's config hash."""
     return await open_health(
         dht=node.dht,
         identity=node.identity,
         metrics=metrics,
-        settings=config,
-        config_hash=config.run_hash().hex(),
+        settings=plan.network,
+        config_hash=plan.run_hash.hex(),
         node=node,
     )

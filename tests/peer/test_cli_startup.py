@@ -54,8 +54,7 @@ def test_hivemind_logs_go_through_our_handler_when_it_is_imported_later():
 
 @pytest.mark.parametrize("command", ["join", "bootstrap", "health", "monitor"])
 def test_help_at_80_columns_shows_every_flag_whole_with_its_default_and_variable(command):
-    from phalanx.peer.config import NetworkSettings, PeerConfig
-    from phalanx.peer.monitor.config import MonitorSettings
+    from phalanx.peer.config import MonitorSettings, NetworkSettings, PeerConfig
 
     done = subprocess.run(
         [sys.executable, "-m", "phalanx", command, "--help"], capture_output=True, text=True, timeout=120,

@@ -7,6 +7,7 @@ import pytest
 
 from phalanx.aggregation.errors import ConfigError
 from phalanx.peer.config import PeerConfig, load_settings
+from phalanx.peer.plan import make_plan
 
 BOOT = "/ip4/127.0.0.1/tcp/31337/p2p/QmdkQRh9vunbfpqzuFuwH2F1uKgPSeejQS6eM23ArdWdf7"
 
@@ -57,7 +58,7 @@ def test_lists_accept_commas_and_spaces_from_env(monkeypatch):
 )
 def test_errors_name_the_flag(overrides, message):
     with pytest.raises(ConfigError) as info:
-        load_settings(PeerConfig, overrides)
+        make_plan(load_settings(PeerConfig, overrides))  # the rules that need parsing are checked by the plan
     assert message in str(info.value)
 
 
@@ -68,13 +69,13 @@ def test_bucketing_takes_its_inner_rule_by_name():
     from phalanx.aggregation.coordinatewise import coordinate_median
 
     settings = load_settings(PeerConfig, {"aggregator": "bucketing", "aggregator_params": "s=2, inner=median, seed=5"})
-    assert settings.aggregator_kwargs() == (("inner", "median"), ("s", 2.0), ("seed", 5.0))
-    reduce = settings.round_config().make_reducer()  # what every reducer of a round runs
+    assert settings.aggregator_spec() == ("bucketing", (("inner", "median"), ("s", 2.0), ("seed", 5.0)))
+    reduce = make_plan(settings).round.make_reducer()  # what every reducer of a round runs
     x = torch.randn(7, 50, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
     expected = bucketing(x, 2, coordinate_median, generator=torch.Generator().manual_seed(5)).value
     assert torch.equal(reduce(x, None), expected)
     other = load_settings(PeerConfig, {"aggregator": "bucketing", "aggregator_params": "s=2,inner=mean,seed=5"})
-    assert other.run_hash() != settings.run_hash()
+    assert make_plan(other).run_hash != make_plan(settings).run_hash
 
 
 def test_missing_config_file_is_a_config_error(tmp_path):
@@ -83,10 +84,14 @@ def test_missing_config_file_is_a_config_error(tmp_path):
 
 
 def test_run_hash_covers_protocol_fields_only():
-    base = load_settings(PeerConfig, {})
-    assert load_settings(PeerConfig, {"checkpoint_dir": "/tmp/x", "eval_every": 3}).run_hash() == base.run_hash()
+    base = _run_hash({})
+    assert _run_hash({"checkpoint_dir": "/tmp/x", "eval_every": 3}) == base
     for change in ({"aggregator": "median"}, {"lr": 0.5}, {"compression": "fp16"}, {"run_id": "other"}, {"tau": 2.0, "aggregator": "centered_clip"}):
-        assert load_settings(PeerConfig, change).run_hash() != base.run_hash(), change
+        assert _run_hash(change) != base, change
+
+
+def _run_hash(overrides) -> bytes:
+    return make_plan(load_settings(PeerConfig, overrides)).run_hash
 
 
 # Every PeerConfig field: (settings before, settings after) a change of it, and whether the change must
@@ -173,7 +178,7 @@ def test_every_field_is_hashed_or_local(tmp_path):
         for name, (before, after) in table.items():
             before, after = (files[x] if isinstance(x, str) else x for x in (before, after))
             assert name in after and after != before, name
-            a, b = load_settings(PeerConfig, before).run_hash(), load_settings(PeerConfig, after).run_hash()
+            a, b = _run_hash(before), _run_hash(after)
             assert (a != b) == hashed, f"--{name.replace('_', '-')}: {'left out of' if hashed else 'reaches'} run_hash"
 
 

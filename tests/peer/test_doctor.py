@@ -24,8 +24,11 @@ from phalanx.peer.doctor.local import identity_row, multiaddr_row, port_rows, ta
 from phalanx.peer.doctor.rows import exit_code  # noqa: E402
 from phalanx.peer.doctor.swarm import CLOCK_FIX, clock_row, swarm_rows  # noqa: E402
 from phalanx.peer.health.record import HealthRecord  # noqa: E402
-from phalanx.security.identity import read_varint  # noqa: E402
-from phalanx.security.identity import Identity  # noqa: E402
+from phalanx.peer.plan import make_plan  # noqa: E402
+from phalanx.security.identity import (
+    Identity,  # noqa: E402
+    read_varint,  # noqa: E402
+)
 
 PEER = "QmaDnkJn14L31L9kNtpb1q1BjmENLgXCn6hcG7FqP4Gcyn"
 OTHER = "QmBbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbb"
@@ -120,20 +123,26 @@ def test_a_missing_gpu_fails_the_device_row():
     assert row.fix.startswith("--device cuda is not usable here: use --device cpu or auto")
 
 
+def _hash(settings: PeerConfig) -> str:
+    return make_plan(settings).run_hash.hex()
+
+
 def _record(peer: str, **changes) -> HealthRecord:
     fields = dict(
         peer_id=peer, role="trainer", state="online", version="0.1.0", protocol=1, run_id="phalanx",
-        config_hash=PeerConfig().run_hash().hex(), published_at=0.0, started_at=0.0, addresses=[],
+        config_hash=_hash(PeerConfig()), published_at=0.0, started_at=0.0, addresses=[],
         reachability="direct", step=1, samples_per_s=1.0,
     )  # fmt: skip
     return HealthRecord(**{**fields, **changes})
 
 
 def test_swarm_rows_compare_protocol_and_run_config():
-    rows = {r.check: r for r in swarm_rows({PEER: _record(PEER), OTHER: _record(OTHER, role="bootstrap", config_hash="")}, PeerConfig())}
+    records = {PEER: _record(PEER), OTHER: _record(OTHER, role="bootstrap", config_hash="")}
+    rows = {r.check: r for r in swarm_rows(records, PeerConfig(), _hash(PeerConfig()))}
     assert rows["protocol version"].status == rows["run config"].status == "pass"
     assert rows["run config"].detail.endswith("as all 1 trainers in view")
-    rows = {r.check: r for r in swarm_rows({PEER: _record(PEER, protocol=2)}, PeerConfig(lr=0.5))}
+    changed = PeerConfig(lr=0.5)
+    rows = {r.check: r for r in swarm_rows({PEER: _record(PEER, protocol=2)}, changed, _hash(changed))}
     assert rows["protocol version"].status == "fail" and "speak protocol 2 (e.g. …FqP4Gcyn), this install 1" in rows["protocol version"].detail
     assert rows["run config"].status == "fail" and rows["run config"].fix.startswith("peers group only with the same --task")
 

@@ -51,10 +51,13 @@ def test_every_field_is_hashed_or_local():
     base = protocol_fields(BASE)
     for dotted, value in CHANGES.items():
         changed = protocol_fields(_changed(BASE, dotted, value))
+        fingerprint = _changed(BASE, dotted, value).fingerprint()
         if dotted in LOCAL_FIELDS:
             assert changed == base, f"{dotted} is listed as local but reaches the hash"
+            assert fingerprint == BASE.fingerprint(), f"{dotted} is listed as local but reaches the fingerprint"
         else:
             assert changed != base, f"{dotted} is protocol-relevant but left out of protocol_fields (or list it in LOCAL_FIELDS)"
+            assert fingerprint != BASE.fingerprint(), f"{dotted} is protocol-relevant but left out of the fingerprint"
 
 
 def test_group_sizes_and_verification_are_hashed_by_name():
@@ -77,3 +80,8 @@ def test_each_change_differs_from_the_base():
         head, _, rest = dotted.partition(".")
         current = getattr(getattr(BASE, head), rest) if rest else getattr(BASE, head)
         assert current != value, dotted
+
+
+def test_fingerprint_depends_on_values_not_on_objects():
+    again = RoundConfig(aggregator="centered_clip", aggregator_params=(("tau", 1.0),), verify=VerifyConfig(tau=1.0))
+    assert again.fingerprint() == BASE.fingerprint() and len(BASE.fingerprint()) == 64

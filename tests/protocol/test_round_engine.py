@@ -79,12 +79,13 @@ def test_bucketing_round_from_the_command_line_settings():
     from phalanx.aggregation.bucketing import bucketing
     from phalanx.aggregation.coordinatewise import coordinate_median
     from phalanx.peer.config import PeerConfig, load_settings
+    from phalanx.peer.plan import make_plan
 
     settings = load_settings(PeerConfig, {"aggregator": "bucketing", "aggregator_params": "s=2,inner=median,seed=3"})
     n, numel = 5, 2000
 
     async def main():
-        async with open_swarm(n, settings.round_config()) as peers:
+        async with open_swarm(n, make_plan(settings).round) as peers:
             xs = _inputs(n, numel)
             xs[4] = xs[4] * -1000  # one attacker: a mean would follow it
             outcomes = await _round(peers, xs)
