@@ -16,6 +16,7 @@ import tomllib
 from pathlib import Path
 from typing import Annotated, Any, Literal, Optional
 
+from phalanx.peer.modes import MODES, modes_help
 from phalanx.aggregation.errors import ConfigError
 from phalanx.aggregation.spec import aggregator_params, parse_aggregator_params, parse_spec
 from phalanx.protocol.config import Codec, MatchmakingConfig, RoundConfig, verify_config_for
@@ -100,7 +101,7 @@ class PeerConfig(NetworkSettings):
     task: str = Field("digits-mlp", description=f"Built-in task ({', '.join(BUILTIN_TASKS)}) or package.module:factory for your own.")
     data_dir: Optional[Path] = Field(None, description="Where the task's data files are (mnist-cnn, cifar10-resnet18).")
     device: str = Field("auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$", description="auto, cpu, cuda or cuda:N.")
-    mode: Literal["sync", "lasgd", "gossip"] = Field("sync", description="sync: gradients all-reduced every step; lasgd: local steps never wait, models averaged every --sync-every steps with whoever is ready; gossip: the same with one random peer at a time.")
+    mode: Literal[tuple(MODES)] = Field("sync", description=modes_help())  # peer/modes: the registry
     sync_every: int = Field(10, ge=1, description="lasgd/gossip: start an exchange every H local steps (H).")
     staleness: Literal["gap_aware", "sa", "dc", "none"] = Field("gap_aware", description="lasgd/gossip: how a contribution from an older base is corrected before averaging.")
     dana: bool = Field(False, description="lasgd/gossip: compute gradients at DANA's look-ahead position θ − η·γ·v (momentum lives on the peer).")
@@ -155,7 +156,7 @@ class PeerConfig(NetworkSettings):
         for flag, path in (("--admission", self.admission), ("--certificate", self.certificate)):
             if path is not None and not path.is_file():
                 raise ValueError(f"{flag}: no such file {str(path)!r}")
-        if self.verify and self.mode != "sync":
+        if self.verify and not MODES[self.mode].lockstep:
             raise ValueError(
                 "--verify runs BTARD-SGD and needs --mode sync: asynchronous exchanges weight stale "
                 "contributions, which the fixed-point check cannot tell from tampering"
@@ -165,10 +166,11 @@ class PeerConfig(NetworkSettings):
                 "--verify needs --compression none or fp16: 8-bit codebooks can move an honest aggregate "
                 "further than the projection check can tell from tampering"
             )
-        if self.aggregator_name == "clipped_gossip" and self.mode == "sync":
+        if self.aggregator_name == "clipped_gossip" and MODES[self.mode].lockstep:
             raise ValueError("--aggregator clipped_gossip gives every member its own result: use it with --mode gossip (or lasgd)")
-        if self.mode == "gossip" and self.target_group_size not in (None, 2):
-            raise ValueError("--mode gossip averages with one peer at a time: drop --target-group-size")
+        fixed = MODES[self.mode].group_size
+        if fixed is not None and self.target_group_size not in (None, fixed):
+            raise ValueError(f"--mode {self.mode} works in groups of {fixed}: drop --target-group-size")
         return self
 
     @property
@@ -204,10 +206,10 @@ class PeerConfig(NetworkSettings):
                 "verifier must share, e.g. --tau 1)"
             )
         try:
-            asynchronous = self.mode != "sync"
+            asynchronous = not MODES[self.mode].lockstep
             matchmaking = MatchmakingConfig(
                 min_group_size=max(self.min_group_size, 2) if asynchronous else self.min_group_size,
-                target_group_size=2 if self.mode == "gossip" else self.target_group_size,
+                target_group_size=MODES[self.mode].group_size or self.target_group_size,
                 matchmaking_timeout_s=self.matchmaking_timeout_s,
                 join_timeout_s=max(60.0, 4 * self.matchmaking_timeout_s),
                 lockstep=not asynchronous,

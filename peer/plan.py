@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
+from phalanx.peer.modes import MODES
 from phalanx.aggregation.errors import ConfigError
 from phalanx.peer.attacks import GradientAttack, parse_attack
 from phalanx.peer.config import PROTOCOL_VERSION, NetworkSettings, PeerConfig
@@ -188,7 +189,7 @@ def run_hash(
         "round": round_config.fingerprint(),
         "sync_policy": sync_policy.spec,
         "average_optimizer_state": exchange.average_optimizer_state,
-        "exchanges": [exchange.sync_every, exchange.staleness, exchange.dana] if training.mode != "sync" else None,
+        "exchanges": [exchange.sync_every, exchange.staleness, exchange.dana] if not MODES[training.mode].lockstep else None,
         # peers of different private swarms (different owners) never meet
         "owner": hashlib.sha256(private.owner_key.read_bytes()).hexdigest() if private else None,
     }

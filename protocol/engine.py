@@ -21,7 +21,7 @@ from typing import Awaitable, Callable, Optional, Union
 
 import torch
 
-from phalanx.aggregation.errors import PeerProtocolError, RoundAbortedError
+from phalanx.aggregation.errors import PeerProtocolError, RoundAbortedError, RoundTimeoutError
 from phalanx.protocol.btard.behavior import Behavior
 from phalanx.protocol.allreduce import AllReduceResult, AllReduceService, RoundSpec
 from phalanx.protocol.bans import BanBook, refresh_forever
@@ -43,6 +43,8 @@ from phalanx.security.wire import unpack
 logger = logging.getLogger(__name__)
 
 Prepare = Callable[[GroupSpec], Awaitable[tuple[torch.Tensor, float]]]  # group -> (contribution, weight)
+# what a round raises when it fails for this peer (it counts in `stats.rounds_failed`); the peer trains on
+ROUND_FAILURES = (RoundAbortedError, RoundTimeoutError, PeerProtocolError)
 
 
 def initial_version(run_hash: bytes, tensors: dict[str, torch.Tensor], step: int) -> bytes:
@@ -174,7 +176,15 @@ class RoundEngine:
         The averaged vector lives in a buffer that the next call overwrites (fresh 40 MB buffers
         cost page faults every round): apply or copy it before the next round. Instead of a vector,
         `prepare(group)` may return (vector, weight) once the group is known (asynchronous modes
-        correct stale contributions with what the group says)."""
+        correct stale contributions with what the group says). A round that raises one of
+        ROUND_FAILURES counts as failed; a cancelled one counts nowhere."""
+        try:
+            return await self._run_round(vector, weight, recompute, prepare)
+        except ROUND_FAILURES:
+            self.stats.rounds_failed += 1
+            raise
+
+    async def _run_round(self, vector, weight: float, recompute, prepare) -> Union[Averaged, Resync]:
         started = time.monotonic()
         reply = await self.matchmaker.join(version=self.version, step=self.step)
         if reply.kind == "resync":

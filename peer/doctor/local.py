@@ -130,8 +130,8 @@ def identity_row(settings: PeerConfig) -> Row:
 
 def task_rows(settings: PeerConfig) -> list[Row]:
     """Task resolvable with its data, the device usable, and room for checkpoints."""
+    from phalanx.peer.model import resolve_device
     from phalanx.tasks import resolve_task
-    from phalanx.peer.trainer import resolve_device
 
     rows = []
     options = {"data_dir": settings.data_dir} if settings.data_dir is not None else {}

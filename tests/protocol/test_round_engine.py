@@ -236,3 +236,26 @@ def test_a_round_in_which_nothing_arrived_before_the_deadline_is_not_applied(par
                 assert result.missing_parts == (1,) and result.contributors == 1
 
     asyncio.run(main())
+
+
+def test_the_engine_counts_a_failed_round_itself_and_a_cancelled_one_nowhere():
+    """Training modes only read `stats`: a round that raises (here: a contribution refused once the
+    group is known) is counted by the engine; a round cancelled by a stop is no failure."""
+    from phalanx.aggregation.errors import PeerProtocolError
+
+    async def refuse(group):
+        raise PeerProtocolError("contribution refused", peer=group.members[0])
+
+    async def main():
+        async with open_swarm(2, RoundConfig()) as peers:
+            results = await asyncio.gather(*[p.engine.run_round(prepare=refuse) for p in peers], return_exceptions=True)
+            assert all(isinstance(r, PeerProtocolError) for r in results), results
+            assert [(p.engine.stats.rounds_failed, p.engine.stats.rounds_ok) for p in peers] == [(1, 0), (1, 0)]
+            alone = asyncio.create_task(peers[0].engine.run_round(torch.ones(10)))  # nobody joins it
+            await asyncio.sleep(0.5)
+            alone.cancel()
+            await asyncio.gather(alone, return_exceptions=True)
+            assert alone.cancelled()
+            assert peers[0].engine.stats.rounds_failed == 1
+
+    asyncio.run(main())

@@ -1,0 +1,104 @@
+"""The model a peer trains, on the device it asked for: what every training mode reads and writes."""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Optional
+
+import torch
+
+from phalanx.aggregation.errors import ConfigError
+from phalanx.peer.plan import TrainingConfig
+from phalanx.tasks import Task
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError(f"--device {name}: this machine has no CUDA GPU visible to torch; use --device cpu")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise ConfigError(f"--device {name}: only {torch.cuda.device_count()} CUDA device(s) visible")
+    return device
+
+
+class Model:
+    """The model, its optimizer and the conversions the protocol needs (flat grads, named state)."""
+
+    def __init__(self, task: Task, config: TrainingConfig) -> None:
+        self.task = task
+        self.module = task.build_model(config.seed)
+        self.params = [p for p in self.module.parameters() if p.requires_grad]
+        self.optimizer = task.make_optimizer(self.params, config.lr, config.momentum, config.weight_decay)
+        self._materialize_optimizer_state()
+        self.numel = sum(p.numel() for p in self.params)
+
+    def _materialize_optimizer_state(self) -> None:
+        """Create every optimizer buffer now (a zero-gradient step at lr=0), so the state layout a
+        newcomer expects is the same as the one a trained peer sends."""
+        lrs = [g["lr"] for g in self.optimizer.param_groups]
+        for g in self.optimizer.param_groups:
+            g["lr"] = 0.0
+        for p in self.params:
+            p.grad = torch.zeros_like(p)
+        self.optimizer.step()
+        for g, lr in zip(self.optimizer.param_groups, lrs, strict=True):
+            g["lr"] = lr
+        self.module.zero_grad(set_to_none=True)
+
+    def apply(self, aggregate: torch.Tensor) -> None:
+        """Use the group's aggregate (numel,) as this step's gradient."""
+        aggregate = aggregate.to(self.params[0].device, non_blocking=True)
+        offset = 0
+        for p in self.params:
+            p.grad = aggregate[offset : offset + p.numel()].view_as(p).clone()
+            offset += p.numel()
+        self.optimizer.step()
+        self.module.zero_grad(set_to_none=True)
+
+    def flat_params(self) -> torch.Tensor:
+        """A CPU float32 copy of the parameters (numel,)."""
+        return torch.nn.utils.parameters_to_vector(self.params).detach().to("cpu", torch.float32).clone()
+
+    def load_flat_params(self, vector: torch.Tensor) -> None:
+        torch.nn.utils.vector_to_parameters(vector.to(self.params[0].device).clone(), self.params)
+
+    def flat_momentum(self) -> Optional[torch.Tensor]:
+        """The optimizer's momentum buffers as one CPU float32 vector (numel,); None without momentum."""
+        buffers = [self.optimizer.state[p].get("momentum_buffer") for p in self.params]
+        if any(b is None for b in buffers):
+            return None
+        return torch.cat([b.reshape(-1) for b in buffers]).detach().to("cpu", torch.float32)
+
+    def load_flat_momentum(self, vector: torch.Tensor) -> None:
+        offset = 0
+        for p in self.params:
+            buf = self.optimizer.state[p].get("momentum_buffer")
+            if buf is not None:
+                buf.copy_(vector[offset : offset + p.numel()].view_as(buf))
+            offset += p.numel()
+
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        """Named CPU copies of everything a newcomer needs: parameters, buffers, optimizer state."""
+        tensors = {f"model.{k}": v.detach().to("cpu", copy=True) for k, v in self.module.state_dict().items()}
+        for i, p in enumerate(self.params):
+            for key, value in sorted(self.optimizer.state[p].items()):
+                if isinstance(value, torch.Tensor):
+                    tensors[f"optim.{i}.{key}"] = value.detach().to("cpu", copy=True)
+        return tensors
+
+    def load_state_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
+        model_state = {k[len("model.") :]: v for k, v in tensors.items() if k.startswith("model.")}
+        self.module.load_state_dict(model_state, strict=True)
+        for i, p in enumerate(self.params):
+            for key, value in self.optimizer.state[p].items():
+                if isinstance(value, torch.Tensor):
+                    value.copy_(tensors[f"optim.{i}.{key}"])
+
+    def param_hash(self) -> str:
+        h = hashlib.sha256()
+        for p in self.params:
+            h.update(p.detach().to("cpu").contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+        return h.hexdigest()[:16]
