@@ -45,7 +45,7 @@ def test_failing_trainers_are_reported_with_their_error_and_the_folder_is_kept(t
     assert f"trainer-0 exited with code 2: {last} (log: {log})" in err, err[-3000:]
     # the attackers failed the same way, or were stopped first: each row of the final table says which
     rows = {line.split()[1]: line for line in err.splitlines() if re.match(r"│ (trainer|byzantine)-\d", line)}
-    failed_at_start = re.compile(r"error: task: task mnist-cnn")  # the start-up check's row text, cut to the column
+    failed_at_start = re.compile(r"error: task: mnist-cnn: data_dir=")  # the start-up check's row text, cut to the column
     assert failed_at_start.search(rows["trainer-0"]), rows
     for name in ("byzantine-0", "byzantine-1"):
         assert failed_at_start.search(rows[name]) or "stopped by the launcher" in rows[name], rows
