@@ -39,6 +39,7 @@ class NetworkSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="PHALANX_", extra="forbid", validate_default=True)
 
     initial_peers: StrList = Field(default_factory=list, description="Comma-separated multiaddrs of running peers to join through (printed by `phalanx bootstrap`).")
+    initial_peers_wait_s: float = Field(0.0, ge=0.0, le=3600.0, description="Keep trying --initial-peers this long before giving up (peers started together; 0: try once).")
     host_maddrs: StrList = Field(default_factory=list, description="Multiaddrs to listen on; default /ip4/0.0.0.0/tcp/<port>.")
     port: int = Field(0, ge=0, le=65535, description="TCP port for libp2p when --host-maddrs is not given (0: any free port).")
     announce_maddrs: StrList = Field(default_factory=list, description="Multiaddrs other peers should dial (e.g. behind port forwarding).")

@@ -92,10 +92,51 @@ def load_identity(settings: NetworkSettings, scratch: Path) -> tuple[Path, Ident
     return path, Identity.load(path)
 
 
+class InitialPeersUnreachable(ConfigError):
+    """None of --initial-peers answered."""
+
+
 def start_dht(
     settings: NetworkSettings, identity_path: Optional[Path] = None, *, client_mode: Optional[bool] = None
 ) -> hivemind.DHT:
-    """Start hivemind's DHT process with the settings' addresses, identity and relay flags."""
+    """Start hivemind's DHT process with the settings' addresses, identity and relay flags. Peers
+    started together (a launcher, compose) pass --initial-peers-wait-s: until then, a start that no
+    initial peer answers is tried again, after waiting for one of their TCP ports to accept."""
+    deadline = time.monotonic() + settings.initial_peers_wait_s
+    delay = 0.25
+    while True:
+        if settings.initial_peers_wait_s:
+            _wait_for_a_port(settings.initial_peers, deadline)
+        try:
+            return _start_dht_once(settings, identity_path, client_mode=client_mode)
+        except InitialPeersUnreachable:
+            if time.monotonic() + delay >= deadline:
+                raise
+            logger.info(f"no initial peer answers yet; trying again for {deadline - time.monotonic():.0f} s more")
+            time.sleep(delay)
+            delay = min(2 * delay, 2.0)
+
+
+def _wait_for_a_port(maddrs: list[str], deadline: float) -> None:
+    """Until `deadline`, wait for one of `maddrs`' /ip4|ip6|dns/…/tcp/<port> to accept a TCP connection
+    (a peer that is still starting refuses it): cheaper than starting a DHT that fails."""
+    targets = []
+    for maddr in maddrs:
+        parts = maddr.split("/")
+        if len(parts) > 4 and parts[1] in ("ip4", "ip6", "dns", "dns4", "dns6") and parts[3] == "tcp":
+            targets.append((parts[2], int(parts[4])))
+    said = False
+    while targets and time.monotonic() < deadline:
+        for host, port in targets:
+            with suppress(OSError), socket.create_connection((host, port), timeout=0.5):
+                return
+        if not said:
+            logger.info(f"waiting up to {deadline - time.monotonic():.0f} s for an initial peer to accept connections")
+            said = True
+        time.sleep(0.1)
+
+
+def _start_dht_once(settings: NetworkSettings, identity_path: Optional[Path], *, client_mode: Optional[bool]) -> hivemind.DHT:
     identity_path = identity_path or settings.identity_path
     if identity_path is not None and not identity_path.parent.is_dir():
         raise ConfigError(f"--identity-path: directory {str(identity_path.parent)!r} does not exist")
@@ -141,7 +182,7 @@ def _explain(e: Exception, settings: NetworkSettings) -> Exception:
     if "already taken" in text:
         return ConfigError(_identity_taken(settings.identity_path))
     if settings.initial_peers and ("bootstrap" in text.lower() or "failed to connect" in text.lower()):
-        return ConfigError(
+        return InitialPeersUnreachable(
             f"--initial-peers: none of {', '.join(settings.initial_peers)} answered ({text.splitlines()[0][:200]}); "
             "check that the peer runs, that its port is reachable from here, and the address (copy it from "
             "`phalanx bootstrap`'s output)"

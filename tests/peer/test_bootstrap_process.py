@@ -1,5 +1,6 @@
 """`phalanx bootstrap` as a real process: it must not outlive its DHT."""
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -39,3 +40,44 @@ def test_bootstrap_whose_dht_process_dies_exits_so_a_supervisor_restarts_it(tmp_
             time.sleep(0.05)
         for leftover in sockets:  # p2pd leaves its socket file when its DHT process is killed
             leftover.unlink(missing_ok=True)
+
+
+def test_a_trainer_started_before_its_bootstrap_waits_for_it_with_initial_peers_wait_s(tmp_path):
+    """Peers started together (the launcher, compose) must not fail because the bootstrap is a moment late."""
+    import socket
+
+    from phalanx.security.identity import Identity
+
+    boot_id = Identity.generate_ed25519(tmp_path / "boot.id")
+    with socket.socket() as s:  # a port nobody listens on until the bootstrap takes it
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    log = tmp_path / "join.log"
+    join = subprocess.Popen(
+        [sys.executable, "-m", "phalanx", "join", "--initial-peers", f"/ip4/127.0.0.1/tcp/{port}/p2p/{boot_id.peer_id}",
+         "--initial-peers-wait-s", "240", "--host-maddrs", LOOPBACK, "--steps", "1000000", "--events"],
+        stdout=subprocess.PIPE, stderr=open(log, "wb"), text=True, start_new_session=True,
+    )  # fmt: skip
+    boot = None
+    try:
+        while "for an initial peer to accept connections" not in log.read_text():
+            assert join.poll() is None, log.read_text()[-2000:]
+            time.sleep(0.2)
+        boot = subprocess.Popen(
+            [sys.executable, "-m", "phalanx", "bootstrap", "--host-maddrs", f"/ip4/127.0.0.1/tcp/{port}",
+             "--identity-path", str(tmp_path / "boot.id")],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+        )  # fmt: skip
+        for line in join.stdout:  # the trainer's first event comes once its DHT is up through the bootstrap
+            if '"event": "started"' in line:
+                break
+        else:
+            raise AssertionError(f"the trainer exited with {join.wait()}: {log.read_text()[-2000:]}")
+    finally:
+        for proc in (join, boot):
+            if proc is not None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+                while group_members(proc.pid):
+                    time.sleep(0.05)

@@ -130,6 +130,7 @@ HASHED = {
 }
 LOCAL = {  # how this one peer connects, stores, reports and behaves; the swarm never depends on it
     "initial_peers": ({}, {"initial_peers": BOOT}),
+    "initial_peers_wait_s": ({}, {"initial_peers_wait_s": 30.0}),
     "host_maddrs": ({}, {"host_maddrs": "/ip4/127.0.0.1/tcp/0"}),
     "port": ({}, {"port": 4000}),
     "announce_maddrs": ({}, {"announce_maddrs": "/ip4/203.0.113.7/tcp/4000"}),
