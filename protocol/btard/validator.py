@@ -27,7 +27,7 @@ from phalanx.security.evidence import Offense
 from phalanx.security.projection import report_matches
 
 if TYPE_CHECKING:
-    from phalanx.protocol.btard.round import VerifiedRound
+    from phalanx.protocol.btard.state import RoundState
 
 logger = logging.getLogger(__name__)
 
@@ -36,7 +36,7 @@ class Validator:
     """One member's part in its round's validation: who validates whom, and (if this member is a
     validator) the recomputation and the check of its target's reports."""
 
-    def __init__(self, vr: VerifiedRound) -> None:
+    def __init__(self, vr: RoundState) -> None:
         self.vr = vr
         self.target_parts: dict[int, bytes | memoryview] = {}  # as validator: the target's committed parts
 
