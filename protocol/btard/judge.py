@@ -1,4 +1,4 @@
-"""Accusations, judging and ban votes of a verified round (ALGORITHMS.md §2 steps 9–10).
+"""Accusations, judging and ban votes of a verified round (docs/algorithms.md §2 steps 9–10).
 
 Every member judges every accusation itself from signed inputs: proofs that carry their own evidence,
 reports checked against the part bytes their accuser must show, silence, disputes, and the fixed-point

@@ -1,4 +1,4 @@
-"""Projection reports (ALGORITHMS.md §2 step 7): each contributor's (s, ‖x − v‖) of its part against
+"""Projection reports (docs/algorithms.md §2 step 7): each contributor's (s, ‖x − v‖) of its part against
 each aggregate along the round's public random direction, which the fixed-point check sums.
 
 Projections start as aggregates land, off the event loop: x − v and its norm at once, ⟨z, x − v⟩ once

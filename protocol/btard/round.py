@@ -1,4 +1,4 @@
-"""One member's view of one verified round (BTARD, ALGORITHMS.md §2): phases 2 and 6 around the data.
+"""One member's view of one verified round (BTARD, docs/algorithms.md §2): phases 2 and 6 around the data.
 
     commit     every member signs the hashes of the parts it will send + an MPRNG commitment;
                nobody sends data before all commitments are in (late members are left out)

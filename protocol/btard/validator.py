@@ -1,4 +1,4 @@
-"""The round's validators (ALGORITHMS.md §2 step 8): the public seed picks `validators` members, each to
+"""The round's validators (docs/algorithms.md §2 step 8): the public seed picks `validators` members, each to
 recompute another's gradient on the same deterministic minibatch and compare it with the parts it
 committed to.
 
