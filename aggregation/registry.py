@@ -75,9 +75,24 @@ class BoundAggregator:
         return self.fn(x, weights)
 
 
-def register_aggregator(name: str) -> Callable[[AggregatorFactory], AggregatorFactory]:
-    """Decorator: add a factory to AGGREGATORS under ``name``."""
+TypicalParams = Callable[[int, int], dict[str, Any]]  # (n rows, b Byzantine) -> the rule's parameters
+_TYPICAL: dict[str, TypicalParams] = {}
+TYPICAL_TAU = 1.0  # CenteredClip's radius where nobody chose one, in units of honest noise norms (~1)
+
+
+def register_aggregator(
+    name: str, *, typical: TypicalParams = lambda n, b: {}
+) -> Callable[[AggregatorFactory], AggregatorFactory]:
+    """Decorator: add a factory to AGGREGATORS under ``name``; `typical` gives legal parameters for n rows
+    with b of them Byzantine (what a benchmark runs the rule with), so a new rule is declared in one place."""
+    _TYPICAL[name] = typical
     return functools.partial(AGGREGATORS.register, name)
+
+
+def typical_params(name: str, n: int) -> dict[str, Any]:
+    """Legal parameters for ``name`` at n rows, b a quarter of them (kept legal for Krum: n > 2b + 2)."""
+    AGGREGATORS[name]  # an unknown name raises, listing the valid ones
+    return _TYPICAL[name](n, max(0, min(n // 4, (n - 3) // 2)))
 
 
 def make_aggregator(name: str, **params: Any) -> BoundAggregator:
@@ -131,7 +146,7 @@ def _mean() -> Aggregator:
     return mean
 
 
-@register_aggregator("centered_clip")
+@register_aggregator("centered_clip", typical=lambda n, b: {"tau": TYPICAL_TAU})
 def _centered_clip(*, tau: float, eps: float = 1e-6, max_iter: int = 500) -> Aggregator:
     tau = check_positive("tau", tau, allow_inf=True, hint=TAU_HINT)
     eps = check_nonnegative("eps", eps)
@@ -144,19 +159,19 @@ def _median() -> Aggregator:
     return coordinate_median
 
 
-@register_aggregator("trimmed_mean")
+@register_aggregator("trimmed_mean", typical=lambda n, b: {"b": b})
 def _trimmed_mean(*, b: int) -> Aggregator:
     b = check_int("b", b, minimum=0)
     return lambda x, weights=None: trimmed_mean(x, b, weights)
 
 
-@register_aggregator("krum")
+@register_aggregator("krum", typical=lambda n, b: {"b": b})
 def _krum(*, b: int) -> Aggregator:
     b = check_int("b", b, minimum=0)
     return lambda x, weights=None: krum(x, b, weights)
 
 
-@register_aggregator("multi_krum")
+@register_aggregator("multi_krum", typical=lambda n, b: {"b": b, "m": max(1, n - 2 * b)})
 def _multi_krum(*, b: int, m: int) -> Aggregator:
     b, m = check_int("b", b, minimum=0), check_int("m", m, minimum=1)
     return lambda x, weights=None: multi_krum(x, b, m, weights)
@@ -168,7 +183,7 @@ def _geometric_median(*, nu: float = 0.1, iters: int = MAX_ITERS, eps: float = 1
     return functools.partial(geometric_median, nu=nu, iters=check_int("iters", iters, minimum=1), eps=eps)
 
 
-@register_aggregator("bucketing")
+@register_aggregator("bucketing", typical=lambda n, b: {"s": 2, "inner": "centered_clip", "tau": TYPICAL_TAU})
 def _bucketing(*, s: int, inner: str, seed: int = 0, **inner_params: Any) -> Aggregator:
     """Bucketing around another registered rule; extra parameters go to that rule.
 

@@ -6,13 +6,12 @@ from __future__ import annotations
 import re
 import signal
 from pathlib import Path
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
 from rich.console import Console
 from rich.table import Table
 
-if TYPE_CHECKING:
-    from phalanx.peer.swarm import PeerView, SwarmResult
+from phalanx.peer.swarm_views import PeerView, SwarmResult
 
 # `phalanx join` exits 3 when it stopped before reaching --target-accuracy (steps done, or stopped
 # by a signal), 2 on a user's mistake (one `error: …` line) and 1 on any other error.
@@ -56,7 +55,7 @@ def signal_name(number: int) -> str:
         return f"signal {number}"
 
 
-def exit_reason(view: "PeerView", *, steps: Optional[int], swarm_reached_target: bool) -> str:
+def exit_reason(view: PeerView, *, steps: Optional[int], swarm_reached_target: bool) -> str:
     """One phrase: why this peer's process ended."""
     code, report = view.exit_code, view.report or {}
     if code is None:
@@ -89,7 +88,7 @@ def _bans(banned: list[str], attackers: set[str]) -> str:
     return f"{len(banned)} ({caught} attackers)" if attackers else str(len(banned))
 
 
-def startup_line(result: "SwarmResult") -> str:
+def startup_line(result: SwarmResult) -> str:
     """Time to the first step, and when each start-up stage was reached by every trainer."""
     marks = result.startup
     if marks.get("first step") is None:
@@ -99,7 +98,7 @@ def startup_line(result: "SwarmResult") -> str:
     return f"time to first step {marks['first step']:.1f} s ({stages})"
 
 
-def print_report(result: "SwarmResult", console: Console, target: Optional[float]) -> None:
+def print_report(result: SwarmResult, console: Console, target: Optional[float]) -> None:
     table = Table(title="final report")
     attackers = {v.peer_id for v in result.peers if v.attack and v.peer_id}
     columns = ("peer", "id", "steps", "accuracy", "rounds ok", "partial", "failed", "resyncs", "sent MB", "banned", "exit", "why")

@@ -16,179 +16,22 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass, field
-from typing import Annotated, Callable, Optional, Protocol
+from typing import Optional
 
 import torch
-from pydantic import Field
 
 from phalanx.aggregation.errors import AggregationInputError, PeerProtocolError, RoundAbortedError
 from phalanx.protocol.channel import Activity, Hasher
 from phalanx.protocol.codec import Codec, decode, encode, encoded_size_bound
-from phalanx.protocol.partition import partition_bounds
+from phalanx.protocol.reduction import Reduction
+from phalanx.protocol.round_spec import AggregateHeader, AllReduceResult, PartGuard, PartHeader, Reducer, RoundSpec
 from phalanx.protocol.transport import CallFailed, Landing, Transport
-from phalanx.security.wire import RoundId, WireModel, pack, unpack
+from phalanx.security.wire import pack, unpack
 
 logger = logging.getLogger(__name__)
 
 PART_METHOD = "part"
 MAX_WAITING_CALLS = 256  # calls for rounds we have not registered yet, held at most this many
-Reducer = Callable[[torch.Tensor, Optional[torch.Tensor]], torch.Tensor]  # (n, d), weights -> (d,)
-
-
-class PartHeader(WireModel):
-    round_id: RoundId
-    part: int  # index of the part (= index of its reducer in the member list)
-    numel: int  # elements in this part
-    codec: str  # Codec value the payload is encoded with
-    weight: float  # sender's contribution weight; reducers clip it to [0, 1]
-    signature: Annotated[bytes, Field(max_length=4096)] = b""  # verified rounds: the signed "part" statement
-
-
-class AggregateHeader(WireModel):
-    contributors: int  # how many members' parts went into the aggregate
-    statement: Annotated[bytes, Field(max_length=4096)] = b""  # verified rounds: the signed "aggregate" statement
-
-
-class PartGuard(Protocol):
-    """What a verified round (protocol.btard) checks and signs around the data phases.
-    Methods raise PeerProtocolError to refuse a part or an aggregate. `digest` is the
-    payload's hash from `hasher()`, computed by the transport as the bytes arrived."""
-
-    def hasher(self) -> Hasher: ...
-    def sign_part(self, part: int, payload: bytes | memoryview, weight: float) -> bytes: ...
-    def accept_part(self, sender: int, part: int, payload: bytes | memoryview, header: PartHeader, digest: bytes) -> None: ...
-    def counted(self, received: list[int]) -> list[int]:
-        """Which of the received parts go into the aggregate (all of them, unless an attack says otherwise)."""
-    def sign_aggregate(self, part: int, payload: bytes | memoryview, contributors: list[int]) -> bytes: ...
-    def reply_for(self, receiver: int, header: bytes, payload: bytes | memoryview) -> tuple[bytes, bytes | memoryview]: ...
-    def announced(self, part: int, header: AggregateHeader) -> None:
-        """The reply header of part `part` arrived; its payload follows (and goes to `accept_aggregate`)."""
-    def accept_aggregate(self, part: int, payload: bytes | memoryview, header: AggregateHeader, digest: bytes) -> None: ...
-    def fallback(self, part: int) -> asyncio.Future:
-        """Resolves to part `part`'s aggregate bytes as another member relayed them (the call is then
-        dropped), or to None once the member stopped waiting for it."""
-    def reducer_failed(self, part: int) -> None:
-        """The call to part `part`'s reducer failed: `fallback` is the only way left to get its aggregate."""
-    def landed(self, part: int, value: torch.Tensor, rows: Optional[torch.Tensor] = None, received: list[int] = ...) -> None:
-        """`value` is part `part`'s final aggregate; for this peer's own part also the rows it came from."""
-
-
-@dataclass(frozen=True)
-class RoundSpec:
-    """What every member agreed on for one all-reduce."""
-
-    round_id: bytes
-    members: tuple[str, ...]
-    numel: int
-    codec: Codec
-    deadline: float  # time.monotonic() by which reducers stop waiting for parts
-
-    @property
-    def bounds(self) -> list[tuple[int, int]]:
-        return partition_bounds(self.numel, len(self.members))
-
-
-@dataclass
-class AllReduceResult:
-    vector: torch.Tensor  # (numel,) float32 on CPU; zeros where `missing_parts`
-    missing_parts: tuple[int, ...]  # parts whose reducer failed
-    dropped_senders: tuple[str, ...]  # members whose part this peer's reducer did not get
-    contributors: int  # contributions to this peer's own part
-    bytes_sent: int
-    bytes_received: int
-    duration_s: float
-    own_rows: Optional[torch.Tensor] = None  # (n, part) parts this peer reduced (rows of `own_received`)
-    own_received: tuple[int, ...] = ()
-    own_value: Optional[torch.Tensor] = None  # this peer's aggregate of its part, as the others decoded it
-    recycle_rows: Optional[Callable[[], None]] = None  # hands `own_rows` back for the next round once unneeded
-    idle_senders: tuple[str, ...] = ()  # dropped senders whose bytes stopped (or connection broke) before the deadline
-    late_senders: tuple[str, ...] = ()  # dropped senders still missing when the deadline passed
-    idle_parts: tuple[int, ...] = ()  # missing parts whose reducer moved no bytes for part_idle_timeout_s
-
-
-@dataclass
-class _Reduction:
-    """Collects every member's copy of this peer's part and computes its aggregate once."""
-
-    spec: RoundSpec
-    my_index: int
-    reducer: Reducer
-    rows: torch.Tensor  # (n, part_numel)
-    weights: torch.Tensor  # (n,)
-    received: set[int] = field(default_factory=set)
-    receiving: set[int] = field(default_factory=set)  # parts being written into `rows` right now
-    refused: set[int] = field(default_factory=set)  # senders whose part was refused or who are skipped
-    closed: bool = False  # set once aggregation starts; later parts are refused
-    counted: list[int] = field(default_factory=list)  # the parts the aggregate was computed from
-    complete_at: float = 0.0  # time.monotonic() when the last part arrived (or the deadline)
-    reduced_at: float = 0.0
-    complete: asyncio.Event = field(default_factory=asyncio.Event)
-    result: Optional[asyncio.Future] = None
-    encoded: Optional[tuple[bytes, bytes | memoryview]] = None
-    encoded_for: dict[int, tuple[bytes, bytes | memoryview]] = field(default_factory=dict)  # per-member results
-    guard: Optional[PartGuard] = None
-    hashers: dict[int, Hasher] = field(default_factory=dict)  # verified rounds: incoming parts' running hashes
-    activity: dict[int, Activity] = field(default_factory=dict)  # per expected sender: when its bytes last moved
-    idle: set[int] = field(default_factory=set)  # senders dropped because their bytes stopped or their connection broke
-    late: set[int] = field(default_factory=set)  # senders still missing at the deadline
-
-    def claim(self, index: int) -> None:
-        """Reserve row `index` for an incoming part (refuses late and repeated parts)."""
-        if self.closed:
-            raise RoundAbortedError("part arrived after the reducer's deadline")
-        if index in self.idle:
-            raise RoundAbortedError("part arrived after the reducer stopped waiting for it (no bytes came)")
-        if index in self.received or index in self.receiving:
-            raise PeerProtocolError("sent its part twice", peer=self.spec.members[index])
-        self.receiving.add(index)
-        if index in self.activity:
-            self.activity[index].moved()
-
-    def pending(self) -> list[int]:
-        """Senders whose part this reducer still waits for."""
-        return [i for i in range(len(self.spec.members)) if i not in self.received and i not in self.refused]
-
-    def drop_idle(self, index: int, why: str) -> None:
-        """Stop waiting for `index`'s part: its bytes stopped or its connection broke. Handled as a part
-        that missed the deadline (left out of the aggregate, refused if it comes later); bytes of a part
-        still landing keep its row out of reuse (`receiving` is left as it is)."""
-        if index in self.received or index in self.refused or self.closed:
-            return
-        logger.info(f"round {self.spec.round_id.hex()[:8]}: stopped waiting for {self.spec.members[index][-8:]}'s part ({why})")
-        self.idle.add(index)
-        self.refused.add(index)
-        self._check_complete()
-
-    def broken(self, index: int) -> None:
-        """The connection carrying `index`'s part broke: no more bytes will land in its row."""
-        self.receiving.discard(index)
-        self.drop_idle(index, "its connection broke")
-
-    def add(self, index: int, values: Optional[torch.Tensor], weight: float) -> None:
-        """Accept row `index`; `values` is None when the bytes were received straight into the row."""
-        if self.closed:
-            raise RoundAbortedError("part arrived after the reducer's deadline")
-        if index in self.idle:
-            self.receiving.discard(index)  # its bytes have all landed: the row is free again
-            raise RoundAbortedError("part arrived after the reducer stopped waiting for it (no bytes came)")
-        if values is not None:
-            self.rows[index].copy_(values)
-        self.weights[index] = min(max(weight, 0.0), 1.0)  # never trust a self-reported weight beyond 1
-        self.receiving.discard(index)
-        self.received.add(index)
-        self._check_complete()
-
-    def refuse(self, index: int) -> None:
-        """Stop waiting for `index`'s part (refused, or a member left out of the round)."""
-        self.receiving.discard(index)
-        if index not in self.received:
-            self.refused.add(index)
-        self._check_complete()
-
-    def _check_complete(self) -> None:
-        if len(self.received | self.refused) >= len(self.spec.members):
-            self.complete.set()
 
 
 class AllReduceService:
@@ -198,7 +41,7 @@ class AllReduceService:
         self.transport = transport
         self.registration_wait_s = registration_wait_s
         self.part_idle_timeout_s = part_idle_timeout_s  # None: wait for every part until the deadline
-        self._rounds: dict[bytes, _Reduction] = {}
+        self._rounds: dict[bytes, Reduction] = {}
         self._registered: dict[bytes, asyncio.Event] = {}
         self._waiting = 0
         self._spare_rows: dict[tuple[int, int], torch.Tensor] = {}  # fresh memory costs page faults every round
@@ -229,7 +72,7 @@ class AllReduceService:
         lo, hi = bounds[me]
         shape = (len(spec.members), hi - lo)
         rows = self._spare_rows.pop(shape, None)
-        reduction = _Reduction(spec, me, reducer, torch.empty(shape) if rows is None else rows, torch.zeros(shape[0]))
+        reduction = Reduction(spec, me, reducer, torch.empty(shape) if rows is None else rows, torch.zeros(shape[0]))
         reduction.guard = guard
         reduction.result = asyncio.get_running_loop().create_future()
         reduction.claim(me)
@@ -308,7 +151,7 @@ class AllReduceService:
         """Whether this peer has started (and not yet forgotten) the data phase of `round_id`."""
         return round_id in self._rounds
 
-    def _recycle(self, reduction: _Reduction) -> None:
+    def _recycle(self, reduction: Reduction) -> None:
         """Keep the rows for the next round, unless a late part may still be landing in them."""
         if reduction.closed and not reduction.receiving:
             self._spare_rows = {tuple(reduction.rows.shape): reduction.rows}
@@ -353,7 +196,7 @@ class AllReduceService:
         if guard is not None:
             guard.landed(j, out)
 
-    async def _wait_for_parts(self, reduction: _Reduction) -> None:
+    async def _wait_for_parts(self, reduction: Reduction) -> None:
         """Until every part is in or given up on: a sender whose bytes stopped for part_idle_timeout_s
         (none came, or they stopped mid-part) is dropped then; the rest at the deadline."""
         idle_s = self.part_idle_timeout_s
@@ -373,10 +216,10 @@ class AllReduceService:
                 return
             try:
                 await asyncio.wait_for(reduction.complete.wait(), timeout=max(wait, 0.01))
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
 
-    async def _reduce(self, reduction: _Reduction) -> torch.Tensor:
+    async def _reduce(self, reduction: Reduction) -> torch.Tensor:
         await self._wait_for_parts(reduction)
         reduction.closed = True
         reduction.complete_at = time.monotonic()
@@ -411,7 +254,7 @@ class AllReduceService:
             reduction.guard.landed(reduction.my_index, value, rows, got)
         return value
 
-    async def _checked_part(self, peer: str, header: bytes) -> tuple[PartHeader, _Reduction, int]:
+    async def _checked_part(self, peer: str, header: bytes) -> tuple[PartHeader, Reduction, int]:
         head = unpack(header, PartHeader, peer=peer)
         reduction = await self._wait_for_round(head.round_id, peer)
         spec = reduction.spec
@@ -458,7 +301,7 @@ class AllReduceService:
             return reduction.guard.reply_for(index, *reduction.encoded)
         return reduction.encoded_for.get(index, reduction.encoded)
 
-    async def _wait_for_round(self, round_id: bytes, peer: str) -> _Reduction:
+    async def _wait_for_round(self, round_id: bytes, peer: str) -> Reduction:
         reduction = self._rounds.get(round_id)
         if reduction is not None:
             return reduction
@@ -468,7 +311,7 @@ class AllReduceService:
         self._waiting += 1
         try:
             await asyncio.wait_for(event.wait(), timeout=self.registration_wait_s)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             self._registered.pop(round_id, None)
             raise RoundAbortedError("unknown round") from None
         finally:

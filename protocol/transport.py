@@ -14,14 +14,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import enum
 import logging
 import secrets
 import socket
 import time
 from collections import Counter
+from collections.abc import Awaitable, Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import Awaitable, Callable, Iterable, Iterator, NamedTuple, Optional
+from typing import Optional
 
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from google.protobuf.wrappers_pb2 import BytesValue
@@ -33,13 +33,25 @@ from phalanx.protocol.channel import (
     CallFailed,
     Channel,
     ChannelAuthError,
-    ChannelStats,
     Hasher,
     SocketPipe,
     StreamPipe,
     UploadLimiter,
 )
-from phalanx.security.wire import MAX_MESSAGE_BYTES, Address, WireModel, pack, unpack
+from phalanx.protocol.transport_wire import (
+    CallHeader,
+    Handler,
+    Landing,
+    ReplyHeader,
+    Sink,
+    Status,
+    Ticket,
+    TicketRequest,
+    TransportStats,
+    UnaryCall,
+    UnaryReply,
+)
+from phalanx.security.wire import MAX_MESSAGE_BYTES, pack, unpack
 
 logger = logging.getLogger(__name__)
 
@@ -49,84 +61,11 @@ MAX_TICKETS_PER_PEER = 64
 HELLO_MAGIC = b"PHX1"
 
 
-class Status(enum.IntEnum):
-    """Reply codes of a call; a handler never crashes the server, it answers one of these."""
-
-    OK = 0
-    UNKNOWN_METHOD = 1  # the callee serves no such method
-    REJECTED = 2  # the request broke the protocol (bad header, size, round, membership)
-    ABORTED = 3  # the callee gave up on the round this call belongs to
-    INTERNAL = 4  # the callee failed for a reason of its own
-
-
-Handler = Callable[[str, bytes, bytearray | memoryview], Awaitable[tuple[bytes, bytes | memoryview]]]
-
-
-class Landing(NamedTuple):
-    """Where a payload lands (None: a fresh buffer), what hashes it on the way in, and what watches its
-    bytes arrive (told when the connection breaks before the payload is complete)."""
-
-    into: Optional[memoryview] = None
-    hasher: Optional[Hasher] = None
-    activity: Optional[Activity] = None
-
-
-# (peer, header, payload length) -> its Landing; raising PeerProtocolError refuses the call before a byte
-# of payload is read
-Sink = Callable[[str, bytes, int], Awaitable[Landing]]
-
-
 @dataclass
 class _Method:
     handler: Handler
     max_payload: int
     sink: Optional[Sink]
-
-
-@dataclass
-class TransportStats(ChannelStats):
-    """Counters for the health server and the benchmark; bytes are payload + framing."""
-
-    direct_calls: int = 0
-    stream_calls: int = 0
-    unary_calls: int = 0
-    failed_calls: int = 0
-
-
-class _CallHeader(WireModel):
-    method: str  # registered method name
-    header: bytes  # the method's own msgpack header
-    payload_len: int  # bytes of payload records that follow
-
-
-class _ReplyHeader(WireModel):
-    status: int  # a Status code
-    reason: str  # one line for logs when status != OK
-    header: bytes
-    payload_len: int
-
-
-class _UnaryCall(WireModel):
-    method: str
-    header: bytes
-    payload: bytes
-
-
-class _UnaryReply(WireModel):
-    status: int
-    reason: str
-    header: bytes
-    payload: bytes
-
-
-class _TicketRequest(WireModel):
-    pass
-
-
-class _Ticket(WireModel):
-    conn_id: bytes  # 16 random bytes, presented on the TCP socket, usable once
-    key: bytes  # 32-byte AES-256-GCM key for this connection only
-    addresses: list[Address]  # host:port pairs the callee listens on
 
 
 @dataclass
@@ -175,7 +114,7 @@ class Transport(ServicerBase):
         self._stream_proto = f"{namespace}.stream"
 
     @classmethod
-    async def open(cls, p2p: P2P, **kwargs) -> "Transport":
+    async def open(cls, p2p: P2P, **kwargs) -> Transport:
         self = cls(p2p, **kwargs)
         if self._direct_host is not None:
             self._listener = socket.create_server((self._direct_host, self._direct_port), backlog=128)
@@ -289,7 +228,7 @@ class Transport(ServicerBase):
 
     async def _call_unary(self, peer, method, header, payload):
         stub = self.get_stub(self.p2p, PeerID.from_base58(peer), namespace=self.namespace)
-        request = BytesValue(value=pack(_UnaryCall(method=method, header=header, payload=bytes(payload))))
+        request = BytesValue(value=pack(UnaryCall(method=method, header=header, payload=bytes(payload))))
         try:
             response = await self._unary_call(stub.rpc_call(request))
         except Exception as e:
@@ -297,7 +236,7 @@ class Transport(ServicerBase):
         self.stats.unary_calls += 1
         self.stats.bytes_sent += len(request.value)
         self.stats.bytes_received += len(response.value)
-        reply = unpack(response.value, _UnaryReply, peer=peer)
+        reply = unpack(response.value, UnaryReply, peer=peer)
         _raise_for_status(reply.status, reply.reason, method, peer)
         return reply.header, bytearray(reply.payload)
 
@@ -319,10 +258,10 @@ class Transport(ServicerBase):
     async def _open_direct(self, peer: str) -> Optional[Channel]:
         stub = self.get_stub(self.p2p, PeerID.from_base58(peer), namespace=self.namespace)
         try:
-            response = await self._unary_call(stub.rpc_ticket(BytesValue(value=pack(_TicketRequest()))))
+            response = await self._unary_call(stub.rpc_ticket(BytesValue(value=pack(TicketRequest()))))
         except Exception as e:
             raise CallFailed(f"ticket request to {peer[-8:]} failed: {e!r}") from None
-        ticket = unpack(response.value, _Ticket, peer=peer)
+        ticket = unpack(response.value, Ticket, peer=peer)
         if len(ticket.conn_id) != 16 or len(ticket.key) != 32:
             raise PeerProtocolError("ticket with malformed id or key", peer=peer)
         for address in ticket.addresses[:4]:
@@ -355,9 +294,9 @@ class Transport(ServicerBase):
         return Channel(StreamPipe(reader, writer), self.stats, None, initiator=True, idle_timeout_s=self.idle_timeout_s, limiter=self.limiter)
 
     async def _exchange(self, channel: Channel, peer, method, header, payload, max_reply_payload, landing: Landing, on_header):
-        head = pack(_CallHeader(method=method, header=header, payload_len=len(payload)))
+        head = pack(CallHeader(method=method, header=header, payload_len=len(payload)))
         await channel.send_message(head, payload)
-        reply = unpack(await channel.recv_small(MAX_MESSAGE_BYTES), _ReplyHeader, peer=peer)
+        reply = unpack(await channel.recv_small(MAX_MESSAGE_BYTES), ReplyHeader, peer=peer)
         _raise_for_status(reply.status, reply.reason, method, peer)
         if not 0 <= reply.payload_len <= max_reply_payload:
             raise PeerProtocolError(f"{method} reply of {reply.payload_len} bytes exceeds {max_reply_payload}", peer=peer)
@@ -370,9 +309,9 @@ class Transport(ServicerBase):
     async def rpc_ticket(self, request: BytesValue, context: P2PContext) -> BytesValue:
         peer = context.remote_id.to_base58()
         await self._check_caller(peer)
-        unpack(request.value, _TicketRequest, peer=peer)
+        unpack(request.value, TicketRequest, peer=peer)
         if not self._addresses:
-            return BytesValue(value=pack(_Ticket(conn_id=b"\0" * 16, key=b"\0" * 32, addresses=[])))
+            return BytesValue(value=pack(Ticket(conn_id=b"\0" * 16, key=b"\0" * 32, addresses=[])))
         now = time.monotonic()
         for conn_id in [c for c, t in self._tickets.items() if t.expires_at < now]:
             del self._tickets[conn_id]
@@ -380,16 +319,16 @@ class Transport(ServicerBase):
             raise PeerProtocolError("too many open direct-connection tickets", peer=peer)
         conn_id, key = secrets.token_bytes(16), AESGCM.generate_key(bit_length=256)
         self._tickets[conn_id] = _IssuedTicket(peer, key, now + TICKET_TTL_S)
-        return BytesValue(value=pack(_Ticket(conn_id=conn_id, key=key, addresses=self._addresses)))
+        return BytesValue(value=pack(Ticket(conn_id=conn_id, key=key, addresses=self._addresses)))
 
     async def rpc_call(self, request: BytesValue, context: P2PContext) -> BytesValue:
         peer = context.remote_id.to_base58()
         try:
-            call = unpack(request.value, _UnaryCall, peer=peer)
+            call = unpack(request.value, UnaryCall, peer=peer)
             status, reason, header, payload = await self._dispatch(peer, call.method, call.header, call.payload)
         except PeerProtocolError as e:
             status, reason, header, payload = Status.REJECTED, str(e), b"", b""
-        reply = _UnaryReply(status=int(status), reason=reason, header=header, payload=bytes(payload))
+        reply = UnaryReply(status=int(status), reason=reason, header=header, payload=bytes(payload))
         return BytesValue(value=pack(reply))
 
     def _spawn_connection(self, coro) -> None:
@@ -437,7 +376,7 @@ class Transport(ServicerBase):
 
     async def _serve_channel(self, peer: str, channel: Channel) -> None:
         try:
-            call = unpack(await channel.recv_small(MAX_MESSAGE_BYTES), _CallHeader, peer=peer)
+            call = unpack(await channel.recv_small(MAX_MESSAGE_BYTES), CallHeader, peer=peer)
             status, reason, header, payload = await self._dispatch(peer, call.method, call.header, call.payload_len, channel)
         except ChannelAuthError as e:
             logger.info(f"dropped a direct connection claiming to be {peer[-8:]}: {e}")
@@ -448,7 +387,7 @@ class Transport(ServicerBase):
         except CallFailed as e:
             logger.debug(f"call from {peer[-8:]} broke off: {e}")
             return
-        head = pack(_ReplyHeader(status=int(status), reason=reason, header=header, payload_len=len(payload)))
+        head = pack(ReplyHeader(status=int(status), reason=reason, header=header, payload_len=len(payload)))
         try:
             await channel.send_message(head, payload)
         except CallFailed as e:

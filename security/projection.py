@@ -1,4 +1,4 @@
-"""Checking an aggregator with random projections (ALGORITHMS.md §2 step 7).
+"""Checking an aggregator with random projections (docs/algorithms.md §2 step 7).
 
 CenteredClip's output v of part j satisfies Σ_i w_i (x_i − v)·min(1, τ/‖x_i − v‖) ≈ 0.
 Projected on a direction z_j drawn from the round's public seed — unknown when v was

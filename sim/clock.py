@@ -1,7 +1,7 @@
 """Virtual compute times: how long each simulated worker takes for one minibatch gradient.
 
 Time is virtual and unitless: every model has mean compute time 1.0 per minibatch for an
-average worker (ALGORITHMS.md §7, after Dutta et al.), so "time 100" is about a hundred
+average worker (docs/algorithms.md §7, after Dutta et al.), so "time 100" is about a hundred
 minibatches of one worker. Each worker draws from its own generator, seeded from (run
 seed, worker), so a worker's delays do not depend on what other workers or the method do:
 two methods run with the same seed see the same workers (common random numbers).

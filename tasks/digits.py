@@ -27,7 +27,7 @@ TEST_FRACTION = 0.2
 def _load_split() -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """(train x, test x, train y, test y) as scikit-learn's load_digits + train_test_split(stratify=labels)
     give them, read without importing scikit-learn: its import costs each trainer about a second of CPU
-    at start-up (tests/tasks/test_tasks.py checks that both give the same arrays)."""
+    at start-up (tests/tasks/test_task_base.py checks that both give the same arrays)."""
     with gzip.open(_digits_csv()) as f:
         data = np.loadtxt(f, delimiter=",")
     features = (data[:, :-1] / 16.0).astype(np.float32)  # pixel counts 0..16 → [0, 1]

@@ -24,24 +24,11 @@ from rich.console import Console
 from rich.table import Table
 
 from phalanx.aggregation.errors import ConfigError
-from phalanx.aggregation.registry import AGGREGATORS, make_aggregator
+from phalanx.aggregation.registry import AGGREGATORS, make_aggregator, typical_params
 from phalanx.peer.bench import bench_console
 
-TAU = 1.0  # CenteredClip radius, in units where honest noise norms lie in [0.5, 2]
 CELL_MEMORY_FACTOR = 2.5  # input + the largest temporaries (a mean-sized copy, sort chunks) must fit
 GOAL_READS_ORDER_STATS = 10.0  # median and trimmed mean: at most 10× one read
-
-
-def default_params(name: str, n: int) -> dict[str, Any]:
-    """Parameters each rule runs with at n rows (b is a quarter of n, kept legal for Krum)."""
-    b = max(0, min(n // 4, (n - 3) // 2))
-    return {
-        "centered_clip": {"tau": TAU},
-        "trimmed_mean": {"b": b},
-        "krum": {"b": b},
-        "multi_krum": {"b": b, "m": max(1, n - 2 * b)},
-        "bucketing": {"s": 2, "inner": "centered_clip", "tau": TAU},
-    }.get(name, {})
 
 
 def make_input(n: int, d: int, device: torch.device, seed: int) -> torch.Tensor:
@@ -158,7 +145,7 @@ def _bench_cell(
         row: dict[str, Any] = {**base, "aggregator": name}
         try:
             with console.status(f"[{dev}] n={n} d={_short(d)}: {name}"):
-                agg = make_aggregator(name, **default_params(name, n))
+                agg = make_aggregator(name, **typical_params(name, n))
                 t, ref_s, result = time_against_reference(lambda agg=agg: agg(x), lambda: x.sum(0), dev, repeats)
         except (RuntimeError, MemoryError) as e:
             if not _is_oom(e):

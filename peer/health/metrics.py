@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from importlib import metadata
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Optional, Protocol
 
 from hivemind.utils import get_dht_time
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
@@ -22,9 +22,11 @@ from prometheus_client.registry import Collector
 from phalanx.peer.health.record import LastRound, Outcome, Role
 
 if TYPE_CHECKING:
-    from phalanx.peer.health.service import HealthService
+    from phalanx.peer.health.swarm_view import RecentPeers
+    from phalanx.peer.node import Node
     from phalanx.protocol.engine import Averaged, Resync
     from phalanx.protocol.matchmaking import GroupSpec
+    from phalanx.protocol.redial import Redialer
 
 ROUND_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 THROUGHPUT_HALF_LIFE_S = 10.0  # samples/s is an exponential average over roughly this long
@@ -115,10 +117,32 @@ class PeerMetrics:
         self._last_step_at = now
 
 
+class ScrapeSource(Protocol):
+    """What the scrape-time families read: a HealthService, which imports this module (not the reverse)."""
+
+    metrics: PeerMetrics
+    protocol: int
+    peer_id: str
+    config_hash: str
+    started_monotonic: float
+    node: Optional[Node]
+    redialer: Optional[Redialer]
+    violations: list[str]
+    swarm_problems: list[str]
+    recent: RecentPeers
+    groups_seen: int
+    splits_seen: int
+
+    def readiness(self) -> tuple[bool, list[str]]: ...
+    def peers_seen(self) -> int: ...
+    def records_by_state(self) -> dict[str, int]: ...
+    def bans(self) -> set[str]: ...
+
+
 class NodeCollector(Collector):
     """Prometheus families computed at scrape time from a `HealthService`."""
 
-    def __init__(self, service: HealthService) -> None:
+    def __init__(self, service: ScrapeSource) -> None:
         self.service = service
 
     def collect(self) -> Iterator[Metric]:

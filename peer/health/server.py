@@ -10,17 +10,25 @@ from __future__ import annotations
 
 import json
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from phalanx.aggregation.errors import ConfigError
 
-if TYPE_CHECKING:
-    from phalanx.peer.health.service import HealthService
-
 logger = logging.getLogger(__name__)
+
+
+class Endpoints(Protocol):
+    """What a peer's routes answer from: its HealthService, which imports this module (not the reverse)."""
+
+    peer_id: str
+
+    def alive(self) -> bool: ...
+    def readiness(self) -> tuple[bool, list[str]]: ...
+    def metrics_text(self) -> bytes: ...
+    def status(self) -> dict[str, Any]: ...
 
 
 class HttpServer:
@@ -59,7 +67,7 @@ def json_response(body: Any, status: int = 200) -> web.Response:
     return web.Response(text=json.dumps(body, indent=1, sort_keys=True), status=status, content_type="application/json")
 
 
-def peer_app(service: HealthService) -> web.Application:
+def peer_app(service: Endpoints) -> web.Application:
     """The routes of one peer."""
 
     async def healthz(_: web.Request) -> web.Response:

@@ -1,4 +1,4 @@
-"""BTARD (ALGORITHMS.md §2): the verified round around a butterfly all-reduce. `round` runs one
+"""BTARD (docs/algorithms.md §2): the verified round around a butterfly all-reduce. `round` runs one
 member's view of it and composes the rest: `relay` (aggregates a reducer kept from a member),
 `claims` (what reports dispute), `validator` (recomputing one member's gradient), `judge`
 (accusations and ban votes), `service` (per peer: evidence held for judges), `messages` (the wire)."""

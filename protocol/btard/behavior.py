@@ -10,6 +10,7 @@ from collections.abc import Callable
 from typing import Any, Optional
 
 import torch
+
 from phalanx.security.phases import RoundPhase
 
 

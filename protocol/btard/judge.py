@@ -1,4 +1,4 @@
-"""Accusations, judging and ban votes of a verified round (ALGORITHMS.md §2 steps 9–10).
+"""Accusations, judging and ban votes of a verified round (docs/algorithms.md §2 steps 9–10).
 
 Every member judges every accusation itself from signed inputs: proofs that carry their own evidence,
 reports checked against the part bytes their accuser must show, silence, disputes, and the fixed-point
@@ -26,7 +26,8 @@ from phalanx.security.statements import Signed, Statement, open_statement, sign_
 from phalanx.security.wire import pack, unpack
 
 if TYPE_CHECKING:
-    from phalanx.protocol.btard.round import VerifiedRound
+    from phalanx.protocol.btard.state import RoundState
+    from phalanx.protocol.btard.validator import Validator
 
 logger = logging.getLogger(__name__)
 
@@ -38,8 +39,10 @@ class Judge:
     """One member's judgment of one round, from the public seed, the reports it holds (its own and the
     echoed ones) and the aggregate it gathered (`output`)."""
 
-    def __init__(self, vr: VerifiedRound, seed: bytes, reports: Reports, output: torch.Tensor) -> None:
-        self.vr, self.seed, self.reports, self.output = vr, seed, reports, output
+    def __init__(
+        self, vr: RoundState, validator: Validator, seed: bytes, reports: Reports, output: torch.Tensor
+    ) -> None:
+        self.vr, self.validator, self.seed, self.reports, self.output = vr, validator, seed, reports, output
         self.claims = vr.claims
         self.guilty: dict[str, tuple[Offense, list[Signed]]] = {}
         # (peer, part) -> the true report, where the accused's was false
@@ -131,9 +134,9 @@ class Judge:
                     self.corrected[(acc.accused, acc.part)] = verdict
                     self.convict(acc.accused, Offense.FALSE_REPORT, [vr.group_statement])
             elif acc.offense is Offense.BAD_CONTRIBUTION:
-                if (accuser, acc.accused) not in vr.validator.pairs(self.seed) or vr.recompute is None:
+                if (accuser, acc.accused) not in self.validator.pairs(self.seed) or vr.recompute is None:
                     self._convict_accuser(accuser)
-                elif await vr.validator.contribution_holds(acc.accused, vr.recompute):
+                elif await self.validator.contribution_holds(acc.accused, vr.recompute):
                     self._convict_accuser(accuser)
                 else:
                     self.convict(acc.accused, Offense.BAD_CONTRIBUTION, [vr.group_statement])
@@ -146,7 +149,7 @@ class Judge:
         vr, part = self.vr, acc.part
         if part < 0 or part >= len(vr.members) or acc.accused not in vr.commits:
             return None
-        by_validator = (accuser, acc.accused) in vr.validator.pairs(self.seed) and bool(acc.evidence)
+        by_validator = (accuser, acc.accused) in self.validator.pairs(self.seed) and bool(acc.evidence)
         if vr.members[part] != accuser and not by_validator:
             return None
         entry, unreported = None, not acc.evidence and acc.accused in self.reports
@@ -260,15 +263,17 @@ class Judge:
         return Verdict(banned=out, bad_parts=bad_parts | disputed, votes=signed_votes, disputed=disputed)
 
 
-def failing_aggregates(vr: VerifiedRound, seed: bytes, reports: Reports, output: torch.Tensor) -> list[str]:
+def failing_aggregates(
+    vr: RoundState, validator: Validator, seed: bytes, reports: Reports, output: torch.Tensor
+) -> list[str]:
     """Reducers whose aggregate fails its check with the reports as they are (before any judging)."""
     failing: list[str] = []
-    Judge(vr, seed, reports, output).check_aggregates(lambda peer, *_: failing.append(peer))
+    Judge(vr, validator, seed, reports, output).check_aggregates(lambda peer, *_: failing.append(peer))
     return failing
 
 
 async def exchange_accusations(
-    vr: VerifiedRound, suspects: bool, reports: Reports
+    vr: RoundState, suspects: bool, reports: Reports
 ) -> tuple[dict[str, list[Accusation]], bool]:
     """Exchange accusations, with an echo of every report judged by: a member that sent different
     reports to different members (to get an honest reducer convicted by those that got the false one)
@@ -297,7 +302,7 @@ async def exchange_accusations(
     return out, anyone_suspects or bool(vr.equivocators)
 
 
-def _compare_reports(vr: VerifiedRound, echoed: list[Signed], reports: Reports) -> None:
+def _compare_reports(vr: RoundState, echoed: list[Signed], reports: Reports) -> None:
     """Take the echoed reports we lack (a member that kept its report from some members must not split
     their verdicts), and prove equivocation where an echo differs from the report we got."""
     for signed in echoed:

@@ -13,6 +13,7 @@ import asyncio
 import logging
 import math
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from phalanx.aggregation.errors import PeerProtocolError, RoundAbortedError
@@ -25,7 +26,7 @@ from phalanx.security.statements import Signed
 from phalanx.security.wire import pack, unpack
 
 if TYPE_CHECKING:
-    from phalanx.protocol.btard.round import VerifiedRound
+    from phalanx.protocol.btard.state import RoundState
 
 logger = logging.getLogger(__name__)
 
@@ -36,8 +37,9 @@ RELAY_AFTER = 0.25  # of a phase timeout after the first report: ask the others 
 class AggregateRelay:
     """One member's relays in one verified round: the aggregates it takes from others, those it serves."""
 
-    def __init__(self, vr: VerifiedRound) -> None:
+    def __init__(self, vr: RoundState, adopt: Callable[[Signed], None]) -> None:
         self.vr = vr
+        self._adopt = adopt  # records an aggregate statement a relaying member showed us
         self.received: dict[int, bytes | memoryview] = {}  # part -> the aggregate's bytes (to pass on)
         self._fallbacks: dict[int, asyncio.Future] = {}  # part -> its bytes from another member, or None: gave up
         self._holding: dict[int, asyncio.Future] = {}  # part -> True once it landed here, False if it never will
@@ -154,7 +156,7 @@ class AggregateRelay:
                     if task in asking:
                         peer = asking.pop(task)
                         try:
-                            vr.adopt_statement(unpack(task.result()[0], Signed, peer=peer))
+                            self._adopt(unpack(task.result()[0], Signed, peer=peer))
                         except (CallFailed, RoundAbortedError, PeerProtocolError):
                             continue
                         if part in vr.aggregates:

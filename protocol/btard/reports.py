@@ -1,4 +1,4 @@
-"""Projection reports (ALGORITHMS.md §2 step 7): each contributor's (s, ‖x − v‖) of its part against
+"""Projection reports (docs/algorithms.md §2 step 7): each contributor's (s, ‖x − v‖) of its part against
 each aggregate along the round's public random direction, which the fixed-point check sums.
 
 Projections start as aggregates land, off the event loop: x − v and its norm at once, ⟨z, x − v⟩ once
@@ -33,7 +33,8 @@ from phalanx.security.statements import Signed, open_statement, sign_statement
 from phalanx.security.wire import pack, unpack
 
 if TYPE_CHECKING:
-    from phalanx.protocol.btard.round import VerifiedRound
+    from phalanx.protocol.btard.relay import AggregateRelay
+    from phalanx.protocol.btard.state import RoundState
 
 logger = logging.getLogger(__name__)
 
@@ -41,8 +42,8 @@ logger = logging.getLogger(__name__)
 class Reporter:
     """One member's projections and reports in one verified round."""
 
-    def __init__(self, vr: VerifiedRound) -> None:
-        self.vr = vr
+    def __init__(self, vr: RoundState, relay: AggregateRelay) -> None:
+        self.vr, self.relay = vr, relay
         self._diffs: Optional[torch.Tensor] = None  # (numel,): this member's part minus each aggregate
         self._own: dict[int, asyncio.Task] = {}  # part -> (s, ‖x − v‖) (1,) each of this member's contribution
         self._row_diffs: Optional[torch.Tensor] = None  # (k, part): every received row minus our aggregate
@@ -114,7 +115,7 @@ class Reporter:
         """Send this member's signed report; the members' reports that arrived in time."""
         vr = self.vr
         entries = []
-        vr.relay.give_up(vr.missing_parts())  # the data phase is over: what did not land never will
+        self.relay.give_up(vr.missing_parts())  # the data phase is over: what did not land never will
         done = {part: await task for part, task in self._own.items()}
         own = await asyncio.get_running_loop().run_in_executor(None, self._own_reports, seed, output, done)
         for part, s, norm in own:
@@ -122,7 +123,7 @@ class Reporter:
             entries.append(ReportEntry(part=part, aggregate=vr.aggregates[part][1].hash, s=s, norm=norm))
         body = ReportBody(
             entries=entries,
-            undelivered=sorted(vr.behavior.claimed_undelivered(vr, vr.undelivered)),
+            undelivered=sorted(vr.behavior.claimed_undelivered(vr, self.relay.settled(relayed=False))),
             left_out=sorted(self._left_out_of()),
         )
         mine_signed = sign_statement(vr.identity, RoundPhase.REPORT, vr.round_id, body)

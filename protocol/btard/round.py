@@ -1,4 +1,4 @@
-"""One member's view of one verified round (BTARD, ALGORITHMS.md §2): phases 2 and 6 around the data.
+"""One member's view of one verified round (BTARD, docs/algorithms.md §2): phases 2 and 6 around the data.
 
     commit     every member signs the hashes of the parts it will send + an MPRNG commitment;
                nobody sends data before all commitments are in (late members are left out)
@@ -30,12 +30,12 @@ import torch
 from phalanx.aggregation.base import norm_limit
 from phalanx.aggregation.errors import PeerProtocolError
 from phalanx.protocol.btard.behavior import Behavior
-from phalanx.protocol.btard.claims import Claims
 from phalanx.protocol.btard.judge import Judge, exchange_accusations, failing_aggregates
-from phalanx.protocol.btard.messages import Accusation, Recompute, Verdict
+from phalanx.protocol.btard.messages import Recompute, Verdict
 from phalanx.protocol.btard.relay import AggregateRelay
 from phalanx.protocol.btard.reports import Reporter
 from phalanx.protocol.btard.service import BtardService, Held
+from phalanx.protocol.btard.state import RoundState
 from phalanx.protocol.btard.validator import Validator
 from phalanx.protocol.codec import Codec, decode
 from phalanx.protocol.config import VerifyConfig
@@ -44,23 +44,21 @@ from phalanx.security.commitments import (
     CommitBody,
     PartBody,
     members_digest,
-    new_share,
     part_hash,
     part_hasher,
     public_seed,
     share_commitment,
 )
-from phalanx.security.evidence import Offense, RevealBody, check_self_contained
+from phalanx.security.evidence import Offense, RevealBody
 from phalanx.security.phases import RoundPhase
-from phalanx.security.projection import direction, report
 from phalanx.security.statements import Signed, Statement, open_statement, sign_statement
 from phalanx.security.wire import pack, unpack
 
 logger = logging.getLogger(__name__)
 
 
-class VerifiedRound:
-    """One member's view of one verified round; also the data phases' PartGuard."""
+class VerifiedRound(RoundState):
+    """One member's view of one verified round, run phase by phase; also the data phases' PartGuard."""
 
     def __init__(
         self,
@@ -76,63 +74,26 @@ class VerifiedRound:
         vector: torch.Tensor,
         recompute: Optional[Recompute] = None,
     ) -> None:
-        self.service, self.identity = service, service.identity
-        self.recompute = recompute  # a validator's recomputation of another member's contribution
-        self.vector = vector  # this member's committed contribution (flat, CPU float32)
-        self.round_id, self.members, self.group_statement = round_id, members, group_statement
-        self.bounds, self.codec, self.config, self.behavior = bounds, codec, config, behavior
-        self.me = members.index(self.identity.peer_id)
-        self.share = new_share()
-        self.my_hashes: list[bytes] = []
-        self.commits: dict[str, tuple[Signed, CommitBody]] = {}
-        self.aggregates: dict[int, tuple[Signed, AggregateBody]] = {}
-        self.part_statements: dict[str, Signed] = {}  # contributors to my part -> their signed part statement
-        self.payloads: dict[str, bytes | memoryview] = {}  # contributors to my part -> the exact bytes they sent
-        self.my_contributors: list[int] = []
-        self.accusations: list[Accusation] = []
-        self.signed_aggregates: dict[int, dict[bytes, Signed]] = {}  # part -> hash -> the reducer's statement
-        self.proofs: dict[str, tuple[Offense, list[Signed]]] = {}  # self-contained proofs found locally
-        self.expected: Optional[set[int]] = None  # parts whose aggregate statement we wait for (committed reducers)
-        self.equivocators: set[str] = set()  # members proven to have sent different reports
-        self.landed_parts: set[int] = set()  # parts whose aggregate arrived whole
-        self.relay = AggregateRelay(self)
+        super().__init__(
+            service, round_id=round_id, members=members, group_statement=group_statement, bounds=bounds,
+            codec=codec, config=config, behavior=behavior, vector=vector, recompute=recompute,
+        )  # fmt: skip
+        self.relay = AggregateRelay(self, adopt=self.adopt_statement)
         self.validator = Validator(self)
-        self.reporter = Reporter(self)
+        self.reporter = Reporter(self, self.relay)
         self._reveal_task: Optional[asyncio.Task] = None
-        self._seed: Optional[asyncio.Future] = None  # the public seed, once the reveal is done
         self._validating: Optional[asyncio.Task] = None  # starts with the seed, while the gather may still run
         self._verifying = False  # once verification began, the held parts stay for the judges
         self._echoes: Optional[asyncio.Task] = None  # aggregate statements taken from early reveals
-        self._deadline = 0.0  # the last phase's (time.monotonic())
-        service.open[round_id] = self
-
-    @property
-    def committed(self) -> set[str]:
-        return set(self.commits)
-
-    @property
-    def claims(self) -> Claims:
-        return Claims(self.members, len(self.commits), self.aggregates_contributors)
+        service.open[self.round_id] = self
 
     @property
     def undelivered(self) -> set[int]:
         """Parts we stopped waiting for; once the data phase is over, every part that did not land whole."""
         return self.relay.settled(relayed=False)
 
-    def missing_parts(self) -> set[int]:
-        return (self.expected or set()) - self.landed_parts - {self.me}
-
-    def next_deadline(self) -> float:
-        """The next phase's deadline: a phase timeout after the previous phase's, or after now once that
-        passed. A member may wait out a whole phase for a message kept from it alone (a withheld report)
-        and start the next phase a phase timeout after the others; counted from the previous deadline,
-        they still wait for what it sends there."""
-        self._deadline = max(time.monotonic(), self._deadline) + self.config.phase_timeout_s
-        return self._deadline
-
-    def prove(self, accused: str, offense: Offense, evidence: list[Signed]) -> None:
-        if accused != self.identity.peer_id and check_self_contained(offense, accused, self.round_id, evidence):
-            self.proofs.setdefault(accused, (offense, evidence))
+    async def serve_relay(self, peer: str, part: int, payload: bool) -> tuple[bytes, bytes | memoryview]:
+        return await self.relay.serve(peer, part, payload)
 
     # ---- phase 2: commit ----------------------------------------------------------------------
 
@@ -290,11 +251,6 @@ class VerifiedRound:
         self.relay.landed(part)
         self.reporter.landed(part, value, rows)
 
-    def seed_future(self) -> asyncio.Future:
-        if self._seed is None:
-            self._seed = asyncio.get_running_loop().create_future()
-        return self._seed
-
     async def close(self) -> None:
         """Stop the round's background work and hand its buffers back (no thread may still write them)."""
         self.service.open.pop(self.round_id, None)
@@ -364,7 +320,7 @@ class VerifiedRound:
             # held parts (validators fetch them before they send their accusations, which we all have).
             self.service.release(self.round_id)
             return Verdict(clean=True)
-        return await Judge(self, seed, reports, output).judge(accusations, revealed)
+        return await Judge(self, self.validator, seed, reports, output).judge(accusations, revealed)
 
     def _suspects_anything(self, seed, reports, output, revealed) -> bool:
         """Whether this member will have a verdict to vote on even without accusations."""
@@ -375,7 +331,7 @@ class VerifiedRound:
         claims = self.claims
         if claims.disputed(reports) or any(claims.left_out_by_most(peer, body) for peer, (_, body) in reports.items()):
             return True  # the disputed parts are dropped (and who failed banned) by a verdict everyone computes alike
-        return bool(failing_aggregates(self, seed, reports, output))
+        return bool(failing_aggregates(self, self.validator, seed, reports, output))
 
     async def _reveal(self) -> tuple[bytes, set[str]]:
         body = RevealBody(
@@ -440,29 +396,3 @@ class VerifiedRound:
                     self.signed_aggregates.setdefault(part, {})[body.hash] = echoed
                 if part in self.aggregates and echoed.statement != self.aggregates[part][0].statement:
                     self.prove(statement.sender, Offense.EQUIVOCATION, [self.aggregates[part][0], echoed])
-
-    def part_values(self, data: bytes | memoryview, part: int, peer: str) -> torch.Tensor:
-        """The part's values, read in place from writable float32 bytes (a held row, a recomputed part):
-        a fresh 10 MB copy costs more in page faults than the projection that reads it."""
-        a, b = self.bounds[part]
-        writable = isinstance(data, memoryview) and not data.readonly
-        if self.codec is Codec.NONE and not writable:
-            data = bytearray(data)  # torch reads float32 only from a writable buffer
-        return decode(data, self.codec, b - a, peer=peer)
-
-    def aggregates_contributors(self, part: int) -> list[int]:
-        if part == self.me:
-            return self.my_contributors
-        if part in self.aggregates:
-            return list(self.aggregates[part][1].contributors)
-        return []
-
-    def true_report(self, seed, output, part: int, contributor: str, data: bytes | memoryview) -> tuple[float, float]:
-        """What `contributor` should have reported on `part`, from the bytes it committed to."""
-        a, b = self.bounds[part]
-        x = self.part_values(data, part, contributor)
-        scratch = self.service.scratch(1, b - a)
-        try:
-            return report(x, output[a:b], direction(seed, part, b - a), self.config.tau, out=scratch)
-        finally:
-            self.service.return_scratch(scratch)

@@ -4,7 +4,7 @@ served to the round's members only, and the open rounds whose aggregates members
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Optional
+from typing import Optional, Protocol
 
 import torch
 
@@ -15,10 +15,14 @@ from phalanx.protocol.transport import Transport
 from phalanx.security.identity import Identity
 from phalanx.security.wire import pack, unpack
 
-if TYPE_CHECKING:
-    from phalanx.protocol.btard.round import VerifiedRound
-
 HELD_ROUNDS = 8
+
+
+class OpenRound(Protocol):
+    """A round as the service sees it while it is open (a VerifiedRound): it passes the aggregates it
+    received on to members that lack them. The rounds import the service, not the other way round."""
+
+    async def serve_relay(self, peer: str, part: int, payload: bool) -> tuple[bytes, bytes | memoryview]: ...
 
 
 @dataclass
@@ -45,7 +49,7 @@ class BtardService:
     def __init__(self, transport: Transport, exchange: ExchangeService, identity: Identity) -> None:
         self.transport, self.exchange, self.identity = transport, exchange, identity
         self._held: dict[bytes, Held] = {}
-        self.open: dict[bytes, VerifiedRound] = {}  # rounds whose received aggregates we pass on
+        self.open: dict[bytes, OpenRound] = {}  # rounds whose received aggregates we pass on
         self._scratch: dict[tuple[int, ...], torch.Tensor] = {}  # fresh memory costs page faults every round
         transport.register(EVIDENCE_METHOD, self._serve_evidence, max_payload=0)
         transport.register(RELAY_METHOD, self._serve_relay, max_payload=0)
@@ -91,7 +95,7 @@ class BtardService:
         vr = self.open.get(request.round_id)
         if vr is None:
             raise RoundAbortedError("round not open here")
-        return await vr.relay.serve(peer, request.part, request.payload)
+        return await vr.serve_relay(peer, request.part, request.payload)
 
     async def fetch_part(
         self, holder: str, round_id: bytes, part: int, contributor: str, max_bytes: int, timeout_s: float

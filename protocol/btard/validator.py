@@ -1,4 +1,4 @@
-"""The round's validators (ALGORITHMS.md §2 step 8): the public seed picks `validators` members, each to
+"""The round's validators (docs/algorithms.md §2 step 8): the public seed picks `validators` members, each to
 recompute another's gradient on the same deterministic minibatch and compare it with the parts it
 committed to.
 
@@ -27,7 +27,7 @@ from phalanx.security.evidence import Offense
 from phalanx.security.projection import report_matches
 
 if TYPE_CHECKING:
-    from phalanx.protocol.btard.round import VerifiedRound
+    from phalanx.protocol.btard.state import RoundState
 
 logger = logging.getLogger(__name__)
 
@@ -36,7 +36,7 @@ class Validator:
     """One member's part in its round's validation: who validates whom, and (if this member is a
     validator) the recomputation and the check of its target's reports."""
 
-    def __init__(self, vr: VerifiedRound) -> None:
+    def __init__(self, vr: RoundState) -> None:
         self.vr = vr
         self.target_parts: dict[int, bytes | memoryview] = {}  # as validator: the target's committed parts
 

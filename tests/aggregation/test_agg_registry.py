@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from phalanx.aggregation.errors import ConfigError
-from phalanx.aggregation.registry import AGGREGATORS, BoundAggregator, Registry, make_aggregator
+from phalanx.aggregation.names import AGGREGATOR_NAMES
+from phalanx.aggregation.registry import AGGREGATORS, BoundAggregator, Registry, make_aggregator, typical_params
 
 STABLE_NAMES = [
     "mean",
@@ -23,6 +24,22 @@ VALID = "mean, centered_clip, median, trimmed_mean, krum, multi_krum, geometric_
 
 def test_stable_names():
     assert list(AGGREGATORS) == STABLE_NAMES
+
+
+def test_the_torch_free_name_list_is_the_registry():
+    assert AGGREGATOR_NAMES == tuple(AGGREGATORS)
+
+
+@pytest.mark.parametrize("n", [4, 5, 8, 16])
+def test_every_rule_runs_with_its_typical_parameters(n):
+    x = torch.randn(n, 16, generator=torch.Generator().manual_seed(n))
+    for name in AGGREGATORS:
+        assert make_aggregator(name, **typical_params(name, n))(x).value.shape == (16,)
+
+
+def test_typical_parameters_of_an_unknown_rule_list_the_valid_names():
+    with pytest.raises(ConfigError, match=f"unknown aggregator 'nope'; valid names: {VALID}"):
+        typical_params("nope", 4)
 
 
 def test_make_aggregator_binds_parameters():

@@ -14,7 +14,7 @@ from phalanx.aggregation.errors import AggregationInputError
 
 def naive_centered_clip(x, w, tau, eps, max_iter, v, reweighted=True):
     """On materialized differences (float64): the reweighted step v ← Σ ω_i x_i / Σ ω_i centered_clip
-    takes, or (reweighted=False) the paper's step v ← v + Σ ω_i (x_i − v) as written in ALGORITHMS.md."""
+    takes, or (reweighted=False) the paper's step v ← v + Σ ω_i (x_i − v) as written in docs/algorithms.md."""
     w = w / w.sum()
     it = 0
     while it < max_iter:

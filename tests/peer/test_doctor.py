@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parents[1] / "health"))  # health_swarm: real processes on loopback
+sys.path.insert(0, str(Path(__file__).parent / "health"))  # health_swarm: real processes on loopback
 
 from health_swarm import LOOPBACK, Proc, free_port, get_json, spawn, wait_until  # noqa: E402
 

@@ -6,8 +6,9 @@ import signal
 import pytest
 from rich.console import Console
 
-from phalanx.peer.swarm import PeerView, SwarmResult, _flag_value
+from phalanx.peer.swarm import _flag_value
 from phalanx.peer.swarm_report import exit_reason, is_failure, last_error_line, print_report, startup_line
+from phalanx.peer.swarm_views import PeerView, SwarmResult
 
 TRACEBACK = """09:00:01 I peer.trainer: peer 12D3KooW training digits-mlp
 Traceback (most recent call last):

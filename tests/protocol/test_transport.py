@@ -283,11 +283,11 @@ def test_direct_socket_needs_a_fresh_ticket_and_the_right_key():
             from google.protobuf.wrappers_pb2 import BytesValue
             from hivemind.p2p import PeerID
 
-            from phalanx.protocol.transport import _Ticket, _TicketRequest
+            from phalanx.protocol.transport_wire import Ticket, TicketRequest
             from phalanx.security.wire import pack, unpack
 
             stub = tb.get_stub(tb.p2p, PeerID.from_base58(ta.peer_id), namespace="t")
-            ticket = unpack((await stub.rpc_ticket(BytesValue(value=pack(_TicketRequest())))).value, _Ticket)
+            ticket = unpack((await stub.rpc_ticket(BytesValue(value=pack(TicketRequest())))).value, Ticket)
             for _ in range(2):
                 reader, writer = await asyncio.open_connection(host, int(port))
                 writer.write(HELLO_MAGIC + ticket.conn_id + (32).to_bytes(4, "little") + os.urandom(32))

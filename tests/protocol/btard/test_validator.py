@@ -1,0 +1,112 @@
+"""The validator of a verified round (protocol/btard/validator.py): it checks its target while the gather
+runs, and catches a reducer that covers up its aggregate with its own report."""
+
+import asyncio
+import dataclasses
+
+import pytest
+import torch
+from btard_rounds import CONFIG, inputs
+from swarm_fixture import open_swarm
+
+from phalanx.protocol.adversary import PROTOCOL_ATTACKS
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+
+
+def test_validator_checks_its_target_while_the_gather_runs(monkeypatch):
+    """The validator starts as soon as the seed is public (mid-gather): a recomputation that is not
+    bit-identical fetches the target's parts from reducers, who hold them from the moment they signed
+    their aggregate; an honest target passes, a target that sent another gradient is banned."""
+    from phalanx.protocol.btard.validator import Validator
+
+    async def main():
+        async with open_swarm(4, CONFIG) as peers:
+            ids = [p.peer_id for p in peers]
+            target = [ids[1]]
+            monkeypatch.setattr(Validator, "pairs", lambda self, seed: [(ids[0], target[0])])
+            numel = 2_000_000  # 2 MB parts: the aggregates take the direct path, so the seed is out before they land
+            xs = [torch.randn(numel, generator=torch.Generator().manual_seed(i)) for i in range(4)]
+            honest = {p: x for p, x in zip(ids, xs)}
+
+            async def recompute(peer):  # the same gradient up to float noise from other hardware
+                return honest[peer] * (1 + 1e-7)
+
+            async def verified_round(sent):
+                for peer in peers:
+                    peer.engine.set_state(b"v0", 0)
+                return await asyncio.gather(*[p.engine.run_round(x, recompute=recompute) for p, x in zip(peers, sent)])
+
+            outcomes = await verified_round(xs)
+            assert all(o.verdict.clean and o.verdict.banned == set() for o in outcomes), [o.verdict for o in outcomes]
+
+            target[0] = ids[3]
+            outcomes = await verified_round(xs[:3] + [-xs[3]])  # peer 3 commits to and sends a flipped gradient
+            for peer, outcome in zip(peers[:3], outcomes[:3]):
+                assert outcome.verdict.banned == {ids[3]} and peer.membership.banned == {ids[3]}
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("recomputation", ["bit-identical", "other hardware"])
+def test_a_reducer_covering_up_its_aggregate_with_its_own_report_is_caught_by_the_validator(monkeypatch, recomputation):
+    """Only a reducer holds its own part, so its report on it is checked by nobody but the validator that
+    targets it: a shifted aggregate covered up by that report passes the fixed-point check, and the
+    validator (who holds the target's committed parts) proves the lie."""
+    from phalanx.protocol.btard.validator import Validator
+
+    async def main():
+        behaviors = [None, None, None, PROTOCOL_ATTACKS["cover_up"]()]
+        async with open_swarm(4, CONFIG, behaviors=behaviors) as peers:
+            ids = [p.peer_id for p in peers]
+            target = [ids[1]]
+            monkeypatch.setattr(Validator, "pairs", lambda self, seed: [(ids[0], target[0])])
+            xs = inputs(4)
+            committed = dict(zip(ids, xs))
+            noise = 1.0 if recomputation == "bit-identical" else 1 + 1e-7
+
+            async def recompute(peer):
+                return committed[peer] * noise
+
+            async def verified_round():
+                for peer in peers:
+                    peer.engine.set_state(b"v0", 0)
+                return await asyncio.gather(*[p.engine.run_round(x, recompute=recompute) for p, x in zip(peers, xs)])
+
+            # validating someone else, nobody can tell: the wrong aggregate is applied
+            outcomes = await verified_round()
+            assert all(o.verdict.clean for o in outcomes), [o.verdict for o in outcomes]
+
+            target[0] = ids[3]
+            outcomes = await verified_round()
+            at = outcomes[0].group.members.index(ids[3])
+            for peer, outcome in zip(peers[:3], outcomes[:3]):
+                assert outcome.verdict.banned == {ids[3]} and peer.membership.banned == {ids[3]}
+                assert outcome.verdict.bad_parts == {at}
+
+    asyncio.run(main())
+
+
+def test_with_a_validator_per_member_a_cover_up_is_caught_in_its_first_round():
+    """`validators` equal to the group size: every member is some validator's target each round, so the
+    reducer that covers up its shifted aggregate with its own report is caught whatever the seed."""
+    config = dataclasses.replace(CONFIG, verify=dataclasses.replace(CONFIG.verify, validators=4))
+
+    async def main():
+        async with open_swarm(4, config, behaviors=[None, None, None, PROTOCOL_ATTACKS["cover_up"]()]) as peers:
+            ids = [p.peer_id for p in peers]
+            xs = inputs(4)
+            committed = dict(zip(ids, xs))
+
+            async def recompute(peer):
+                return committed[peer]
+
+            for peer in peers:
+                peer.engine.set_state(b"v0", 0)
+            outcomes = await asyncio.gather(*[p.engine.run_round(x, recompute=recompute) for p, x in zip(peers, xs)])
+            at = outcomes[0].group.members.index(ids[3])
+            for peer, outcome in zip(peers[:3], outcomes[:3]):
+                assert outcome.verdict.banned == {ids[3]} and peer.membership.banned == {ids[3]}
+                assert outcome.verdict.bad_parts == {at}
+
+    asyncio.run(main())
