@@ -18,6 +18,7 @@ from typing import Annotated, Any, Literal, Optional
 
 from phalanx.peer.modes import MODES, modes_help
 from phalanx.aggregation.errors import ConfigError
+from phalanx.aggregation.names import AGGREGATOR_NAMES
 from phalanx.aggregation.spec import aggregator_params, parse_aggregator_params, parse_spec
 from phalanx.protocol.config import Codec, MatchmakingConfig, RoundConfig, verify_config_for
 from pydantic import Field, ValidationError, field_validator, model_validator
@@ -119,7 +120,7 @@ class PeerConfig(NetworkSettings):
     steps: Optional[int] = Field(None, ge=1, description="Stop after this many steps (default: run until stopped).")
     target_accuracy: Optional[float] = Field(None, gt=0, le=1, description="Stop once test accuracy reaches this.")
     eval_every: int = Field(25, ge=1, description="Evaluate on the test split every N steps.")
-    aggregator: str = Field("mean", description="Rule each reducer applies, with parameters as NAME:name=value,... (e.g. bucketing:s=2,inner=mean): mean, centered_clip, median, trimmed_mean, krum, multi_krum, geometric_median, bucketing; clipped_gossip (gossip/lasgd: each member gets its own clipped average).")
+    aggregator: str = Field("mean", description=f"Rule each reducer applies, with parameters as NAME:name=value,... (e.g. bucketing:s=2,inner=mean): {', '.join(AGGREGATOR_NAMES)}; clipped_gossip (gossip/lasgd: each member gets its own clipped average).")
     tau: Optional[float] = Field(None, gt=0, description="Clipping radius for centered_clip (shorthand for --aggregator-params tau=…).")
     aggregator_params: str = Field("", description="Extra aggregator parameters as name=value pairs, e.g. 'tau=1,max_iter=100'; bucketing: 's=2,inner=mean' (inner: the rule applied to the bucket means). Not together with --aggregator NAME:params.")
     compression: Literal["none", "fp16", "8bit"] = Field("none", description="Codec for tensors on the wire.")
