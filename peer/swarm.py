@@ -17,6 +17,7 @@ import logging
 import os
 import shutil
 import signal
+import socket
 import sys
 import tempfile
 import time
@@ -113,11 +114,24 @@ class Swarm:
         return str(path)
 
     async def _start_bootstrap(self) -> list[str]:
+        """Start the bootstrap on a port and identity chosen here, so its address is known at once and the
+        trainers start beside it (they wait for it with --initial-peers-wait-s) instead of after it."""
+        from phalanx.security.identity import Identity
+
+        identity = self._identity("bootstrap")
+        with socket.socket() as probe:  # a free loopback port for it
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
         self.bootstrap = await self._spawn(
             "bootstrap",
-            ["bootstrap", "--host-maddrs", LOOPBACK, "--identity-path", self._identity("bootstrap")],
+            ["bootstrap", "--host-maddrs", f"/ip4/127.0.0.1/tcp/{port}", "--identity-path", identity],
             {},
         )
+        return [f"/ip4/127.0.0.1/tcp/{port}/p2p/{Identity.load(identity).peer_id}"]
+
+    async def _watch_bootstrap(self) -> None:
+        """Until the bootstrap says it is up; an error naming its log if it exits before."""
+        assert self.bootstrap is not None and self.bootstrap.stdout is not None
         log = self.workdir / "bootstrap.log"
         while True:
             line = await asyncio.wait_for(self.bootstrap.stdout.readline(), timeout=120)
@@ -125,15 +139,15 @@ class Swarm:
                 code = await self.bootstrap.wait()
                 why = last_error_line(log) or "nothing in its log"
                 raise PhalanxError(f"the bootstrap peer exited with code {code} before it was up: {why} (log: {log})")
-            text = line.decode().strip()
-            if text.startswith("--initial-peers "):
+            if line.decode().startswith("--initial-peers "):
                 self.bootstrap_s = self._elapsed()
-                return [text.split(maxsplit=1)[1]]
+                return
 
     async def _start_trainer(self, view: PeerView, initial_peers: list[str]) -> None:
         args = [
             "join",
             "--initial-peers", *initial_peers,
+            "--initial-peers-wait-s", "120",  # it starts beside the bootstrap
             "--host-maddrs", LOOPBACK,
             "--identity-path", self._identity(view.name),
             "--events",
@@ -256,6 +270,7 @@ class Swarm:
     async def run(self) -> SwarmResult:
         followers: list[asyncio.Task] = []
         target_task: Optional[asyncio.Task] = None
+        bootstrap_up: Optional[asyncio.Task] = None
         live = self.live and self.console.is_terminal
         failed = True  # until the run got to its end
         try:
@@ -264,6 +279,7 @@ class Swarm:
                 if not live:
                     self.console.print(f"starting a bootstrap peer and {self.n} trainers in {self.workdir}")
                 initial_peers = await self._start_bootstrap()
+                bootstrap_up = asyncio.create_task(self._watch_bootstrap())
                 honest: list[asyncio.Task] = []
                 for view in self.views:
                     await self._start_trainer(view, initial_peers)
@@ -271,12 +287,15 @@ class Swarm:
                     if view.attack is None:
                         honest.append(followers[-1])
                 target_task = asyncio.create_task(self.target_hit.wait())
-                waiting = {target_task, *followers}
+                waiting = {target_task, bootstrap_up, *followers}
                 last = [time.monotonic()]
 
                 async def wait_a_bit(timeout: float) -> bool:
                     """True once the target is hit or no honest trainer is left."""
                     await asyncio.wait(waiting, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+                    if bootstrap_up.done():
+                        bootstrap_up.result()  # raises if it exited before it was up
+                        waiting.discard(bootstrap_up)
                     waiting.difference_update(f for f in followers if f.done())
                     return target_task.done() or all(f.done() for f in honest)
 
@@ -293,8 +312,9 @@ class Swarm:
         finally:
             error = sys.exc_info()[1]  # what is unwinding the run, if anything
             self.stopping = True
-            if target_task is not None:
-                target_task.cancel()
+            for task in (target_task, bootstrap_up):
+                if task is not None:
+                    task.cancel()
             await self._cleanup(followers)
             reasons = {
                 v.name: exit_reason(v, steps=self.steps, swarm_reached_target=self.target_hit.is_set()) for v in self.views
