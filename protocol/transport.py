@@ -8,6 +8,9 @@ seals every record after that with AES-256-GCM under that key (hardware AES: ~9 
 which libp2p peer holds the socket, and nobody on the path can read, alter, reorder or
 replay its bytes: the fast path is no weaker than libp2p. When TCP cannot connect, the
 same records flow over a libp2p stream (already encrypted) instead.
+
+Over ~450 lines on purpose: the ticket, the direct connection and its libp2p fallback are one
+protocol whose pieces only make sense together; its wire codes live in transport_wire.py.
 """
 
 from __future__ import annotations
