@@ -23,22 +23,20 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
 from phalanx.aggregation.base import norm_limit
 from phalanx.aggregation.errors import PeerProtocolError
-from phalanx.protocol.btard.behavior import Behavior
 from phalanx.protocol.btard.judge import Judge, exchange_accusations, failing_aggregates
-from phalanx.protocol.btard.messages import Recompute, Verdict
+from phalanx.protocol.btard.messages import Verdict
 from phalanx.protocol.btard.relay import AggregateRelay
 from phalanx.protocol.btard.reports import Reporter
 from phalanx.protocol.btard.service import BtardService, Held
 from phalanx.protocol.btard.state import RoundState
 from phalanx.protocol.btard.validator import Validator
 from phalanx.protocol.codec import Codec, decode
-from phalanx.protocol.config import VerifyConfig
 from phalanx.security.commitments import (
     AggregateBody,
     CommitBody,
@@ -60,24 +58,9 @@ logger = logging.getLogger(__name__)
 class VerifiedRound(RoundState):
     """One member's view of one verified round, run phase by phase; also the data phases' PartGuard."""
 
-    def __init__(
-        self,
-        service: BtardService,
-        *,
-        round_id: bytes,
-        members: tuple[str, ...],
-        group_statement: Signed,
-        bounds: list[tuple[int, int]],
-        codec: Codec,
-        config: VerifyConfig,
-        behavior: Behavior,
-        vector: torch.Tensor,
-        recompute: Optional[Recompute] = None,
-    ) -> None:
-        super().__init__(
-            service, round_id=round_id, members=members, group_statement=group_statement, bounds=bounds,
-            codec=codec, config=config, behavior=behavior, vector=vector, recompute=recompute,
-        )  # fmt: skip
+    def __init__(self, service: BtardService, **fields: Any) -> None:
+        """`fields`: RoundState's (round id, members, group statement, bounds, codec, config, behavior, vector)."""
+        super().__init__(service, **fields)
         self.relay = AggregateRelay(self, adopt=self.adopt_statement)
         self.validator = Validator(self)
         self.reporter = Reporter(self, self.relay)
