@@ -31,7 +31,7 @@ ENV_PREFIX = "PHALANX_"
 _config_data: contextvars.ContextVar[Optional[dict]] = contextvars.ContextVar("phalanx_config_data", default=None)
 
 StrList = Annotated[list[str], NoDecode]
-PARAMS_HINT = "(parameters go in --aggregator-params name=value)"
+PARAMS_HINT = "(parameters: --aggregator NAME:name=value,… or --aggregator-params name=value,…)"
 
 
 class NetworkSettings(BaseSettings):
@@ -195,7 +195,7 @@ class PeerConfig(NetworkSettings):
                 name = self.aggregator_name
                 kwargs = dict(parse_aggregator_params(self.aggregator_params, name))
         except ConfigError as e:
-            raise ConfigError(f"--aggregator {self.aggregator}: {e} {PARAMS_HINT}") from None
+            raise self._aggregator_error(e) from None
         if self.tau is not None:
             kwargs["tau"] = self.tau
         return name, tuple(sorted(kwargs.items()))
@@ -237,8 +237,15 @@ class PeerConfig(NetworkSettings):
             )
             config.make_reducer()  # unknown names and bad parameters fail here, with the valid choices listed
         except ConfigError as e:
-            raise ConfigError(f"--aggregator {self.aggregator}: {e} {PARAMS_HINT}") from None
+            raise self._aggregator_error(e) from None
         return config
+
+    def _aggregator_error(self, e: ConfigError) -> ConfigError:
+        """One line that names --aggregator once: the registry's and the parser's own prefixes go."""
+        detail = str(e).removeprefix(f"aggregator {self.aggregator_name!r}: ")
+        if detail.startswith("--aggregator takes "):  # from the NAME:k=v form
+            detail = "parameters are " + detail.removeprefix("--aggregator takes ")
+        return ConfigError(f"--aggregator {self.aggregator}: {detail} {PARAMS_HINT}")
 
 
 class MonitorSettings(NetworkSettings):

@@ -34,7 +34,7 @@ def test_lists_accept_commas_and_spaces_from_env(monkeypatch):
     "overrides, message",
     [
         ({"aggregator": "nope"}, "--aggregator nope: unknown aggregator 'nope'; valid names: mean, centered_clip"),
-        ({"aggregator": "trimmed_mean"}, "missing required parameter 'b' (parameters go in --aggregator-params"),
+        ({"aggregator": "trimmed_mean"}, "missing required parameter 'b' (parameters: --aggregator NAME:name=value"),
         ({"tau": -1}, "--tau: Input should be greater than 0 (got -1)"),
         ({"compression": "zip"}, "--compression: Input should be 'none', 'fp16' or '8bit' (got 'zip')"),
         ({"resume": True}, "--resume needs --checkpoint-dir"),
