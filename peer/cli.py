@@ -72,9 +72,9 @@ def join(settings: PeerConfig) -> None:
 
     [bold]Examples[/bold]
 
-      phalanx join --initial-peers /ip4/203.0.113.7/tcp/31337/p2p/12D3KooW... --task digits-mlp
+      phalanx join --initial-peers /ip4/203.0.113.7/tcp/31337/p2p/12D3KooW...
 
-      phalanx join --initial-peers ... --aggregator centered_clip --tau 1 --device cuda
+      phalanx join --initial-peers ... --aggregator centered_clip:tau=1 --device cuda
 
       phalanx join --initial-peers ... --checkpoint-dir ckpt --resume
 
