@@ -74,7 +74,7 @@ def join(settings: PeerConfig) -> None:
 
       phalanx join --initial-peers /ip4/203.0.113.7/tcp/31337/p2p/12D3KooW...
 
-      phalanx join --initial-peers ... --aggregator centered_clip:tau=1 --device cuda
+      phalanx join --initial-peers ... --aggregator centered_clip:tau=1
 
       phalanx join --initial-peers ... --checkpoint-dir ckpt --resume
 
