@@ -68,6 +68,7 @@ def test_help_at_80_columns_shows_every_flag_whole_with_its_default_and_variable
     for name in shown:
         assert f"[env: PHALANX_{name.upper()}]" in text, name
     lines = done.stdout.splitlines()
+    assert not [line for line in lines if len(line) > 80], "lines wider than 80 columns"
     for name in shown:  # each flag starts a line, whole (rich's table cut long names with "…")
         flag = f"--{name.replace('_', '-')}"
         assert any(line.strip().split(" ")[0] == flag for line in lines), flag
