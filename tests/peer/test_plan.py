@@ -48,7 +48,7 @@ def test_aggregator_parameters_in_the_name_or_in_their_own_flag_are_one_setting(
             {"aggregator": "bucketing:s=2", "aggregator_params": "inner=mean"},
             "--aggregator bucketing:s=2 and --aggregator-params inner=mean both give parameters: keep one of them",
         ),
-        ({"aggregator": "centered_clip:tau=big"}, "--aggregator takes name=number pairs like tau=1, not 'tau=big'"),
+        ({"aggregator": "centered_clip:tau=big"}, "--aggregator centered_clip:tau=big: parameters are name=number pairs like tau=1, not 'tau=big'"),
         ({"aggregator": "bucketing:s=2,inner"}, "parameters go as key=value after ':'"),
         ({"aggregator": "clipped_gossip:tau=1"}, "use it with --mode gossip (or lasgd)"),
         ({"attack": "sign_flip:scale=2"}, "--attack sign_flip:scale=2: sign_flip takes no parameters; give its name"),
