@@ -57,7 +57,7 @@ def bootstrap(settings: NetworkSettings) -> None:
 
       phalanx bootstrap --identity-path bootstrap.id --port 31337
 
-      phalanx bootstrap --identity-path boot.id --port 31337 --public-ip 203.0.113.7
+      phalanx bootstrap --identity-path b.id --port 31337 --public-ip 203.0.113.7
     """
     from phalanx.peer.bootstrap import run_bootstrap
 
@@ -227,7 +227,7 @@ def monitor(settings: MonitorSettings) -> None:
 
     [bold]Examples[/bold]
 
-      phalanx monitor --initial-peers /ip4/203.0.113.7/tcp/31337/p2p/12D3... --http-port 8000
+      phalanx monitor --initial-peers /ip4/203.0.113.7/tcp/31337/p2p/... --http-port 8000
 
       phalanx monitor --initial-peers ... --http-host 0.0.0.0 --poll-s 5
     """
