@@ -227,7 +227,9 @@ def monitor(settings: MonitorSettings) -> None:
 
     [bold]Examples[/bold]
 
-      phalanx monitor --initial-peers /ip4/203.0.113.7/tcp/31337/p2p/... --http-port 8000
+      phalanx monitor --initial-peers /ip4/203.0.113.7/tcp/31337/p2p/12D3...
+
+      phalanx monitor --initial-peers ... --http-port 8000
 
       phalanx monitor --initial-peers ... --http-host 0.0.0.0 --poll-s 5
     """
