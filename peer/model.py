@@ -24,29 +24,17 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
-class Model:
-    """The model, its optimizer and the conversions the protocol needs (flat grads, named state)."""
+class Trainable:
+    """Parameters and the optimizer that steps them, with the conversions the protocol needs (flat
+    grads, named state). `module`, when given, adds its buffers (BatchNorm statistics) to the state."""
 
-    def __init__(self, task: Task, config: TrainingConfig) -> None:
-        self.task = task
-        self.module = task.build_model(config.seed)
-        self.params = [p for p in self.module.parameters() if p.requires_grad]
-        self.optimizer = task.make_optimizer(self.params, config.lr, config.momentum, config.weight_decay)
-        self._materialize_optimizer_state()
+    def __init__(
+        self, params: list[torch.Tensor], optimizer: torch.optim.Optimizer, module: Optional[torch.nn.Module] = None
+    ) -> None:
+        self.module, self.optimizer = module, optimizer
+        self.params = [p for p in params if p.requires_grad]
         self.numel = sum(p.numel() for p in self.params)
-
-    def _materialize_optimizer_state(self) -> None:
-        """Create every optimizer buffer now (a zero-gradient step at lr=0), so the state layout a
-        newcomer expects is the same as the one a trained peer sends."""
-        lrs = [g["lr"] for g in self.optimizer.param_groups]
-        for g in self.optimizer.param_groups:
-            g["lr"] = 0.0
-        for p in self.params:
-            p.grad = torch.zeros_like(p)
-        self.optimizer.step()
-        for g, lr in zip(self.optimizer.param_groups, lrs, strict=True):
-            g["lr"] = lr
-        self.module.zero_grad(set_to_none=True)
+        materialize_optimizer_state(optimizer, self.params)
 
     def apply(self, aggregate: torch.Tensor) -> None:
         """Use the group's aggregate (numel,) as this step's gradient."""
@@ -56,7 +44,11 @@ class Model:
             p.grad = aggregate[offset : offset + p.numel()].view_as(p).clone()
             offset += p.numel()
         self.optimizer.step()
-        self.module.zero_grad(set_to_none=True)
+        self.zero_grad()
+
+    def zero_grad(self) -> None:
+        for p in self.params:
+            p.grad = None
 
     def flat_params(self) -> torch.Tensor:
         """A CPU float32 copy of the parameters (numel,)."""
@@ -82,7 +74,10 @@ class Model:
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
         """Named CPU copies of everything a newcomer needs: parameters, buffers, optimizer state."""
-        tensors = {f"model.{k}": v.detach().to("cpu", copy=True) for k, v in self.module.state_dict().items()}
+        if self.module is not None:
+            tensors = {f"model.{k}": v.detach().to("cpu", copy=True) for k, v in self.module.state_dict().items()}
+        else:
+            tensors = {f"param.{i}": p.detach().to("cpu", copy=True) for i, p in enumerate(self.params)}
         for i, p in enumerate(self.params):
             for key, value in sorted(self.optimizer.state[p].items()):
                 if isinstance(value, torch.Tensor):
@@ -90,8 +85,13 @@ class Model:
         return tensors
 
     def load_state_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
-        model_state = {k[len("model.") :]: v for k, v in tensors.items() if k.startswith("model.")}
-        self.module.load_state_dict(model_state, strict=True)
+        if self.module is not None:
+            model_state = {k[len("model.") :]: v for k, v in tensors.items() if k.startswith("model.")}
+            self.module.load_state_dict(model_state, strict=True)
+        else:
+            with torch.no_grad():
+                for i, p in enumerate(self.params):
+                    p.copy_(tensors[f"param.{i}"])
         for i, p in enumerate(self.params):
             for key, value in self.optimizer.state[p].items():
                 if isinstance(value, torch.Tensor):
@@ -102,3 +102,38 @@ class Model:
         for p in self.params:
             h.update(p.detach().to("cpu").contiguous().view(-1).view(torch.uint8).numpy().tobytes())
         return h.hexdigest()[:16]
+
+
+class Model(Trainable):
+    """A task's model and optimizer, as `phalanx join` trains them."""
+
+    def __init__(self, task: Task, config: TrainingConfig) -> None:
+        self.task = task
+        module = task.build_model(config.seed)
+        optimizer = task.make_optimizer(
+            [p for p in module.parameters() if p.requires_grad], config.lr, config.momentum, config.weight_decay
+        )
+        super().__init__(list(module.parameters()), optimizer, module)
+        self.module: torch.nn.Module = module
+
+
+def materialize_optimizer_state(optimizer: torch.optim.Optimizer, params: list[torch.Tensor]) -> None:
+    """Create every optimizer buffer now, so the state layout a newcomer expects is the one a trained
+    peer sends: one step on zero gradients at lr 0, then every state tensor zeroed (AdamW's moments
+    and step count, SGD's momentum), which is what a fresh optimizer's first step starts from."""
+    saved = [g["lr"] for g in optimizer.param_groups]
+    for g in optimizer.param_groups:
+        g["lr"] = torch.zeros_like(g["lr"]) if isinstance(g["lr"], torch.Tensor) else 0.0
+    grads = [p.grad for p in params]
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    optimizer.step()
+    for g, lr in zip(optimizer.param_groups, saved, strict=True):
+        g["lr"] = lr
+    for p, grad in zip(params, grads, strict=True):
+        p.grad = grad
+    with torch.no_grad():
+        for state in optimizer.state.values():
+            for value in state.values():
+                if isinstance(value, torch.Tensor):
+                    value.zero_()

@@ -11,11 +11,12 @@ import signal
 import socket
 import tempfile
 import time
+from collections.abc import Callable
 from contextlib import suppress
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Optional
+from typing import TYPE_CHECKING, Optional
 
 import hivemind
 from hivemind.dht import DHTNode
@@ -163,7 +164,7 @@ def _start_dht_once(settings: NetworkSettings, identity_path: Optional[Path], *,
         try:
             dht.wait_until_ready(timeout=0.5)
             return dht
-        except asyncio.TimeoutError:
+        except TimeoutError:
             if not dht.is_alive():
                 raise PhalanxError("the DHT process died during start-up; run with --debug to see why") from None
             if time.monotonic() > deadline:
@@ -305,7 +306,7 @@ async def serve_until(stop: asyncio.Event, dht: hivemind.DHT) -> None:
             raise PhalanxError(f"{DHT_DIED}; stopping")
         try:
             await asyncio.wait_for(stop.wait(), timeout=1.0)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             pass
 
 
@@ -340,6 +341,21 @@ def quiet_p2p_daemon_noise(loop: asyncio.AbstractEventLoop, context: dict) -> No
         logger.debug(f"a p2p stream closed before it began: {error!r}")
     else:
         loop.default_exception_handler(context)
+
+
+async def wait_for_trainers(node: Node, wanted: int, stop: Optional[asyncio.Event] = None, timeout_s: float = 60.0) -> int:
+    """Wait (up to `timeout_s`, or until `stop` is set) until `wanted` trainers are announced, this one
+    included; returns how many are, warning when fewer."""
+    deadline = time.monotonic() + timeout_s
+    while len(node.membership.peers()) < wanted and time.monotonic() < deadline:
+        if stop is not None and stop.is_set():
+            break
+        await asyncio.sleep(0.2)
+        await node.membership.refresh()
+    seen = len(node.membership.peers())
+    if seen < wanted and not (stop is not None and stop.is_set()):
+        logger.warning(f"starting with {seen} of the {wanted} peers asked for by --wait-for-peers")
+    return seen
 
 
 @dataclass

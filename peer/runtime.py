@@ -22,7 +22,7 @@ from phalanx.aggregation.errors import PhalanxError
 from phalanx.peer.checkpoint import load_latest, save_checkpoint
 from phalanx.peer.health import PeerMetrics, open_node_health
 from phalanx.peer.model import Model, resolve_device
-from phalanx.peer.node import DHT_DIED, Node, open_node, visible_maddrs
+from phalanx.peer.node import DHT_DIED, Node, open_node, visible_maddrs, wait_for_trainers
 from phalanx.peer.plan import PeerPlan
 from phalanx.protocol.engine import RoundEngine, initial_version
 from phalanx.tasks import compute_gradient, resolve_task
@@ -243,7 +243,7 @@ class Runtime:
         mode: Optional[Mode] = None
         try:
             health = await open_node_health(node, self.plan, self.health)
-            await self._wait_for_peers()
+            await wait_for_trainers(node, self.config.wait_for_peers, self.stop_requested)
             self.emit("training", step=engine.step, peers=len(node.membership.peers()))
             mode = make_mode(self)
             await mode.run()
@@ -279,15 +279,3 @@ class Runtime:
         self.model.optimizer.load_state_dict(ckpt.optimizer_state)
         logger.info(f"resumed from {ckpt.path.name} at step {ckpt.step}")
         return ckpt.step
-
-    async def _wait_for_peers(self) -> None:
-        node, wanted = self.node, self.config.wait_for_peers
-        deadline = time.monotonic() + 60.0
-        while len(node.membership.peers()) < wanted and time.monotonic() < deadline:
-            if self.stop_requested.is_set():
-                return
-            await asyncio.sleep(0.2)
-            await node.membership.refresh()
-        seen = len(node.membership.peers())
-        if seen < wanted:
-            logger.warning(f"starting with {seen} of the {wanted} peers asked for by --wait-for-peers")

@@ -3,7 +3,8 @@
 Installed, every part lives under this name: `phalanx.peer` (the CLI, a node, training modes),
 `phalanx.protocol` (rounds, matchmaking, transport), `phalanx.aggregation` (robust aggregators,
 staleness corrections), `phalanx.security` (identities, commitments), `phalanx.tasks` (models and
-data) and `phalanx.sim` (the simulator). Nothing heavy is imported here.
+data) and `phalanx.sim` (the simulator); `phalanx.Optimizer` wraps your own optimizer and loop
+(peer/optimizer.py). Nothing heavy is imported here.
 """
 
 from importlib.metadata import PackageNotFoundError, version
@@ -13,4 +14,13 @@ try:
 except PackageNotFoundError:  # run from a source tree that was never installed
     __version__ = "0+unknown"
 
-__all__ = ["__version__"]
+__all__ = ["Optimizer", "__version__"]
+
+
+def __getattr__(name: str):
+    """`phalanx.Optimizer` imports torch and hivemind only when asked for."""
+    if name == "Optimizer":
+        from phalanx.peer.optimizer import Optimizer
+
+        return Optimizer
+    raise AttributeError(f"module 'phalanx' has no attribute {name!r}")

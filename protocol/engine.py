@@ -16,16 +16,17 @@ import hashlib
 import logging
 import os
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Awaitable, Callable, Optional, Union
+from typing import Optional, Union
 
 import torch
 
 from phalanx.aggregation.errors import PeerProtocolError, RoundAbortedError, RoundTimeoutError
-from phalanx.protocol.btard.behavior import Behavior
 from phalanx.protocol.allreduce import AllReduceResult, AllReduceService, RoundSpec
 from phalanx.protocol.bans import BanBook, refresh_forever
 from phalanx.protocol.btard import BtardService, Recompute, Verdict, VerifiedRound
+from phalanx.protocol.btard.behavior import Behavior
 from phalanx.protocol.codec import encode
 from phalanx.protocol.config import Codec, RoundConfig
 from phalanx.protocol.exchange import ExchangeService
@@ -345,6 +346,16 @@ class RoundEngine:
         if self.btard is not None:
             await self._check_state(resync, snapshot)
         return snapshot
+
+    async def fetch_swarm_state(self, template: dict[str, torch.Tensor]) -> Optional[StateSnapshot]:
+        """A newcomer's download of the swarm's state: join as a peer holding no state (an empty
+        version, which no member holds) and take a donor's state after that round. None when no
+        peer with a state was ready to form a round with us: there is nothing to download."""
+        reply = await self.matchmaker.join(version=b"", step=0)
+        if reply.kind != "resync":
+            return None
+        self.stats.resyncs += 1
+        return await self.fetch_state(Resync(reply.group, reply.donor), template)
 
     async def _check_state(self, resync: Resync, snapshot: StateSnapshot) -> None:
         """Accept the donor's state only if most of its round's members hold the same (up to rounding):

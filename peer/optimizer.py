@@ -1,0 +1,453 @@
+"""`phalanx.Optimizer`: your model, optimizer and training loop, on a swarm.
+
+    opt = phalanx.Optimizer(torch.optim.AdamW(model.parameters(), lr=3e-4), run_id="my-run",
+                            initial_peers=[...], batch_size_per_step=32, target_batch_size=4096)
+    for batch in data:
+        loss = model(batch).loss
+        loss.backward()
+        opt.step()        # a local step adds this batch's gradient; a global step averages with the swarm
+        opt.zero_grad()
+
+Each `step()` adds the batch's gradient (weighted by `batch_size_per_step`) to a local sum. Once
+this peer's share of `target_batch_size` is in (the target divided among the trainers it sees), the
+peer joins a round: the swarm averages the members' mean gradients weighted by their sample counts,
+which is the gradient of the union of their batches, and every peer hands that to its own optimizer
+for one step. So the wrapped optimizer (AdamW's moments included) steps on identical gradients on
+every peer and its state stays identical without being sent; a newcomer downloads it with the
+parameters (`load_state_from_peers`, or automatically at its first round).
+
+The node (DHT, transport, rounds) lives on an event loop in a thread of its own; `step()` blocks
+the caller's thread only while a round runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import hashlib
+import json
+import logging
+import math
+import re
+import threading
+from collections.abc import Callable, Coroutine, Iterable
+from dataclasses import dataclass, field
+from typing import Any, Optional, TypeVar, Union
+
+import torch
+from pydantic import ValidationError
+
+from phalanx.aggregation.errors import ConfigError, PhalanxError
+from phalanx.peer.config import PeerConfig
+from phalanx.peer.health import PeerMetrics, open_node_health
+from phalanx.peer.model import Trainable
+from phalanx.peer.node import DHT_DIED, Node, open_node, quiet_p2p_daemon_noise, wait_for_trainers
+from phalanx.peer.plan import PeerPlan, make_plan
+from phalanx.protocol.engine import ROUND_FAILURES, Averaged, Resync, initial_version
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+API_MODES = ("sync",)  # modes this front door runs so far (phalanx join runs them all)
+Scheduler = Union[torch.optim.lr_scheduler.LRScheduler, Callable[[torch.optim.Optimizer], Any]]
+
+
+@dataclass
+class Statistics:
+    """What a peer knows about its swarm after its last global step."""
+
+    global_step: int
+    """Global steps (rounds applied) of the state this peer holds."""
+    local_samples: int
+    """Samples accumulated since the last global step."""
+    samples_per_round: int
+    """This peer's share of target_batch_size: samples it accumulates before joining a round."""
+    peers_last_round: int
+    """Members of the last round this peer applied."""
+    last_round: Optional[str]
+    """ok, partial (some parts were lost), failed, resynced (downloaded the swarm's state), or None."""
+    rounds_ok: int
+    rounds_partial: int
+    rounds_failed: int
+    resyncs: int
+    bytes_sent: int
+    bytes_received: int
+    staleness_penalty: Optional[float]
+    """The last staleness correction's factor; None in sync mode, where nothing is stale."""
+    banned: list[str] = field(default_factory=list)
+    """Peers the swarm banned, as this peer knows."""
+
+
+class _SwarmThread:
+    """An event loop on a thread of its own, where the node lives; callers wait on its results."""
+
+    def __init__(self) -> None:
+        import uvloop
+
+        self.loop = uvloop.new_event_loop()
+        self.loop.set_exception_handler(quiet_p2p_daemon_noise)
+        self.thread = threading.Thread(target=self.loop.run_forever, name="phalanx-swarm", daemon=True)
+        self.thread.start()
+
+    def call(self, coro: Coroutine[Any, Any, T]) -> T:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(timeout=30)
+        if not self.thread.is_alive():
+            self.loop.close()
+
+
+class Optimizer(torch.optim.Optimizer):
+    """Wraps `optimizer` (an instance, or a factory called with `params`) and joins the swarm `run_id`.
+
+    Swarm settings are those of `phalanx join`, by the flags' names with underscores (`initial_peers`,
+    `identity_path`, `host_maddrs`, `aggregator`, `compression`, `matchmaking_timeout_s`, `http_port`,
+    ...). Peers meet only if their run id, parameter shapes, optimizer hyperparameters, batch sizes and
+    round settings agree. `scheduler` (an LR scheduler, or a factory called with the wrapped
+    optimizer) steps once per global step, so every peer's learning rate follows the swarm's step.
+    """
+
+    def __init__(
+        self,
+        optimizer: Union[torch.optim.Optimizer, Callable[[Iterable[torch.Tensor]], torch.optim.Optimizer]],
+        params: Optional[Iterable[torch.Tensor]] = None,
+        *,
+        run_id: str,
+        batch_size_per_step: int,
+        target_batch_size: Optional[int] = None,
+        mode: str = "sync",
+        scheduler: Optional[Scheduler] = None,
+        verify: bool = False,
+        batch_fn: Optional[Callable[..., Any]] = None,
+        loss_fn: Optional[Callable[..., torch.Tensor]] = None,
+        **settings: Any,
+    ) -> None:
+        inner = _make_inner(optimizer, params)
+        if not isinstance(batch_size_per_step, int) or batch_size_per_step < 1:
+            raise ConfigError(
+                f"phalanx.Optimizer(batch_size_per_step={batch_size_per_step!r}): give the samples of one step, ≥ 1"
+            )
+        if target_batch_size is not None and (
+            not isinstance(target_batch_size, int) or target_batch_size < batch_size_per_step
+        ):
+            raise ConfigError(
+                f"phalanx.Optimizer(target_batch_size={target_batch_size!r}): give the samples of one global step, "
+                f"≥ batch_size_per_step ({batch_size_per_step}), or None for a round every step"
+            )
+        if mode not in API_MODES:
+            raise ConfigError(
+                f"phalanx.Optimizer(mode={mode!r}): this front door runs {', '.join(API_MODES)} so far; "
+                f"use mode='sync' here, or `phalanx join --mode {mode}` with a task"
+            )
+        if verify:
+            missing = [name for name, given in (("batch_fn", batch_fn), ("loss_fn", loss_fn)) if given is None]
+            if missing:
+                raise ConfigError(
+                    "phalanx.Optimizer(verify=True): validators recompute a peer's gradient from its public batch; "
+                    f"pass {' and '.join(missing)} (batch_fn(seed, peer_id, step) -> batch, loss_fn(batch) -> loss)"
+                )
+            raise ConfigError(
+                "phalanx.Optimizer(verify=True) is not available through the library yet; "
+                "run a verified swarm with `phalanx join --verify --task package.module:factory`"
+            )
+        super().__init__([p for g in inner.param_groups for p in g["params"]], inner.defaults)
+        self.param_groups, self.state = inner.param_groups, inner.state  # one set: schedulers and users see the inner's
+        self.inner = inner
+        self.batch_size_per_step, self.target_batch_size = batch_size_per_step, target_batch_size
+        self.trainable = Trainable([p for g in inner.param_groups for p in g["params"]], inner)
+        self.plan = _plan(inner, run_id, mode, batch_size_per_step, target_batch_size, settings)
+        self.scheduler = scheduler(inner) if callable(scheduler) and not hasattr(scheduler, "step") else scheduler
+        self._scheduled = 0  # global steps the scheduler has taken
+        self._accumulated: Optional[torch.Tensor] = None  # (numel,) sum of batch gradients × batch size
+        self._samples = 0
+        self._share = batch_size_per_step
+        self._last_loss: Optional[float] = None
+        self._last_round: Optional[str] = None
+        self._peers_last_round = 0
+        self._metrics = PeerMetrics(role="trainer")
+        self._health = None
+        self._closed = False
+        self._swarm = _SwarmThread()
+        try:
+            self.node: Node = self._swarm.call(self._open())
+        except BaseException:
+            self._swarm.close()
+            raise
+        atexit.register(self.close)
+
+    # ---- the user's loop ----------------------------------------------------------------------
+
+    @torch.no_grad()
+    def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
+        """A local step: add this batch's gradients; when this peer's share is in, a global step."""
+        if self._closed:
+            raise PhalanxError("phalanx.Optimizer.step() after close(): make a new optimizer to rejoin")
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if isinstance(loss, torch.Tensor):
+            self._last_loss = float(loss.detach())
+        self._accumulate()
+        if self._samples >= self._share:
+            self._global_step()
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.inner.zero_grad(set_to_none=set_to_none)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        if getattr(self, "inner", None) is None:  # torch.optim.Optimizer.__init__ adds the first one
+            return super().add_param_group(param_group)
+        raise ConfigError(
+            "phalanx.Optimizer: parameters are fixed once the swarm is joined; give them all to the wrapped optimizer"
+        )
+
+    def load_state_from_peers(self) -> bool:
+        """Download the swarm's parameters, optimizer state and step (a newcomer's first call); False
+        when no peer with a state was ready to hand one over within the join timeout."""
+        snapshot = self._swarm.call(self.node.engine.fetch_swarm_state(self.trainable.state_tensors()))
+        if snapshot is None:
+            return False
+        self.trainable.load_state_tensors(snapshot.tensors)
+        self.node.engine.set_state(snapshot.version, snapshot.step)
+        self._reset_accumulator()
+        self._follow_schedule()
+        self._last_round = "resynced"
+        return True
+
+    # ---- what users asked for ----------------------------------------------------------------
+
+    @property
+    def global_step(self) -> int:
+        return self.node.engine.step
+
+    def statistics(self) -> Statistics:
+        engine, transport = self.node.engine, self.node.transport
+        s = engine.stats
+        return Statistics(
+            global_step=engine.step,
+            local_samples=self._samples,
+            samples_per_round=self._share,
+            peers_last_round=self._peers_last_round,
+            last_round=self._last_round,
+            rounds_ok=s.rounds_ok,
+            rounds_partial=s.rounds_partial,
+            rounds_failed=s.rounds_failed,
+            resyncs=s.resyncs,
+            bytes_sent=transport.stats.bytes_sent,
+            bytes_received=transport.stats.bytes_received,
+            staleness_penalty=None,
+            banned=sorted(self.node.membership.banned),
+        )
+
+    def state_dict(self) -> dict[str, Any]:
+        state = {"optimizer": self.inner.state_dict(), "global_step": self.global_step}
+        if self.scheduler is not None:
+            state["scheduler"] = self.scheduler.state_dict()
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a checkpoint of `state_dict()`; peers that load the same one (and the same parameters)
+        hold the same version and train on together, the others resync at their first round."""
+        if not isinstance(state_dict, dict) or "optimizer" not in state_dict or "global_step" not in state_dict:
+            raise ConfigError("phalanx.Optimizer.load_state_dict: give what phalanx.Optimizer.state_dict() returned")
+        self.inner.load_state_dict(state_dict["optimizer"])
+        if self.scheduler is not None and "scheduler" in state_dict:
+            self.scheduler.load_state_dict(state_dict["scheduler"])
+            self._scheduled = int(state_dict["global_step"])
+        step = int(state_dict["global_step"])
+        version = initial_version(self.plan.run_hash, self.trainable.state_tensors(), step)
+        self.node.engine.set_state(version, step)
+        self._follow_schedule()
+
+    def close(self) -> None:
+        """Leave the swarm: stop the node (its DHT process and p2p daemon too) and the loop's thread."""
+        if self._closed:
+            return
+        self._closed = True
+        atexit.unregister(self.close)
+        try:
+            self._swarm.call(self._aclose())
+        finally:
+            self._swarm.close()
+
+    def __enter__(self) -> Optimizer:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # ---- inside ------------------------------------------------------------------------------
+
+    async def _open(self) -> Node:
+        node = await open_node(self.plan, loss=lambda: self._last_loss)
+        try:
+            node.engine.set_state(initial_version(self.plan.run_hash, self.trainable.state_tensors(), 0), 0)
+            self._health = await open_node_health(node, self.plan, self._metrics)
+            await wait_for_trainers(node, self.plan.training.wait_for_peers)
+            self._share = self._next_share(node)
+        except BaseException:
+            await node.aclose()
+            raise
+        return node
+
+    async def _aclose(self) -> None:
+        if self._health is not None:
+            await self._health.aclose()
+        await self.node.aclose()
+
+    def _next_share(self, node: Node) -> int:
+        """This peer's part of target_batch_size: split among the trainers it sees (at least the
+        `wait_for_peers` asked for), rounded up to whole steps."""
+        if self.target_batch_size is None:
+            return self.batch_size_per_step
+        trainers = max(len(node.membership.peers()), self.plan.training.wait_for_peers, 1)
+        steps = math.ceil(self.target_batch_size / trainers / self.batch_size_per_step)
+        return steps * self.batch_size_per_step
+
+    def _accumulate(self) -> None:
+        params = self.trainable.params
+        if self._accumulated is None:
+            self._accumulated = torch.zeros(self.trainable.numel, dtype=torch.float32, device=params[0].device)
+        offset = 0
+        for p in params:
+            if p.grad is not None:
+                self._accumulated[offset : offset + p.numel()].add_(p.grad.reshape(-1), alpha=self.batch_size_per_step)
+            offset += p.numel()
+        self._samples += self.batch_size_per_step
+
+    def _reset_accumulator(self) -> None:
+        if self._accumulated is not None:
+            self._accumulated.zero_()
+        self._samples = 0
+
+    def _global_step(self) -> None:
+        """Average this peer's mean gradient with the swarm's, weighted by samples, and step on it."""
+        vector = (self._accumulated / self._samples).to("cpu", torch.float32)
+        outcome = self._swarm.call(self._round(vector, float(self._samples)))
+        if isinstance(outcome, Averaged):
+            self.trainable.apply(outcome.result.vector)
+            self._swarm.call(self.node.engine.completed(outcome, self.trainable.state_tensors))
+            self._last_round = "partial" if outcome.result.missing_parts else "ok"
+            self._peers_last_round = len(outcome.group.members)
+            self._metrics.round_done(
+                step=self.global_step, loss=self._last_loss if self._last_loss is not None else math.nan,
+                samples=self._samples, averaged=outcome, duration_s=self.node.engine.stats.last_round_s,
+            )  # fmt: skip
+        self._reset_accumulator()
+        self._follow_schedule()
+        self._share = self._next_share(self.node)
+
+    async def _round(self, vector: torch.Tensor, weight: float) -> Union[Averaged, Resync]:
+        """The round of this global step, retried (backing off) until one completes; a resync
+        downloads the swarm's state here and returns the order."""
+        engine, failures = self.node.engine, 0
+        while True:
+            self._check_node()
+            try:
+                outcome = await engine.run_round(vector, weight=weight)
+            except ROUND_FAILURES as e:
+                failures += 1
+                self._metrics.round_failed()
+                self._last_round = "failed"
+                logger.warning(f"round at global step {engine.step} failed: {e}; retrying")
+                await asyncio.sleep(min(5.0, 0.1 * 2 ** min(failures, 6)))
+                continue
+            if isinstance(outcome, Resync):
+                try:
+                    snapshot = await engine.fetch_state(outcome, self.trainable.state_tensors())
+                except (PhalanxError, ValueError) as e:
+                    logger.warning(f"state download from {outcome.donor[-8:]} failed: {e}; retrying")
+                    continue
+                self.trainable.load_state_tensors(snapshot.tensors)  # the caller's thread waits: no race
+                engine.set_state(snapshot.version, snapshot.step)
+                self._last_round = "resynced"
+                logger.info(f"loaded the swarm's state of global step {snapshot.step} from {outcome.donor[-8:]}")
+            return outcome
+
+    def _check_node(self) -> None:
+        node = self.node
+        if node.peer_id in node.membership.banned:
+            raise PhalanxError("the swarm banned this peer (its ban votes are in the DHT); stopping")
+        if not node.dht.is_alive():
+            raise PhalanxError(f"{DHT_DIED}: the swarm is out of reach")
+
+    def _follow_schedule(self) -> None:
+        """Step the scheduler to the global step (a newcomer's catches up with the swarm's)."""
+        if self.scheduler is None:
+            return
+        while self._scheduled < self.global_step:
+            self.scheduler.step()
+            self._scheduled += 1
+
+
+def _make_inner(optimizer: Any, params: Optional[Iterable[torch.Tensor]]) -> torch.optim.Optimizer:
+    if isinstance(optimizer, torch.optim.Optimizer):
+        if params is not None:
+            raise ConfigError(
+                "phalanx.Optimizer: give params only with an optimizer factory; this optimizer has its own"
+            )
+        return optimizer
+    if not callable(optimizer):
+        raise ConfigError(
+            f"phalanx.Optimizer(optimizer={type(optimizer).__name__}): give a torch.optim.Optimizer or a factory "
+            "called with params (e.g. lambda params: torch.optim.AdamW(params, lr=3e-4))"
+        )
+    if params is None:
+        raise ConfigError("phalanx.Optimizer: an optimizer factory needs params=model.parameters()")
+    inner = optimizer(params)
+    if not isinstance(inner, torch.optim.Optimizer):
+        raise ConfigError(
+            f"phalanx.Optimizer: the factory returned {type(inner).__name__}, not a torch.optim.Optimizer"
+        )
+    return inner
+
+
+def _plan(
+    inner: torch.optim.Optimizer,
+    run_id: str,
+    mode: str,
+    batch_size: int,
+    target: Optional[int],
+    settings: dict[str, Any],
+) -> PeerPlan:
+    """The plan of `phalanx join` for these settings; its task name fingerprints what peers must share
+    that a task would have fixed: parameter shapes, the optimizer and its hyperparameters, the target."""
+    fields = {**settings, "run_id": run_id, "mode": mode, "batch_size": batch_size, "task": _fingerprint(inner, target)}
+    try:
+        config = PeerConfig(**fields)
+    except ValidationError as e:
+        first = e.errors()[0]
+        message = _as_arguments(first["msg"].removeprefix("Value error, "))
+        where = f"{first['loc'][0]}={first.get('input')!r}" if first["loc"] else "settings"
+        unknown = first["type"] == "extra_forbidden"
+        raise ConfigError(
+            f"phalanx.Optimizer({where}): "
+            + ("no such setting; settings are phalanx join's flags with underscores" if unknown else message)
+        ) from None
+    try:
+        return make_plan(config)
+    except ConfigError as e:
+        raise ConfigError(f"phalanx.Optimizer: {_as_arguments(str(e))}") from None
+
+
+def _fingerprint(inner: torch.optim.Optimizer, target: Optional[int]) -> str:
+    groups = []
+    for g in inner.param_groups:
+        shapes = [[list(p.shape), str(p.dtype)] for p in g["params"]]
+        hyper = {
+            k: (v if isinstance(v, (int, float, bool, str, type(None))) else repr(v))
+            for k, v in g.items()
+            if k != "params"
+        }
+        groups.append({"shapes": shapes, "hyper": hyper})
+    spec = {"optimizer": type(inner).__qualname__, "groups": groups, "target_batch_size": target}
+    return "phalanx.Optimizer:" + hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _as_arguments(message: str) -> str:
+    """phalanx join's error messages name flags; here they name the arguments (`--tau` → `tau=`)."""
+    return re.sub(r"--([a-z][a-z0-9-]*)", lambda m: m.group(1).replace("-", "_") + "=", message)

@@ -1,0 +1,241 @@
+"""`phalanx.Optimizer` driven by users' own scripts (real processes on loopback), and its errors."""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import hivemind
+import pytest
+import torch
+import torch.nn.functional as F
+from trainer_procs import LOOPBACK, group_members
+
+from phalanx.aggregation.errors import ConfigError
+
+ROOT = Path(__file__).parents[2]
+spec = importlib.util.spec_from_file_location("plain_loop", ROOT / "examples" / "plain_loop.py")
+plain_loop = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(plain_loop)
+
+
+@pytest.fixture
+def bootstrap():
+    dht = hivemind.DHT(host_maddrs=[LOOPBACK], start=True)
+    yield [str(m) for m in dht.get_visible_maddrs()]
+    dht.shutdown()
+
+
+def _start(args: list[str], log: Path) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen(
+        [sys.executable, *args], stdout=log.open("wb"), stderr=subprocess.STDOUT, env=env, start_new_session=True
+    )
+
+
+def _finish(procs: list[subprocess.Popen], logs: list[Path], timeout: float = 300) -> None:
+    try:
+        for p, log in zip(procs, logs, strict=True):
+            assert p.wait(timeout) == 0, log.read_text()[-3000:]
+        for p in procs:  # the DHT process and p2pd went with each script
+            assert not group_members(p.pid), f"processes {group_members(p.pid)} outlived their script"
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+
+GLOBAL_STEPS, BATCH, TARGET, PEERS = 25, 8, 48, 3
+TOLERANCE = 1e-4  # validation loss, swarm vs one process; measured difference ≈ 1e-7 (float sums in another order)
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(600)
+def test_three_users_scripts_match_one_process_training_on_the_union_of_their_batches(bootstrap, tmp_path):
+    outs = [tmp_path / f"{r}.json" for r in range(PEERS)]
+    logs = [tmp_path / f"{r}.log" for r in range(PEERS)]
+    procs = [
+        _start(
+            [
+                str(ROOT / "examples" / "plain_loop.py"),
+                "--initial-peers",
+                *bootstrap,
+                "--rank",
+                str(r),
+                "--peers",
+                str(PEERS),
+                "--global-steps",
+                str(GLOBAL_STEPS),
+                "--batch-size",
+                str(BATCH),
+                "--target-batch-size",
+                str(TARGET),
+                "--out",
+                str(outs[r]),
+            ],
+            logs[r],
+        )  # fmt: skip
+        for r in range(PEERS)
+    ]
+    _finish(procs, logs)
+    results = [json.loads(out.read_text()) for out in outs]
+
+    # the reference: one process, AdamW, each global step on the union of the peers' batches of that step
+    train, valid = plain_loop.digits()
+    model = plain_loop.make_model()
+    reference = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
+    per_peer = TARGET // PEERS // BATCH  # local steps each peer takes per global step
+    for t in range(GLOBAL_STEPS):
+        batches = [
+            plain_loop.batch(train, r, s, BATCH) for r in range(PEERS) for s in range(t * per_peer, (t + 1) * per_peer)
+        ]
+        inputs, labels = torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches])
+        assert len(labels) == TARGET
+        reference.zero_grad()
+        F.cross_entropy(model(inputs), labels).backward()
+        reference.step()
+    expected = plain_loop.validation_loss(model, valid)
+    initial = plain_loop.validation_loss(plain_loop.make_model(), valid)
+
+    for r in results:
+        assert r["global_step"] == GLOBAL_STEPS and r["rounds_ok"] == GLOBAL_STEPS and r["rounds_failed"] == 0
+        # target_batch_size exactly: each peer put in its share, 2 local steps of 8 samples, every global step
+        assert r["samples_per_round"] == TARGET // PEERS and r["local_steps"] == GLOBAL_STEPS * per_peer
+        assert r["peers_last_round"] == PEERS and r["last_round"] == "ok"
+        assert abs(r["validation_loss"] - expected) <= TOLERANCE, (r["validation_loss"], expected)
+    assert expected < initial - 0.3, (expected, initial)  # it did learn, so agreeing means something
+    assert results[0]["params"] == results[1]["params"] == results[2]["params"]
+    torch.testing.assert_close(
+        torch.tensor(results[0]["params"]),
+        torch.nn.utils.parameters_to_vector(model.parameters()).detach(),
+        atol=1e-5,
+        rtol=0,
+    )
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(600)
+def test_a_newcomer_loads_bit_identical_parameters_and_adamw_state_from_peers(bootstrap, tmp_path):
+    script = str(Path(__file__).parent / "api_peer.py")
+    logs = [tmp_path / f"{n}.log" for n in "abc"]
+    peers = [
+        _start([script, n, str(tmp_path), "--initial-peers", *bootstrap, "--peers", "2", "--rank", str(r)], log)
+        for r, (n, log) in enumerate(zip("ab", logs[:2], strict=True))
+    ]
+    try:
+        deadline = time.monotonic() + 240
+        while not list(tmp_path.glob("a-5.pt")):
+            assert time.monotonic() < deadline and all(p.poll() is None for p in peers), logs[0].read_text()[-3000:]
+            time.sleep(0.5)
+        newcomer = _start(
+            [script, "c", str(tmp_path), "--initial-peers", *bootstrap, "--newcomer", "--rank", "2"], logs[2]
+        )
+        _finish([newcomer], logs[2:])
+    finally:
+        (tmp_path / "stop").touch()
+    _finish(peers, logs[:2])
+    (loaded,) = tmp_path.glob("c-loaded-*.pt")
+    step = int(loaded.stem.rsplit("-", 1)[1])
+    assert step >= 5
+    got = torch.load(loaded, weights_only=True)
+    for name in "ab":
+        theirs = torch.load(tmp_path / f"{name}-{step}.pt", weights_only=True)
+        assert all(torch.equal(x, y) for x, y in zip(got["params"], theirs["params"], strict=True))
+        for i, state in theirs["optimizer"]["state"].items():
+            for key in ("exp_avg", "exp_avg_sq", "step"):
+                assert torch.equal(got["optimizer"]["state"][i][key], state[key]), (name, i, key)
+    # and it trains on with them in lockstep: three more global steps, still identical
+    after = torch.load(tmp_path / f"c-{step + 3}.pt", weights_only=True)
+    theirs = torch.load(tmp_path / f"a-{step + 3}.pt", weights_only=True)
+    assert all(torch.equal(x, y) for x, y in zip(after["params"], theirs["params"], strict=True))
+
+
+def _model_and_adamw():
+    model = torch.nn.Linear(4, 2)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error"),
+    [
+        (
+            {"verify": True},
+            "phalanx.Optimizer(verify=True): validators recompute a peer's gradient from its public batch; pass batch_fn and loss_fn",
+        ),
+        ({"mode": "lasgd"}, "phalanx.Optimizer(mode='lasgd'): this front door runs sync so far"),
+        ({"batch_size_per_step": 0}, "phalanx.Optimizer(batch_size_per_step=0): give the samples of one step, ≥ 1"),
+        (
+            {"target_batch_size": 4},
+            "phalanx.Optimizer(target_batch_size=4): give the samples of one global step, ≥ batch_size_per_step (8)",
+        ),
+        (
+            {"learning_rate": 1.0},
+            "phalanx.Optimizer(learning_rate=1.0): no such setting; settings are phalanx join's flags with underscores",
+        ),
+        ({"compression": "zip"}, "phalanx.Optimizer(compression='zip'): Input should be 'none', 'fp16' or '8bit'"),
+        (
+            {"aggregator": "centered_clip", "verify": True, "batch_fn": print, "loss_fn": print},
+            "phalanx.Optimizer(verify=True) is not available through the library yet",
+        ),
+    ],
+)
+def test_a_mistake_is_one_line_naming_the_argument_before_anything_starts(kwargs, error):
+    _, inner = _model_and_adamw()
+    kwargs = {"run_id": "errors", "batch_size_per_step": 8, **kwargs}
+    with pytest.raises(ConfigError) as caught:
+        __import__("phalanx").Optimizer(inner, **kwargs)
+    assert str(caught.value).startswith(error) and "\n" not in str(caught.value), str(caught.value)
+
+
+def test_an_optimizer_factory_needs_params_and_an_instance_refuses_them():
+    model, inner = _model_and_adamw()
+    import phalanx
+
+    with pytest.raises(ConfigError, match="an optimizer factory needs params=model.parameters()"):
+        phalanx.Optimizer(lambda ps: torch.optim.AdamW(ps), run_id="x", batch_size_per_step=1)
+    with pytest.raises(ConfigError, match="give params only with an optimizer factory"):
+        phalanx.Optimizer(inner, model.parameters(), run_id="x", batch_size_per_step=1)
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(300)
+def test_alone_it_steps_its_schedule_per_global_step_round_trips_state_and_leaves_no_process():
+    import psutil
+
+    import phalanx
+
+    model, inner = _model_and_adamw()
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    schedule = lambda o: torch.optim.lr_scheduler.LambdaLR(o, lambda s: 1 / (1 + s))  # noqa: E731
+    with phalanx.Optimizer(
+        inner, run_id="alone", batch_size_per_step=2, target_batch_size=4, host_maddrs=[LOOPBACK], scheduler=schedule
+    ) as opt:
+        assert isinstance(opt, torch.optim.Optimizer) and opt.param_groups is inner.param_groups
+        for _ in range(10):
+            F.mse_loss(model(torch.randn(2, 4)), torch.randn(2, 2)).backward()
+            opt.step()
+            opt.zero_grad()
+        assert opt.global_step == 5 and opt.statistics().rounds_ok == 5 and opt.statistics().peers_last_round == 1
+        assert inner.param_groups[0]["lr"] == pytest.approx(1e-3 / 6)
+        state = opt.state_dict()
+        params = [p.detach().clone() for p in model.parameters()]
+        F.mse_loss(model(torch.randn(2, 4)), torch.randn(2, 2)).backward()
+        opt.step()  # a local step: gradients accumulate, parameters stay
+        assert all(torch.equal(p, q) for p, q in zip(params, model.parameters(), strict=True))
+    again = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with phalanx.Optimizer(
+        again, run_id="alone", batch_size_per_step=2, target_batch_size=4, host_maddrs=[LOOPBACK], scheduler=schedule
+    ) as opt:
+        opt.load_state_dict(state)
+        assert opt.global_step == 5 and inner.param_groups[0]["lr"] == again.param_groups[0]["lr"]
+        for p in model.parameters():
+            assert torch.equal(again.state[p]["exp_avg"], inner.state[p]["exp_avg"])
+    time.sleep(0.5)
+    left = [
+        p for p in psutil.Process().children(recursive=True) if p.pid not in before and p.name() != "torch_shm_manager"
+    ]
+    assert not left, left
