@@ -19,13 +19,13 @@ from typing import Annotated, Any, Literal, Optional
 from phalanx.peer.modes import MODES, modes_help
 from phalanx.aggregation.errors import ConfigError
 from phalanx.aggregation.names import AGGREGATOR_NAMES
-from phalanx.aggregation.spec import aggregator_params, parse_aggregator_params, parse_spec
+from phalanx.aggregation.spec import aggregator_params, parse_aggregator_params, parse_params, parse_spec
 from phalanx.protocol.config import Codec, MatchmakingConfig, RoundConfig, verify_config_for
 from pydantic import Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, InitSettingsSource, NoDecode, PydanticBaseSettingsSource, SettingsConfigDict
 
 PROTOCOL_VERSION = 1
-BUILTIN_TASKS = ("digits-mlp", "mnist-cnn", "cifar10-resnet18")
+BUILTIN_TASKS = ("digits-mlp", "mnist-cnn", "cifar10-resnet18", "tiny-gpt")
 """phalanx.tasks.TASKS's names (a test keeps them equal): known here without importing torch."""
 ENV_PREFIX = "PHALANX_"
 _config_data: contextvars.ContextVar[Optional[dict]] = contextvars.ContextVar("phalanx_config_data", default=None)
@@ -102,6 +102,8 @@ class PeerConfig(NetworkSettings):
 
     task: str = Field("digits-mlp", description=f"Built-in task ({', '.join(BUILTIN_TASKS)}) or package.module:factory for your own.")
     data_dir: Optional[Path] = Field(None, description="Where the task's data files are (mnist-cnn, cifar10-resnet18).")
+    data_file: Optional[Path] = Field(None, description="tiny-gpt: the text file to train on (default: this Python's standard-library source).")
+    task_options: str = Field("", description="Options of the task's factory as name=value,... (tiny-gpt: dim, layers, heads, context).")
     device: str = Field("auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$", description="auto, cpu, cuda or cuda:N.")
     mode: Literal[tuple(MODES)] = Field("sync", description=modes_help())  # peer/modes: the registry
     sync_every: int = Field(10, ge=1, description="lasgd/gossip: start an exchange every H local steps (H).")
@@ -119,6 +121,7 @@ class PeerConfig(NetworkSettings):
     seed: int = Field(0, ge=0, description="Seed of the initial model and of every peer's minibatches.")
     steps: Optional[int] = Field(None, ge=1, description="Stop after this many steps (default: run until stopped).")
     target_accuracy: Optional[float] = Field(None, gt=0, le=1, description="Stop once test accuracy reaches this.")
+    target_loss: Optional[float] = Field(None, gt=0, description="Stop once the test (validation) loss is at most this.")
     eval_every: int = Field(25, ge=1, description="Evaluate on the test split every N steps.")
     aggregator: str = Field("mean", description=f"Rule each reducer applies, with parameters as NAME:name=value,... (e.g. bucketing:s=2,inner=mean): {', '.join(AGGREGATOR_NAMES)}; clipped_gossip (gossip/lasgd: each member gets its own clipped average).")
     tau: Optional[float] = Field(None, gt=0, description="Clipping radius for centered_clip (shorthand for --aggregator-params tau=…).")
@@ -142,6 +145,15 @@ class PeerConfig(NetworkSettings):
     admission: Optional[Path] = Field(None, description="Private swarm: the owner's public key (from `phalanx keygen --owner`); peers without a valid certificate are refused.")
     certificate: Optional[Path] = Field(None, description="Private swarm: this peer's certificate (from `phalanx admit`).")
     attack: Optional[str] = Field(None, description="Make this peer an attacker (tests and demos): sign_flip, random_direction, label_flip, delayed, ipm, alie, nan, wrong_aggregate, equivocate, false_report, false_accusation, withhold_reveal, bad_commitment, silent, inflate_weight, withhold_aggregate, false_dispute, leave_out, deflate_weight, cover_up, equivocate_report, withhold_report, poison_state.")
+
+    @field_validator("task_options")
+    @classmethod
+    def _task_options_are_pairs(cls, value: str) -> str:
+        try:
+            parse_params(value)
+        except ValueError as e:
+            raise ValueError(f"{str(e)!r} is not name=value; write options as name=value,name=value") from None
+        return value
 
     @model_validator(mode="after")
     def _check_peer(self) -> PeerConfig:

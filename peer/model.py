@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 from typing import Optional
 
 import torch
@@ -29,15 +30,25 @@ class Trainable:
     grads, named state). `module`, when given, adds its buffers (BatchNorm statistics) to the state."""
 
     def __init__(
-        self, params: list[torch.Tensor], optimizer: torch.optim.Optimizer, module: Optional[torch.nn.Module] = None
+        self,
+        params: list[torch.Tensor],
+        optimizer: torch.optim.Optimizer,
+        module: Optional[torch.nn.Module] = None,
+        lr_factor: Optional[Callable[[int], float]] = None,
     ) -> None:
-        self.module, self.optimizer = module, optimizer
+        self.module, self.optimizer, self.lr_factor = module, optimizer, lr_factor
+        self.base_lrs = [g["lr"] for g in optimizer.param_groups]
         self.params = [p for p in params if p.requires_grad]
         self.numel = sum(p.numel() for p in self.params)
         materialize_optimizer_state(optimizer, self.params)
 
-    def apply(self, aggregate: torch.Tensor) -> None:
-        """Use the group's aggregate (numel,) as this step's gradient."""
+    def apply(self, aggregate: torch.Tensor, step: int) -> None:
+        """Use the group's aggregate (numel,) as the gradient of `step` (the step it leads to the state of,
+        counted from 0), at the learning rate the schedule gives that step."""
+        if self.lr_factor is not None:
+            factor = self.lr_factor(step)
+            for group, base in zip(self.optimizer.param_groups, self.base_lrs, strict=True):
+                group["lr"] = base * factor
         aggregate = aggregate.to(self.params[0].device, non_blocking=True)
         offset = 0
         for p in self.params:
@@ -113,7 +124,7 @@ class Model(Trainable):
         optimizer = task.make_optimizer(
             [p for p in module.parameters() if p.requires_grad], config.lr, config.momentum, config.weight_decay
         )
-        super().__init__(list(module.parameters()), optimizer, module)
+        super().__init__(list(module.parameters()), optimizer, module, task.lr_factor)
         self.module: torch.nn.Module = module
 
 

@@ -329,7 +329,7 @@ class Optimizer(torch.optim.Optimizer):
         vector = (self._accumulated / self._samples).to("cpu", torch.float32)
         outcome = self._swarm.call(self._round(vector, float(self._samples)))
         if isinstance(outcome, Averaged):
-            self.trainable.apply(outcome.result.vector)
+            self.trainable.apply(outcome.result.vector, self.global_step)
             self._swarm.call(self.node.engine.completed(outcome, self.trainable.state_tensors))
             self._last_round = "partial" if outcome.result.missing_parts else "ok"
             self._peers_last_round = len(outcome.group.members)

@@ -34,6 +34,10 @@ class TrainingConfig:
     """Built-in task name or package.module:factory."""
     data_dir: Optional[Path]
     """Where the task's data files are."""
+    data_file: Optional[Path]
+    """The text file a language-model task trains on."""
+    task_options: str
+    """The task factory's options, name=value,..."""
     device: str
     """auto, cpu, cuda or cuda:N."""
     mode: str
@@ -52,6 +56,8 @@ class TrainingConfig:
     """Stop after this many steps; None: run until stopped."""
     target_accuracy: Optional[float]
     """Stop once test accuracy reaches this."""
+    target_loss: Optional[float]
+    """Stop once the test loss is at most this."""
     eval_every: int
     """Evaluate every N steps."""
     checkpoint_dir: Optional[Path]
@@ -179,6 +185,7 @@ def run_hash(
         "protocol": PROTOCOL_VERSION,
         "run_id": run_id,
         "task": training.task,
+        "task_options": training.task_options,
         "mode": training.mode,
         "batch_size": training.batch_size,
         "lr": training.lr,

@@ -18,12 +18,13 @@ from typing import Any, Optional, Protocol, TypeVar
 
 import torch
 
-from phalanx.aggregation.errors import PhalanxError
+from phalanx.aggregation.errors import ConfigError, PhalanxError
+from phalanx.aggregation.spec import parse_params
 from phalanx.peer.checkpoint import load_latest, save_checkpoint
 from phalanx.peer.health import PeerMetrics, open_node_health
 from phalanx.peer.model import Model, resolve_device
 from phalanx.peer.node import DHT_DIED, Node, open_node, visible_maddrs, wait_for_trainers
-from phalanx.peer.plan import PeerPlan
+from phalanx.peer.plan import PeerPlan, TrainingConfig
 from phalanx.protocol.engine import RoundEngine, initial_version
 from phalanx.tasks import compute_gradient, resolve_task
 
@@ -76,8 +77,7 @@ class Runtime:
         if config.torch_threads:
             torch.set_num_threads(config.torch_threads)
         self.device = resolve_device(config.device)
-        options = {"data_dir": config.data_dir} if config.data_dir is not None else {}
-        self.task = resolve_task(config.task, **options).to(self.device)
+        self.task = resolve_task(config.task, **task_options(config)).to(self.device)
         self.model = Model(self.task, config)
         self.batch_size = config.batch_size or self.task.batch_size
         self.attack = plan.attack.gradient
@@ -137,7 +137,7 @@ class Runtime:
     # ---- stopping -----------------------------------------------------------------------------
 
     def done(self, step: int) -> bool:
-        """A stop was requested, --steps are taken or --target-accuracy is reached."""
+        """A stop was requested, --steps are taken or --target-accuracy (--target-loss) is reached."""
         if self.stop_requested.is_set():
             return True
         if self.config.steps is not None and step >= self.config.steps:
@@ -201,9 +201,13 @@ class Runtime:
         metrics = await self.in_thread(self.task.evaluate, self.model.module)
         self.report.accuracy = metrics["accuracy"]
         self.health.evaluated(metrics["accuracy"])
-        logger.info(f"step {step} test accuracy {metrics['accuracy']:.4f} loss {metrics['loss']:.4f}")
+        extra = f" perplexity {metrics['perplexity']:.2f}" if "perplexity" in metrics else ""
+        logger.info(f"step {step} test accuracy {metrics['accuracy']:.4f} loss {metrics['loss']:.4f}{extra}")
         self.emit("eval", step=step, **metrics)
-        if self.config.target_accuracy is not None and metrics["accuracy"] >= self.config.target_accuracy:
+        config = self.config
+        if config.target_accuracy is not None and metrics["accuracy"] >= config.target_accuracy:
+            self.report.reached_target = True
+        if config.target_loss is not None and metrics["loss"] <= config.target_loss:
             self.report.reached_target = True
 
     def checkpoint(self, step: int) -> Optional[Path]:
@@ -279,3 +283,14 @@ class Runtime:
         self.model.optimizer.load_state_dict(ckpt.optimizer_state)
         logger.info(f"resumed from {ckpt.path.name} at step {ckpt.step}")
         return ckpt.step
+
+
+def task_options(config: TrainingConfig) -> dict[str, Any]:
+    """The task factory's keyword arguments: --data-dir, --data-file and --task-options name=value pairs."""
+    options: dict[str, Any] = dict(parse_params(config.task_options))
+    for name in ("data_dir", "data_file"):
+        if getattr(config, name) is not None:
+            if name in options:
+                raise ConfigError(f"--task-options {name}= and --{name.replace('_', '-')} both give it: keep one")
+            options[name] = getattr(config, name)
+    return options

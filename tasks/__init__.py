@@ -1,7 +1,7 @@
 """Training tasks: model + data + loss + evaluation, resolved by name or `package.module:factory`.
 
 `resolve_task(spec, **options)` is the entry point; `TASKS` holds the built-ins
-(`digits-mlp`, the default; `mnist-cnn`; `cifar10-resnet18`).
+(`digits-mlp`, the default; `mnist-cnn`; `cifar10-resnet18`; `tiny-gpt`, a byte-level language model).
 """
 
 from phalanx.tasks.base import Task, batch_generator, compute_gradient, flat_params, set_flat_params

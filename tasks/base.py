@@ -101,6 +101,10 @@ class Task:
             weight_decay=self.weight_decay if weight_decay is None else weight_decay,
         )
 
+    def lr_factor(self, step: int) -> float:
+        """The learning rate at `step` as a multiple of the optimizer's (a schedule; constant here)."""
+        return 1.0
+
     def batch(self, seed: int, peer_id: str, step: int, batch_size: int) -> tuple[Tensor, Tensor]:
         """The minibatch of `peer_id` at `step`: indices sampled with replacement from the training split."""
         generator = batch_generator(seed, peer_id, step)

@@ -16,6 +16,7 @@ from phalanx.tasks.base import Task
 from phalanx.tasks.cifar import cifar10_resnet18
 from phalanx.tasks.digits import digits_mlp
 from phalanx.tasks.mnist import mnist_cnn
+from phalanx.tasks.text import tiny_gpt
 
 TaskFactory = Callable[..., Task]
 
@@ -33,6 +34,7 @@ def register_task(name: str, factory: TaskFactory) -> None:
 register_task("digits-mlp", digits_mlp)
 register_task("mnist-cnn", mnist_cnn)
 register_task("cifar10-resnet18", cifar10_resnet18)
+register_task("tiny-gpt", tiny_gpt)
 
 
 def resolve_task(spec: str, **options: Any) -> Task:

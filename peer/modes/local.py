@@ -92,7 +92,7 @@ class LocalMode:
                 loss, grad = self.runtime.contribution(step)
         else:
             loss, grad = self.runtime.contribution(step)
-        model.apply(grad)
+        model.apply(grad, step)
         momentum = model.flat_momentum()
         unpenalized = momentum if momentum is not None else grad.detach().cpu()
         if torch.isfinite(unpenalized).all():

@@ -54,7 +54,7 @@ class SyncMode:
                 await self._resync(outcome)
                 continue
             # applying is never cancelled halfway: the model is either before or after this step
-            await asyncio.shield(runtime.in_thread(model.apply, outcome.result.vector))
+            await asyncio.shield(runtime.in_thread(model.apply, outcome.result.vector, step))
             await engine.completed(outcome, model.state_tensors)
             await self._step_done(loss, outcome)
 

@@ -102,6 +102,7 @@ LASGD = {"mode": "lasgd"}
 HASHED = {
     "run_id": ({}, {"run_id": "other"}),
     "task": ({}, {"task": "mnist-cnn"}),
+    "task_options": ({}, {"task_options": "hidden=32"}),
     "mode": ({}, {"mode": "lasgd"}),
     "sync_every": (LASGD, {**LASGD, "sync_every": 5}),
     "staleness": (LASGD, {**LASGD, "staleness": "sa"}),
@@ -145,11 +146,13 @@ LOCAL = {  # how this one peer connects, stores, reports and behaves; the swarm 
     "http_port": ({}, {"http_port": 8080}),
     "http_host": ({}, {"http_host": "0.0.0.0"}),
     "data_dir": ({}, {"data_dir": "/tmp/phalanx-test-data"}),
+    "data_file": ({}, {"data_file": "/tmp/phalanx-test-corpus.txt"}),
     "device": ({}, {"device": "cpu"}),
     "max_gap": (LASGD, {**LASGD, "max_gap": 3}),  # when this peer resyncs instead of contributing
     "slowdown": ({}, {"slowdown": "const:0.1"}),
     "steps": ({}, {"steps": 10}),
     "target_accuracy": ({}, {"target_accuracy": 0.5}),
+    "target_loss": ({}, {"target_loss": 1.5}),
     "eval_every": ({}, {"eval_every": 3}),
     "checkpoint_dir": ({}, {"checkpoint_dir": "/tmp/x"}),
     "checkpoint_every": ({}, {"checkpoint_every": 5}),
