@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import copy
 import hashlib
 import json
 import logging
@@ -39,6 +40,7 @@ from pydantic import ValidationError
 
 from phalanx.aggregation.errors import ConfigError, PhalanxError
 from phalanx.peer.config import PeerConfig
+from phalanx.peer.global_step import GlobalStep
 from phalanx.peer.health import PeerMetrics, open_node_health
 from phalanx.peer.model import Trainable
 from phalanx.peer.node import DHT_DIED, Node, open_node, quiet_p2p_daemon_noise, wait_for_trainers
@@ -120,8 +122,10 @@ class Optimizer(torch.optim.Optimizer):
         mode: str = "sync",
         scheduler: Optional[Scheduler] = None,
         verify: bool = False,
-        batch_fn: Optional[Callable[..., Any]] = None,
-        loss_fn: Optional[Callable[..., torch.Tensor]] = None,
+        model: Optional[torch.nn.Module] = None,
+        batch_fn: Optional[Callable[[int, str, int], Any]] = None,
+        loss_fn: Optional[Callable[[torch.nn.Module, Any], torch.Tensor]] = None,
+        seed: int = 0,
         **settings: Any,
     ) -> None:
         inner = _make_inner(optimizer, params)
@@ -142,27 +146,34 @@ class Optimizer(torch.optim.Optimizer):
                 f"use mode='sync' here, or `phalanx join --mode {mode}` with a task"
             )
         if verify:
-            missing = [name for name, given in (("batch_fn", batch_fn), ("loss_fn", loss_fn)) if given is None]
+            given = (("model", model), ("batch_fn", batch_fn), ("loss_fn", loss_fn))
+            missing = [name for name, value in given if value is None]
             if missing:
                 raise ConfigError(
                     "phalanx.Optimizer(verify=True): validators recompute a peer's gradient from its public batch; "
-                    f"pass {' and '.join(missing)} (batch_fn(seed, peer_id, step) -> batch, loss_fn(batch) -> loss)"
+                    f"pass {', '.join(missing)} (model, batch_fn(seed, peer_id, step) -> batch, loss_fn(model, batch) -> loss)"
                 )
-            raise ConfigError(
-                "phalanx.Optimizer(verify=True) is not available through the library yet; "
-                "run a verified swarm with `phalanx join --verify --task package.module:factory`"
-            )
+            if target_batch_size is not None:
+                raise ConfigError(
+                    "phalanx.Optimizer(verify=True, target_batch_size=...): validators recompute one public batch "
+                    "per global step; drop target_batch_size (or make the batch bigger)"
+                )
+        self.model, self.batch_fn, self.loss_fn, self.seed = model, batch_fn, loss_fn, seed
+        self._validator_model: Optional[torch.nn.Module] = None
         super().__init__([p for g in inner.param_groups for p in g["params"]], inner.defaults)
         self.param_groups, self.state = inner.param_groups, inner.state  # one set: schedulers and users see the inner's
         self.inner = inner
         self.batch_size_per_step, self.target_batch_size = batch_size_per_step, target_batch_size
         self.trainable = Trainable([p for g in inner.param_groups for p in g["params"]], inner)
-        self.plan = _plan(inner, run_id, mode, batch_size_per_step, target_batch_size, settings)
+        if verify:
+            self._model_index = {id(p): i for i, p in enumerate(model.parameters())}
+            if any(id(p) not in self._model_index for p in self.trainable.params):
+                raise ConfigError(
+                    "phalanx.Optimizer(verify=True, model=...): the model must hold every parameter the optimizer steps"
+                )
+        self.plan = _plan(inner, run_id, mode, batch_size_per_step, target_batch_size, seed, verify, settings)
         self.scheduler = scheduler(inner) if callable(scheduler) and not hasattr(scheduler, "step") else scheduler
         self._scheduled = 0  # global steps the scheduler has taken
-        self._accumulated: Optional[torch.Tensor] = None  # (numel,) sum of batch gradients × batch size
-        self._samples = 0
-        self._share = batch_size_per_step
         self._last_loss: Optional[float] = None
         self._last_round: Optional[str] = None
         self._peers_last_round = 0
@@ -190,8 +201,11 @@ class Optimizer(torch.optim.Optimizer):
                 loss = closure()
         if isinstance(loss, torch.Tensor):
             self._last_loss = float(loss.detach())
-        self._accumulate()
-        if self._samples >= self._share:
+        params = self.trainable.params
+        self._steps.add(
+            torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params])
+        )
+        if self._steps.ready:
             self._global_step()
         return loss
 
@@ -213,10 +227,18 @@ class Optimizer(torch.optim.Optimizer):
             return False
         self.trainable.load_state_tensors(snapshot.tensors)
         self.node.engine.set_state(snapshot.version, snapshot.step)
-        self._reset_accumulator()
+        self._steps.reset()
         self._follow_schedule()
         self._last_round = "resynced"
         return True
+
+    def public_batch(self) -> Any:
+        """With verify: this peer's batch of the current global step, `batch_fn(seed, peer_id, step)`.
+        Compute the loss on exactly this (and nothing else changes the gradient, no clipping): the
+        validators recompute it and the swarm bans a peer whose gradient differs."""
+        if self.batch_fn is None:
+            raise ConfigError("phalanx.Optimizer.public_batch() needs batch_fn= (verified runs)")
+        return self.batch_fn(self.seed, self.node.peer_id, self.global_step)
 
     # ---- what users asked for ----------------------------------------------------------------
 
@@ -229,8 +251,8 @@ class Optimizer(torch.optim.Optimizer):
         s = engine.stats
         return Statistics(
             global_step=engine.step,
-            local_samples=self._samples,
-            samples_per_round=self._share,
+            local_samples=self._steps.samples,
+            samples_per_round=self._steps.share,
             peers_last_round=self._peers_last_round,
             last_round=self._last_round,
             rounds_ok=s.rounds_ok,
@@ -288,7 +310,12 @@ class Optimizer(torch.optim.Optimizer):
             node.engine.set_state(initial_version(self.plan.run_hash, self.trainable.state_tensors(), 0), 0)
             self._health = await open_node_health(node, self.plan, self._metrics)
             await wait_for_trainers(node, self.plan.training.wait_for_peers)
-            self._share = self._next_share(node)
+            self._steps = GlobalStep(
+                node, self.trainable, batch_size_per_step=self.batch_size_per_step,
+                target_batch_size=self.target_batch_size, wait_for_peers=self.plan.training.wait_for_peers,
+                in_thread=lambda fn, *args: asyncio.get_running_loop().run_in_executor(None, fn, *args),
+                recompute=self._recompute if self.plan.round.verify is not None else None,
+            )  # fmt: skip
         except BaseException:
             await node.aclose()
             raise
@@ -299,74 +326,56 @@ class Optimizer(torch.optim.Optimizer):
             await self._health.aclose()
         await self.node.aclose()
 
-    def _next_share(self, node: Node) -> int:
-        """This peer's part of target_batch_size: split among the trainers it sees (at least the
-        `wait_for_peers` asked for), rounded up to whole steps."""
-        if self.target_batch_size is None:
-            return self.batch_size_per_step
-        trainers = max(len(node.membership.peers()), self.plan.training.wait_for_peers, 1)
-        steps = math.ceil(self.target_batch_size / trainers / self.batch_size_per_step)
-        return steps * self.batch_size_per_step
-
-    def _accumulate(self) -> None:
-        params = self.trainable.params
-        if self._accumulated is None:
-            self._accumulated = torch.zeros(self.trainable.numel, dtype=torch.float32, device=params[0].device)
-        offset = 0
-        for p in params:
-            if p.grad is not None:
-                self._accumulated[offset : offset + p.numel()].add_(p.grad.reshape(-1), alpha=self.batch_size_per_step)
-            offset += p.numel()
-        self._samples += self.batch_size_per_step
-
-    def _reset_accumulator(self) -> None:
-        if self._accumulated is not None:
-            self._accumulated.zero_()
-        self._samples = 0
-
     def _global_step(self) -> None:
-        """Average this peer's mean gradient with the swarm's, weighted by samples, and step on it."""
-        vector = (self._accumulated / self._samples).to("cpu", torch.float32)
-        outcome = self._swarm.call(self._round(vector, float(self._samples)))
+        """Average this peer's gradient with the swarm's (weighted by local steps) and step on it."""
+        samples = self._steps.samples
+        outcome = self._swarm.call(self._round())
         if isinstance(outcome, Averaged):
-            self.trainable.apply(outcome.result.vector, self.global_step)
-            self._swarm.call(self.node.engine.completed(outcome, self.trainable.state_tensors))
             self._last_round = "partial" if outcome.result.missing_parts else "ok"
             self._peers_last_round = len(outcome.group.members)
             self._metrics.round_done(
                 step=self.global_step, loss=self._last_loss if self._last_loss is not None else math.nan,
-                samples=self._samples, averaged=outcome, duration_s=self.node.engine.stats.last_round_s,
+                samples=samples, averaged=outcome, duration_s=self.node.engine.stats.last_round_s,
             )  # fmt: skip
-        self._reset_accumulator()
+        else:
+            self._last_round = "resynced"
         self._follow_schedule()
-        self._share = self._next_share(self.node)
 
-    async def _round(self, vector: torch.Tensor, weight: float) -> Union[Averaged, Resync]:
-        """The round of this global step, retried (backing off) until one completes; a resync
-        downloads the swarm's state here and returns the order."""
-        engine, failures = self.node.engine, 0
+    async def _round(self) -> Union[Averaged, Resync]:
+        """The round of this global step, retried (backing off) until one completes."""
+        failures = 0
         while True:
             self._check_node()
             try:
-                outcome = await engine.run_round(vector, weight=weight)
+                outcome = await self._steps.attempt()
             except ROUND_FAILURES as e:
                 failures += 1
                 self._metrics.round_failed()
                 self._last_round = "failed"
-                logger.warning(f"round at global step {engine.step} failed: {e}; retrying")
+                logger.warning(f"round at global step {self.global_step} failed: {e}; retrying")
                 await asyncio.sleep(min(5.0, 0.1 * 2 ** min(failures, 6)))
                 continue
-            if isinstance(outcome, Resync):
-                try:
-                    snapshot = await engine.fetch_state(outcome, self.trainable.state_tensors())
-                except (PhalanxError, ValueError) as e:
-                    logger.warning(f"state download from {outcome.donor[-8:]} failed: {e}; retrying")
-                    continue
-                self.trainable.load_state_tensors(snapshot.tensors)  # the caller's thread waits: no race
-                engine.set_state(snapshot.version, snapshot.step)
-                self._last_round = "resynced"
-                logger.info(f"loaded the swarm's state of global step {snapshot.step} from {outcome.donor[-8:]}")
-            return outcome
+            if outcome is not None:
+                return outcome
+
+    async def _recompute(self, peer_id: str) -> torch.Tensor:
+        """A validator's honest recomputation of `peer_id`'s gradient at this round's parameters, on a
+        copy of the model (the caller's thread waits for the round, so the model holds still)."""
+
+        def run() -> torch.Tensor:
+            if self._validator_model is None:
+                self._validator_model = copy.deepcopy(self.model)
+            self._validator_model.load_state_dict(self.model.state_dict())
+            self._validator_model.zero_grad(set_to_none=True)
+            with torch.enable_grad():
+                self.loss_fn(self._validator_model, self.batch_fn(self.seed, peer_id, self.global_step)).backward()
+            copies = list(self._validator_model.parameters())
+            params = [copies[self._model_index[id(p)]] for p in self.trainable.params]  # the optimizer's order
+            return torch.cat(
+                [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params]
+            ).cpu()
+
+        return await asyncio.get_running_loop().run_in_executor(None, run)
 
     def _check_node(self) -> None:
         node = self.node
@@ -412,11 +421,14 @@ def _plan(
     mode: str,
     batch_size: int,
     target: Optional[int],
+    seed: int,
+    verify: bool,
     settings: dict[str, Any],
 ) -> PeerPlan:
     """The plan of `phalanx join` for these settings; its task name fingerprints what peers must share
     that a task would have fixed: parameter shapes, the optimizer and its hyperparameters, the target."""
-    fields = {**settings, "run_id": run_id, "mode": mode, "batch_size": batch_size, "task": _fingerprint(inner, target)}
+    fields = {**settings, "run_id": run_id, "mode": mode, "batch_size": batch_size, "seed": seed, "verify": verify}
+    fields["task"] = _fingerprint(inner, target)
     try:
         config = PeerConfig(**fields)
     except ValidationError as e:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import socket
 import statistics
 import subprocess
@@ -191,9 +192,16 @@ def worker_main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("--upload-mbps", type=float, default=0.0)
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
+    start_rss = _resident_bytes()  # the interpreter, torch and hivemind, before any vector exists
     result = {"phalanx": _run_phalanx, "hivemind": _run_hivemind, "gloo": _run_gloo}[args.impl](args)
+    result["rss_start"], result["rss_peak"] = start_rss, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     sys.stdout.write("RESULT " + json.dumps(result) + "\n")
     sys.stdout.flush()
+
+
+def _resident_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
 # ---- the coordinator -----------------------------------------------------------------------------
@@ -257,6 +265,10 @@ def run_case(impl: str, world: int, numel: int, rounds: int, *, extra: Optional[
         "max_error": max(r["error"] for r in results),
         "bytes_sent_per_peer": statistics.mean(sent) if sent else None,
         "cpu_s_per_peer": statistics.mean(cpu) if cpu else None,
+        # peak resident memory of the worker (this process, not its DHT process or p2pd), and what the
+        # round added to it, in copies of the vector
+        "peak_rss_per_peer": max(r["rss_peak"] for r in results),
+        "vector_copies": max((r["rss_peak"] - r["rss_start"]) / (4 * numel) for r in results),
     }
 
 
@@ -270,7 +282,7 @@ def run_allreduce_bench(peers: list[int], numel: int, rounds: int, impls: list[s
             console.print(f"running {impl} with {world} peers × {numel:,} float32 ({rounds} timed rounds)…")
             rows.append(run_case(impl, world, numel, rounds))
     table = Table(title=f"all-reduce of {numel:,} float32 per peer on loopback (median of {rounds} rounds)")
-    for col in ("peers", "impl", "data phase s", "round s", "vs hivemind", "vs gloo", "MB sent/peer", "max error"):
+    for col in ("peers", "impl", "data phase s", "round s", "vs hivemind", "vs gloo", "MB sent/peer", "max error", "peak RSS MB", "× vector"):
         table.add_column(col, justify="right")
     for world in peers:
         ref = {r["impl"]: r for r in rows if r["peers"] == world}
@@ -285,8 +297,15 @@ def run_allreduce_bench(peers: list[int], numel: int, rounds: int, impls: list[s
                 f"{r['data_s'] / gl['data_s']:.1f}× slower" if gl else "",
                 "" if r["bytes_sent_per_peer"] is None else f"{r['bytes_sent_per_peer'] / 1e6:.1f}",
                 f"{r['max_error']:.1e}",
+                f"{r['peak_rss_per_peer'] / 1e6:.0f}",
+                f"{r['vector_copies']:.2f}",
             )
     console.print(table)
+    console.print("× vector: the worker's peak resident memory minus what it held before the vector existed, in copies of the vector")
+    for r in rows:
+        if r["impl"] == "phalanx":
+            verdict = "met" if r["vector_copies"] <= 4 else "NOT met"
+            console.print(f"goal phalanx ≤ 4 copies of the vector at {r['peers']} peers: {r['vector_copies']:.2f} — {verdict}")
     if "phalanx" in impls and "hivemind" in impls:
         for world in peers:
             ref = {r["impl"]: r for r in rows if r["peers"] == world}

@@ -1,4 +1,4 @@
-"""`--mode sync`: one all-reduced gradient per step.
+"""`--mode sync`: one all-reduced gradient per step, as `phalanx.Optimizer` runs it (peer/global_step.py).
 
     compute gradient on (seed, peer, step)'s batch   (worker thread)
     round: matchmaking + butterfly all-reduce        (event loop)
@@ -9,14 +9,13 @@ A peer that the leader finds out of sync downloads a donor's state instead of ap
 
 from __future__ import annotations
 
-import asyncio
 import copy
 import logging
 from typing import Optional
 
 import torch
 
-from phalanx.aggregation.errors import PhalanxError
+from phalanx.peer.global_step import GlobalStep
 from phalanx.peer.runtime import Runtime
 from phalanx.protocol.engine import ROUND_FAILURES, Averaged, Resync
 
@@ -26,6 +25,10 @@ logger = logging.getLogger(__name__)
 class SyncMode:
     def __init__(self, runtime: Runtime) -> None:
         self.runtime, self.engine = runtime, runtime.engine
+        self.global_step = GlobalStep(
+            runtime.node, runtime.model, batch_size_per_step=runtime.batch_size, target_batch_size=None,
+            wait_for_peers=runtime.config.wait_for_peers, in_thread=runtime.in_thread, recompute=self._recompute,
+        )  # fmt: skip
         self._validator_model: Optional[torch.nn.Module] = None  # a copy: recomputation must not touch BatchNorm stats
 
     @property
@@ -33,16 +36,18 @@ class SyncMode:
         return self.engine.step  # every step is a round: the engine's count is ours
 
     async def run(self) -> None:
-        runtime, engine, model = self.runtime, self.engine, self.runtime.model
+        runtime, engine, global_step = self.runtime, self.engine, self.global_step
         failures = 0
         while not runtime.done(engine.step) and await runtime.check_node():
             step = engine.step
             loss, grad = await runtime.in_thread(runtime.contribution, step)
-            round_task = await runtime.run_unless_stopped(engine.run_round(grad.to("cpu"), recompute=self._recompute))
+            global_step.reset()
+            global_step.add(grad)
+            round_task = await runtime.run_unless_stopped(global_step.round())
             if round_task is None:
                 break
             try:
-                outcome = round_task.result()
+                outcome = await global_step.finish(round_task.result())
             except ROUND_FAILURES as e:
                 runtime.round_failed(e, f"round at step {step}", level=logging.WARNING)
                 failures += 1
@@ -51,19 +56,20 @@ class SyncMode:
                 continue
             failures = 0
             if isinstance(outcome, Resync):
-                await self._resync(outcome)
-                continue
-            # applying is never cancelled halfway: the model is either before or after this step
-            await asyncio.shield(runtime.in_thread(model.apply, outcome.result.vector, step))
-            await engine.completed(outcome, model.state_tensors)
-            await self._step_done(loss, outcome)
+                runtime.health.resync_started(outcome)
+                runtime.health.resynced(engine.step)
+                runtime.emit("resynced", step=engine.step, donor=outcome.donor)
+            elif isinstance(outcome, Averaged):
+                await self._step_done(loss, outcome)
 
     async def _step_done(self, loss: float, outcome: Averaged) -> None:
         runtime, result, members = self.runtime, outcome.result, len(outcome.group.members)
         step = self.engine.step
         runtime.report.group_size = members
         duration_s = self.engine.stats.last_round_s
-        runtime.health.round_done(step=step, loss=loss, samples=runtime.batch_size, averaged=outcome, duration_s=duration_s)
+        runtime.health.round_done(
+            step=step, loss=loss, samples=runtime.batch_size, averaged=outcome, duration_s=duration_s
+        )
         await runtime.step_done(
             step,
             loss,
@@ -73,20 +79,6 @@ class SyncMode:
             round_s=round(result.duration_s, 4),
             missing_parts=len(result.missing_parts),
         )
-
-    async def _resync(self, resync: Resync) -> None:
-        runtime, engine = self.runtime, self.engine
-        runtime.health.resync_started(resync)
-        try:
-            snapshot = await engine.fetch_state(resync, runtime.model.state_tensors())
-        except (PhalanxError, ValueError) as e:
-            logger.warning(f"state download from {resync.donor[-8:]} failed: {e}")
-            return
-        await runtime.in_thread(runtime.model.load_state_tensors, snapshot.tensors)
-        engine.set_state(snapshot.version, snapshot.step)
-        runtime.health.resynced(snapshot.step)
-        logger.info(f"loaded state of step {snapshot.step} from {resync.donor[-8:]}")
-        runtime.emit("resynced", step=snapshot.step, donor=resync.donor)
 
     async def _recompute(self, peer_id: str) -> torch.Tensor:
         """A validator's honest recomputation of `peer_id`'s gradient at this round's parameters."""

@@ -154,8 +154,11 @@ def test_a_newcomer_loads_bit_identical_parameters_and_adamw_state_from_peers(bo
     assert all(torch.equal(x, y) for x, y in zip(after["params"], theirs["params"], strict=True))
 
 
-def _model_and_adamw():
-    model = torch.nn.Linear(4, 2)
+MODEL = torch.nn.Linear(4, 2)
+
+
+def _model_and_adamw(model=None):
+    model = model or torch.nn.Linear(4, 2)
     return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
 
 
@@ -164,7 +167,7 @@ def _model_and_adamw():
     [
         (
             {"verify": True},
-            "phalanx.Optimizer(verify=True): validators recompute a peer's gradient from its public batch; pass batch_fn and loss_fn",
+            "phalanx.Optimizer(verify=True): validators recompute a peer's gradient from its public batch; pass model, batch_fn, loss_fn",
         ),
         ({"mode": "lasgd"}, "phalanx.Optimizer(mode='lasgd'): this front door runs sync so far"),
         ({"batch_size_per_step": 0}, "phalanx.Optimizer(batch_size_per_step=0): give the samples of one step, ≥ 1"),
@@ -178,13 +181,27 @@ def _model_and_adamw():
         ),
         ({"compression": "zip"}, "phalanx.Optimizer(compression='zip'): Input should be 'none', 'fp16' or '8bit'"),
         (
-            {"aggregator": "centered_clip", "verify": True, "batch_fn": print, "loss_fn": print},
-            "phalanx.Optimizer(verify=True) is not available through the library yet",
+            {
+                "verify": True,
+                "model": torch.nn.Linear(4, 2),
+                "batch_fn": print,
+                "loss_fn": print,
+                "target_batch_size": 16,
+            },
+            "phalanx.Optimizer(verify=True, target_batch_size=...): validators recompute one public batch per global step",
+        ),
+        (
+            {"verify": True, "model": torch.nn.Linear(4, 2), "batch_fn": print, "loss_fn": print},
+            "phalanx.Optimizer(verify=True, model=...): the model must hold every parameter the optimizer steps",
+        ),
+        (
+            {"verify": True, "model": MODEL, "batch_fn": print, "loss_fn": print, "aggregator": "centered_clip"},
+            "phalanx.Optimizer: verify= with aggregator= centered_clip needs tau= (the clipping radius",
         ),
     ],
 )
 def test_a_mistake_is_one_line_naming_the_argument_before_anything_starts(kwargs, error):
-    _, inner = _model_and_adamw()
+    _, inner = _model_and_adamw(MODEL if kwargs.get("model") is MODEL else None)
     kwargs = {"run_id": "errors", "batch_size_per_step": 8, **kwargs}
     with pytest.raises(ConfigError) as caught:
         __import__("phalanx").Optimizer(inner, **kwargs)
@@ -239,3 +256,45 @@ def test_alone_it_steps_its_schedule_per_global_step_round_trips_state_and_leave
         p for p in psutil.Process().children(recursive=True) if p.pid not in before and p.name() != "torch_shm_manager"
     ]
     assert not left, left
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(900)
+def test_verified_through_the_library_a_peer_that_changes_its_gradient_is_banned_and_no_honest_one(bootstrap, tmp_path):
+    script = str(Path(__file__).parent / "api_verified_peer.py")
+    names = ["honest-0", "honest-1", "honest-2", "cheater"]
+    logs = [tmp_path / f"{n}.log" for n in names]
+    procs = [
+        _start(
+            [
+                script,
+                str(tmp_path / f"{n}.json"),
+                "--initial-peers",
+                *bootstrap,
+                "--peers",
+                "4",
+                *(["--cheat"] if n == "cheater" else []),
+            ],
+            log,
+        )
+        for n, log in zip(names, logs, strict=True)
+    ]
+    try:
+        codes = [p.wait(800) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    assert codes == [0, 0, 0, 3], [
+        (n, c, log.read_text()[-2000:])
+        for n, c, log in zip(names, codes, logs, strict=True)
+        if c != (3 if n == "cheater" else 0)
+    ]
+    results = {n: json.loads((tmp_path / f"{n}.json").read_text()) for n in names}
+    cheater = results["cheater"]["peer_id"]
+    for n in names[:3]:
+        assert cheater in results[n]["banned"], (n, results[n]["banned"])
+        assert set(results[n]["banned"]) == {cheater}, results[n]["banned"]  # no honest peer banned
+        assert results[n]["params"] == results["honest-0"]["params"]
+    assert "the swarm banned this peer" in logs[3].read_text()

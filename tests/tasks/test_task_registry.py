@@ -28,7 +28,7 @@ def test_unknown_task_lists_valid_names() -> None:
     with pytest.raises(ConfigError) as info:
         resolve_task("digits")
     assert str(info.value) == (
-        "task='digits' is not a known task; use one of cifar10-resnet18, digits-mlp, mnist-cnn, "
+        "task='digits' is not a known task; use one of cifar10-resnet18, digits-mlp, mnist-cnn, tiny-gpt, "
         "or package.module:factory for your own"
     )
 

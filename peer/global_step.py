@@ -1,0 +1,121 @@
+"""One global step of a lockstep swarm, as both front doors run it: `phalanx join --mode sync`
+(peer/modes/sync.py, over a Task) and `phalanx.Optimizer` (peer/optimizer.py, over the user's loop).
+
+    add(gradient, samples)            local steps add up to this peer's share of the target batch
+    round()                            average the mean gradient with the swarm, weighted by local
+                                       steps (cancellable)
+    finish(outcome)                    apply it with the optimizer and publish state, or (behind the
+                                       swarm) download a donor's state instead (never cancelled)
+
+Weights count local steps, not samples: every peer of a run has the same batch size per step, and
+a peer that took one step weighs 1, as verified rounds require of every part.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+from collections.abc import Awaitable, Callable
+from typing import Any, Optional, Union
+
+import torch
+
+from phalanx.aggregation.errors import PhalanxError
+from phalanx.peer.model import Trainable
+from phalanx.peer.node import Node
+from phalanx.protocol.btard import Recompute
+from phalanx.protocol.engine import Averaged, Resync
+
+logger = logging.getLogger(__name__)
+
+InThread = Callable[..., Awaitable[Any]]  # (fn, *args) -> awaitable of fn(*args) on the training thread
+
+
+class GlobalStep:
+    def __init__(
+        self,
+        node: Node,
+        trainable: Trainable,
+        *,
+        batch_size_per_step: int,
+        target_batch_size: Optional[int],
+        wait_for_peers: int,
+        in_thread: InThread,
+        recompute: Optional[Recompute] = None,
+    ) -> None:
+        self.node, self.engine, self.trainable = node, node.engine, trainable
+        self.batch_size_per_step, self.target_batch_size = batch_size_per_step, target_batch_size
+        self.wait_for_peers, self.in_thread, self.recompute = wait_for_peers, in_thread, recompute
+        self.samples = 0  # accumulated since the last global step
+        self.share = self.next_share()
+        self._sum: Optional[torch.Tensor] = None  # (numel,) Σ gradient × local steps, when more than one
+        self._single: Optional[torch.Tensor] = None  # the one gradient of a single local step (no copy)
+
+    @property
+    def step(self) -> int:
+        """Global steps of the state this peer holds."""
+        return self.engine.step
+
+    @property
+    def ready(self) -> bool:
+        """This peer's share of the target batch is in: time for a round."""
+        return self.samples >= self.share
+
+    def next_share(self) -> int:
+        """Samples to accumulate before a round: the target split among the trainers this peer sees
+        (at least `wait_for_peers`), rounded up to whole local steps; one step without a target."""
+        if self.target_batch_size is None:
+            return self.batch_size_per_step
+        trainers = max(len(self.node.membership.peers()), self.wait_for_peers, 1)
+        return math.ceil(self.target_batch_size / trainers / self.batch_size_per_step) * self.batch_size_per_step
+
+    def add(self, gradient: torch.Tensor) -> None:
+        """Add one local step's mean gradient (numel,) over batch_size_per_step samples."""
+        if self.samples == 0:
+            self._single = gradient
+        else:
+            if self._sum is None:
+                self._sum = torch.zeros_like(self._single, dtype=torch.float32)
+            if self._single is not None:
+                self._sum.copy_(self._single)
+                self._single = None
+            self._sum.add_(gradient)
+        self.samples += self.batch_size_per_step
+
+    def reset(self) -> None:
+        self.samples, self._single = 0, None
+
+    async def attempt(self) -> Union[Averaged, Resync, None]:
+        """`round` then `finish`, for callers that never cancel halfway."""
+        return await self.finish(await self.round())
+
+    async def round(self) -> Union[Averaged, Resync]:
+        """Average the accumulated gradient with a group (or learn that this peer is behind); may be
+        cancelled. Round failures raise (ROUND_FAILURES) and keep the gradient for another try."""
+        steps = self.samples // self.batch_size_per_step
+        vector = self._single if self._single is not None else self._sum / steps
+        return await self.engine.run_round(
+            vector.to("cpu", torch.float32), weight=float(steps), recompute=self.recompute
+        )
+
+    async def finish(self, outcome: Union[Averaged, Resync]) -> Union[Averaged, Resync, None]:
+        """Averaged: applied with the optimizer and published. Resync: the swarm's state is loaded
+        instead (the accumulated gradient, of an old state, is dropped). None: the state download
+        failed; try another round."""
+        if isinstance(outcome, Resync):
+            try:
+                snapshot = await self.engine.fetch_state(outcome, self.trainable.state_tensors())
+            except (PhalanxError, ValueError) as e:
+                logger.warning(f"state download from {outcome.donor[-8:]} failed: {e}")
+                return None
+            await self.in_thread(self.trainable.load_state_tensors, snapshot.tensors)
+            self.engine.set_state(snapshot.version, snapshot.step)
+            logger.info(f"loaded state of step {snapshot.step} from {outcome.donor[-8:]}")
+        else:
+            # applying is never cancelled halfway: the model is either before or after this step
+            await asyncio.shield(self.in_thread(self.trainable.apply, outcome.result.vector, self.engine.step))
+            await self.engine.completed(outcome, self.trainable.state_tensors)
+        self.reset()
+        self.share = self.next_share()
+        return outcome
