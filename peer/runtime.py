@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import resource
 import sys
 import time
 from collections.abc import Awaitable, Callable
@@ -53,6 +54,7 @@ class Report:
     param_hash: str = ""
     banned: list[str] = field(default_factory=list)  # peers this one saw banned
     attack: Optional[str] = None
+    peak_rss_bytes: int = 0  # this process's peak resident memory (not its DHT process or p2pd)
 
 
 class Mode(Protocol):
@@ -262,6 +264,7 @@ class Runtime:
             self.report.attack = self.plan.attack.name
             self.report.bytes_sent = node.transport.stats.bytes_sent
             self.report.bytes_received = node.transport.stats.bytes_received
+            self.report.peak_rss_bytes = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
             if self.config.checkpoint_dir is not None and engine.step > 0:
                 path = await self.in_thread(self.checkpoint, engine.step)
                 logger.info(f"checkpoint saved: {path} (step {engine.step}); continue with --resume")

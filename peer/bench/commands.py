@@ -84,27 +84,39 @@ def bench_allreduce(
 @bench_app.command("swarm")
 def bench_swarm(
     peers: int = typer.Option(4, "--peers", min=1, help="Peers (processes) per run."),
-    target_accuracy: float = typer.Option(0.95, "--target-accuracy", min=0.0, max=1.0),
-    impls: str = typer.Option("phalanx,hivemind,ddp", "--impls", help="Which of phalanx, hivemind, ddp to run."),
+    task: str = typer.Option("digits-mlp", "--task", help="digits-mlp (target: test accuracy) or tiny-gpt (target: validation loss)."),
+    task_options: str = typer.Option("", "--task-options", help="The task's options, name=value,... (tiny-gpt default: a small CPU config)."),
+    target_accuracy: float = typer.Option(0.95, "--target-accuracy", min=0.0, max=1.0, help="digits-mlp's target."),
+    target_loss: float = typer.Option(3.0, "--target-loss", min=0.0, help="tiny-gpt's target."),
+    impls: str = typer.Option("phalanx,hivemind,ddp", "--impls", help="Which of phalanx, phalanx-lasgd, hivemind, ddp to run."),
     repeats: int = typer.Option(1, "--repeats", min=1, help="Runs per implementation (median reported)."),
     time_limit_s: float = typer.Option(300.0, "--time-limit-s", help="Give up on a reference run after this long."),
 ) -> None:
-    """Wall time to the target test accuracy on digits: `phalanx swarm` (sync), hivemind's
-    collaborative hivemind.Optimizer and torch DDP over gloo, same model, data and optimizer.
+    """Wall time to a target: `phalanx swarm` (sync, or lasgd), hivemind's collaborative
+    hivemind.Optimizer and torch DDP over gloo, same model, data, optimizer and schedule.
 
     [bold]Examples[/bold]
 
       phalanx bench swarm --peers 4
 
       phalanx bench swarm --peers 2 --impls phalanx,ddp --repeats 3
+
+      phalanx bench swarm --task tiny-gpt --peers 4 \\
+          --impls phalanx,phalanx-lasgd,hivemind,ddp
     """
-    from phalanx.peer.bench.swarm import IMPLS, run_swarm_bench
+    from phalanx.peer.bench.swarm import IMPLS, SMALL_GPT, Goal, run_swarm_bench
 
     chosen = str_list(impls)
     unknown = sorted(set(chosen) - set(IMPLS))
     if unknown:
         raise ConfigError(f"--impls: unknown {', '.join(unknown)}; choose from {', '.join(IMPLS)}")
-    run_swarm_bench(peers, target_accuracy, chosen, repeats=repeats, time_limit_s=time_limit_s)
+    if task not in ("digits-mlp", "tiny-gpt"):
+        raise ConfigError(f"--task {task}: bench swarm runs digits-mlp or tiny-gpt")
+    if task == "tiny-gpt":
+        goal = Goal(task, task_options or SMALL_GPT, "loss", target_loss)
+    else:
+        goal = Goal(task, task_options, "accuracy", target_accuracy)
+    run_swarm_bench(peers, goal, chosen, repeats=repeats, time_limit_s=time_limit_s)
 
 
 @bench_app.command("convergence")

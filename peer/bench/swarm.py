@@ -1,10 +1,12 @@
-"""`phalanx bench swarm`: wall time to a target test accuracy on digits for `phalanx swarm`
-(sync mode), hivemind's collaborative `hivemind.Optimizer` and torch DDP over gloo.
+"""`phalanx bench swarm`: wall time to a target for `phalanx swarm` (sync, and lasgd),
+hivemind's collaborative `hivemind.Optimizer` and torch DDP over gloo.
 
-Same task, model (MLP 64-64-10, identical initial weights), batch 32 per peer, SGD with
-momentum 0.9 and the task's learning rate, evaluation on the test split every 10 steps.
-The clock starts when every peer is ready to train (process and DHT start-up excluded)
-and stops at the first evaluation at or above the target.
+Same task, model (identical initial weights), batch per peer, the task's optimizer (digits-mlp: SGD
+with momentum 0.9; tiny-gpt: AdamW with its warm-up and cosine schedule, which every implementation
+follows by global step), evaluation every 10 steps. The target is a test accuracy (digits-mlp) or a
+validation loss (tiny-gpt). The clock starts when every peer is ready to train (process and DHT
+start-up excluded) and stops at the first evaluation that meets the target. Each worker reports its
+peak resident memory (the trainer process, not its DHT process or p2pd).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import statistics
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
@@ -22,19 +25,31 @@ from phalanx.peer.bench import bench_console
 
 EVAL_EVERY = 10
 SEED = 0
-IMPLS = ("phalanx", "hivemind", "ddp")
+IMPLS = ("phalanx", "phalanx-lasgd", "hivemind", "ddp")
+SMALL_GPT = "dim=64,layers=2,heads=4,context=64"  # tiny-gpt's default here: fits a shared CPU
 # hivemind.Optimizer's matchmaking time: 1 s is the fastest setting that still groups 4 local peers
 # reliably here (its default of 15 s, or the quickstart's 3 s, only make it slower)
 HIVEMIND_MATCHMAKING_TIME_S = 1.0
 HIVEMIND_AVERAGING_TIMEOUT_S = 10.0
 
 
-def _task_and_model():
+def _task_and_model(name: str, options: str):
+    from phalanx.aggregation.spec import parse_params
     from phalanx.tasks import resolve_task
 
-    task = resolve_task("digits-mlp")
+    task = resolve_task(name, **parse_params(options))
     model = task.build_model(SEED)
     return task, model
+
+
+def _met(metrics: dict[str, float], metric: str, target: float) -> bool:
+    return metrics["loss"] <= target if metric == "loss" else metrics["accuracy"] >= target
+
+
+def _peak_rss() -> int:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 # ---- reference workers (one process each; they print TARGET/DONE lines) -----------------------
@@ -53,9 +68,10 @@ def _run_ddp(args) -> None:
     from torch.nn.parallel import DistributedDataParallel
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args.port}", rank=args.rank, world_size=args.world)
-    task, model = _task_and_model()
+    task, model = _task_and_model(args.task, args.task_options)
     ddp = DistributedDataParallel(model)
     opt = task.make_optimizer(ddp.parameters())
+    schedule = torch.optim.lr_scheduler.LambdaLR(opt, task.lr_factor)
     _wait_for_go()
     dist.barrier()
     flag = torch.zeros(1)
@@ -64,21 +80,22 @@ def _run_ddp(args) -> None:
         opt.zero_grad()
         task.loss(ddp, inputs, targets).backward()
         opt.step()
+        schedule.step()
         if step % EVAL_EVERY == 0:
-            if args.rank == 0 and task.evaluate(model)["accuracy"] >= args.target:
+            if args.rank == 0 and _met(task.evaluate(model), args.metric, args.target):
                 flag.fill_(1.0)
                 print(f"TARGET {time.time()} {step}", flush=True)
             dist.broadcast(flag, src=0)
             if flag.item():
                 break
-    print(f"DONE failures=0 steps={step}", flush=True)
+    print(f"DONE failures=0 steps={step} rss={_peak_rss()}", flush=True)
     dist.destroy_process_group()
 
 
 def _run_hivemind(args) -> None:
     import hivemind
 
-    task, model = _task_and_model()
+    task, model = _task_and_model(args.task, args.task_options)
     dht = hivemind.DHT(initial_peers=args.initial_peers, host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True)
     opt = hivemind.Optimizer(
         dht=dht,
@@ -87,6 +104,7 @@ def _run_hivemind(args) -> None:
         target_batch_size=task.batch_size * args.world,
         optimizer=lambda params: task.make_optimizer(params),
         params=model.parameters(),
+        scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, task.lr_factor),  # stepped per epoch
         matchmaking_time=HIVEMIND_MATCHMAKING_TIME_S,
         averaging_timeout=HIVEMIND_AVERAGING_TIMEOUT_S,
         verbose=False,
@@ -101,11 +119,11 @@ def _run_hivemind(args) -> None:
             opt.zero_grad()
             task.loss(model, inputs, targets).backward()
             opt.step()
-            if args.rank == 0 and step % EVAL_EVERY == 0 and task.evaluate(model)["accuracy"] >= args.target:
+            if args.rank == 0 and step % EVAL_EVERY == 0 and _met(task.evaluate(model), args.metric, args.target):
                 print(f"TARGET {time.time()} {opt.local_epoch}", flush=True)
                 break
     finally:
-        print(f"DONE failures=0 steps={step}", flush=True)  # failures are counted from its log
+        print(f"DONE failures=0 steps={step} rss={_peak_rss()}", flush=True)  # failures are counted from its log
         opt.shutdown()
         dht.shutdown()
 
@@ -117,6 +135,9 @@ def worker_main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("--world", type=int, required=True)
     parser.add_argument("--port", type=int, default=0)
     parser.add_argument("--target", type=float, required=True)
+    parser.add_argument("--metric", choices=("accuracy", "loss"), default="accuracy")
+    parser.add_argument("--task", default="digits-mlp")
+    parser.add_argument("--task-options", default="")
     parser.add_argument("--max-steps", type=int, default=5000)
     parser.add_argument("--time-limit-s", type=float, default=600)
     parser.add_argument("--initial-peers", nargs="*", default=[])
@@ -128,7 +149,7 @@ def worker_main(argv: Optional[list[str]] = None) -> None:
 # ---- the coordinator -----------------------------------------------------------------------------
 
 
-def _run_reference(impl: str, world: int, target: float, time_limit_s: float) -> dict[str, Any]:
+def _run_reference(impl: str, world: int, goal: Goal, time_limit_s: float) -> dict[str, Any]:
     from phalanx.peer.bench.allreduce import _free_port
 
     bootstrap = None
@@ -144,7 +165,8 @@ def _run_reference(impl: str, world: int, target: float, time_limit_s: float) ->
         for rank in range(world):
             cmd = [
                 sys.executable, "-m", "phalanx.peer.bench.swarm", impl, "--rank", str(rank), "--world", str(world),
-                "--port", str(port), "--target", str(target), "--time-limit-s", str(time_limit_s),
+                "--port", str(port), "--target", str(goal.target), "--time-limit-s", str(time_limit_s),
+                "--metric", goal.metric, "--task", goal.task, "--task-options", goal.task_options,
             ]  # fmt: skip
             if initial:
                 cmd += ["--initial-peers", *initial]
@@ -166,7 +188,7 @@ def _run_reference(impl: str, world: int, target: float, time_limit_s: float) ->
         for p in procs:
             p.stdin.write("GO\n")
             p.stdin.flush()
-        reached, failures, steps = None, 0, 0
+        reached, failures, steps, rss = None, 0, 0, []
         for p in procs:
             out, err = p.communicate(timeout=time_limit_s + 120)
             # hivemind logs failed matchmaking / averaging from its own processes to stderr
@@ -177,6 +199,7 @@ def _run_reference(impl: str, world: int, target: float, time_limit_s: float) ->
                     steps = int(line.split()[2])
                 elif line.startswith("DONE "):
                     failures += int(line.split("failures=")[1].split()[0])
+                    rss.append(int(line.split("rss=")[1].split()[0]))
     finally:
         for p in procs:
             if p.poll() is None:
@@ -184,7 +207,7 @@ def _run_reference(impl: str, world: int, target: float, time_limit_s: float) ->
                 p.wait()
         if bootstrap is not None:
             bootstrap.shutdown()
-    return {"impl": impl, "time_s": reached, "steps": steps, "failures": failures}
+    return {"impl": impl, "time_s": reached, "steps": steps, "failures": failures, "peak_rss": max(rss, default=None)}
 
 
 def _is_failure(line: str) -> bool:
@@ -192,22 +215,25 @@ def _is_failure(line: str) -> bool:
     return "Averaging step failed" in line and "] " in line
 
 
-def _run_phalanx(world: int, target: float, extra_args: list[str]) -> dict[str, Any]:
+def _run_phalanx(world: int, goal: Goal, extra_args: list[str]) -> dict[str, Any]:
     import uvloop
 
     from phalanx.peer.swarm import Swarm
 
     args = [
-        "--task", "digits-mlp", "--steps", "5000", "--target-accuracy", str(target), "--eval-every", str(EVAL_EVERY),
+        "--task", goal.task, "--steps", "5000", f"--target-{goal.metric}", str(goal.target), "--eval-every", str(EVAL_EVERY),
         "--wait-for-peers", str(world), "--seed", str(SEED), *extra_args,
     ]  # fmt: skip
-    swarm = Swarm(world, args, target_accuracy=target, live=False)
+    if goal.task_options:
+        args += ["--task-options", goal.task_options]
+    # an accuracy target the launcher watches; a loss target each trainer stops at by itself
+    swarm = Swarm(world, args, target_accuracy=goal.target if goal.metric == "accuracy" else None, live=False)
     result = uvloop.run(swarm.run())
     if result.kept_workdir is not None:
         swarm.console.print(f"phalanx did not reach the target; its logs are kept in {result.kept_workdir}", soft_wrap=True)
     events = [e for v in result.peers for e in v.events]
     starts = [e["t"] for e in events if e["event"] == "training"]
-    hits = [e for e in events if e["event"] == "eval" and e["accuracy"] >= target]
+    hits = [e for e in events if e["event"] == "eval" and _met(e, goal.metric, goal.target)]
     reports = [v.report or {} for v in result.peers]
     failures = sum(r.get("rounds_failed", 0) + r.get("rounds_partial", 0) for r in reports)
     return {
@@ -216,11 +242,24 @@ def _run_phalanx(world: int, target: float, extra_args: list[str]) -> dict[str, 
         "steps": min(h["step"] for h in hits) if hits else 0,
         "failures": failures,
         "resyncs": sum(r.get("resyncs", 0) for r in reports),
+        "peak_rss": max((r["peak_rss_bytes"] for r in reports if r.get("peak_rss_bytes")), default=None),
     }
 
 
+@dataclass(frozen=True)
+class Goal:
+    task: str
+    task_options: str
+    metric: str  # "accuracy" (at least target) or "loss" (at most target)
+    target: float
+
+    def __str__(self) -> str:
+        what = "test accuracy" if self.metric == "accuracy" else "validation loss"
+        return f"{what} {'≥' if self.metric == 'accuracy' else '≤'} {self.target} on {self.task}"
+
+
 def run_swarm_bench(
-    peers: int, target: float, impls: list[str], *, repeats: int = 1, time_limit_s: float = 300, console=None
+    peers: int, goal: Goal, impls: list[str], *, repeats: int = 1, time_limit_s: float = 300, console=None
 ) -> list[dict[str, Any]]:
     from rich.table import Table
 
@@ -229,8 +268,11 @@ def run_swarm_bench(
     for impl in impls:
         runs = []
         for i in range(repeats):
-            console.print(f"running {impl} with {peers} peers to {target} test accuracy (run {i + 1}/{repeats})…")
-            run = _run_phalanx(peers, target, []) if impl == "phalanx" else _run_reference(impl, peers, target, time_limit_s)
+            console.print(f"running {impl} with {peers} peers to {goal} (run {i + 1}/{repeats})…")
+            if impl.startswith("phalanx"):
+                run = _run_phalanx(peers, goal, ["--mode", "lasgd"] if impl == "phalanx-lasgd" else [])
+            else:
+                run = _run_reference(impl, peers, goal, time_limit_s)
             runs.append(run)
         times = [r["time_s"] for r in runs if r["time_s"] is not None]
         rows.append(
@@ -239,11 +281,12 @@ def run_swarm_bench(
                 "time_s": statistics.median(times) if len(times) == len(runs) else None,
                 "steps": statistics.median(r["steps"] for r in runs),
                 "failures": sum(r["failures"] for r in runs),
+                "peak_rss": max((r["peak_rss"] for r in runs if r.get("peak_rss")), default=None),
                 "runs": runs,
             }
         )
-    table = Table(title=f"time to {target} test accuracy on digits, {peers} peers (median of {repeats})")
-    for col in ("impl", "seconds", "steps", "failed rounds", "vs phalanx"):
+    table = Table(title=f"time to {goal}, {peers} peers (median of {repeats})")
+    for col in ("impl", "seconds", "steps", "failed rounds", "vs phalanx", "peak RSS MB/peer"):
         table.add_column(col, justify="right")
     ours = next((r for r in rows if r["impl"] == "phalanx"), None)
     for r in rows:
@@ -256,6 +299,7 @@ def run_swarm_bench(
             f"{r['steps']:.0f}",
             str(r["failures"]),
             ratio,
+            "" if r["peak_rss"] is None else f"{r['peak_rss'] / 1e6:.0f}",
         )
     console.print(table)
     hm = next((r for r in rows if r["impl"] == "hivemind"), None)
