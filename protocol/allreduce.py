@@ -126,8 +126,13 @@ class AllReduceService:
                 f"{reduction.reduced_at - started:.3f} s (all parts in after {reduction.complete_at - started:.3f} s)"
             )
         finally:
-            # keep serving replies that are in flight, then forget the round
-            asyncio.get_running_loop().call_later(5.0, self._forget, spec.round_id)
+            # keep serving replies that are in flight, then forget the round (at once when every member has its
+            # reply: with rounds of a few seconds, 5 s of kept aggregates would be copies of the vector held)
+            reduction.finished = True
+            if guard is None and reduction.all_replied():
+                self._forget(spec.round_id)
+            else:
+                asyncio.get_running_loop().call_later(5.0, self._forget, spec.round_id)
             if guard is None:
                 self._recycle(reduction)
         return AllReduceResult(
@@ -157,8 +162,10 @@ class AllReduceService:
             self._spare_rows = {tuple(reduction.rows.shape): reduction.rows}
 
     def _forget(self, round_id: bytes) -> None:
-        self._rounds.pop(round_id, None)
+        reduction = self._rounds.pop(round_id, None)
         self._registered.pop(round_id, None)
+        if reduction is not None:
+            reduction.release()
 
     async def _send_part(self, spec, j, part, weight, out, timeout_s, guard: Optional[PartGuard], activity: Activity) -> None:
         payload = encode(part, spec.codec)
@@ -299,7 +306,11 @@ class AllReduceService:
         await asyncio.shield(reduction.result)
         if reduction.guard is not None:
             return reduction.guard.reply_for(index, *reduction.encoded)
-        return reduction.encoded_for.get(index, reduction.encoded)
+        reply = reduction.encoded_for.get(index, reduction.encoded)
+        reduction.replied.add(index)
+        if reduction.finished and reduction.all_replied():  # the transport holds the reply until it is sent
+            self._forget(reduction.spec.round_id)
+        return reply
 
     async def _wait_for_round(self, round_id: bytes, peer: str) -> Reduction:
         reduction = self._rounds.get(round_id)

@@ -42,6 +42,19 @@ class Reduction:
     activity: dict[int, Activity] = field(default_factory=dict)  # per expected sender: when its bytes last moved
     idle: set[int] = field(default_factory=set)  # senders dropped because their bytes stopped or their connection broke
     late: set[int] = field(default_factory=set)  # senders still missing at the deadline
+    replied: set[int] = field(default_factory=set)  # senders handed their result: once all are, nothing holds it
+    finished: bool = False  # this peer's own run of the round returned
+
+    def release(self) -> None:
+        """Drop the aggregate and the per-member results once the round is forgotten. The activity
+        callbacks point back at this object, a reference cycle that only the cyclic collector frees,
+        rounds later: 100M values held that way per round added up to a copy of the vector each."""
+        self.encoded, self.encoded_for, self.result = None, {}, None
+        self.activity.clear()
+
+    def all_replied(self) -> bool:
+        """Every counted sender but us has its result, so the round's memory (the aggregate) can go."""
+        return self.closed and set(self.counted) - {self.my_index} <= self.replied
 
     def claim(self, index: int) -> None:
         """Reserve row `index` for an incoming part (refuses late and repeated parts)."""

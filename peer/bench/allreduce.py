@@ -33,12 +33,18 @@ SPREAD = 1e-3  # per-coordinate spread of the peers' vectors around a shared one
 def _worker_tensor(rank: int, numel: int) -> torch.Tensor:
     """A shared vector plus this peer's noise: like gradients, peers differ by a fraction of the whole,
     so CenteredClip (tau=1 at ~2 units between peers for 10M values) converges in a few steps."""
-    shared = torch.randn(numel, generator=torch.Generator().manual_seed(999))
-    return shared.add_(torch.randn(numel, generator=torch.Generator().manual_seed(1000 + rank)), alpha=SPREAD)
+    vector = torch.randn(numel, generator=torch.Generator().manual_seed(999))
+    noise = torch.Generator().manual_seed(1000 + rank)
+    for chunk in vector.split(1 << 20):  # in pieces: a whole second vector of noise would count as the round's memory
+        chunk.add_(torch.randn(chunk.numel(), generator=noise), alpha=SPREAD)
+    return vector
 
 
 def _expected_mean(world: int, numel: int) -> torch.Tensor:
-    return torch.stack([_worker_tensor(r, numel) for r in range(world)]).mean(0)
+    total = torch.zeros(numel)
+    for r in range(world):
+        total += _worker_tensor(r, numel)
+    return total / world
 
 
 # ---- workers (one process each) ----------------------------------------------------------------
@@ -162,6 +168,7 @@ def _run_phalanx(args) -> dict[str, Any]:
                     data.append(outcome.result.duration_s)
                     rounds.append(time.perf_counter() - started)
             await node.transport.wait_idle(30.0)  # and every reply of the last round is counted
+            peak = _peak_rss()  # the rounds' high-water mark, before the check below allocates its own vectors
             per_round = (node.transport.stats.bytes_sent - sent0) / args.rounds
             cpu = (time.process_time() - cpu0) / args.rounds  # this process only (not its p2pd daemon)
             error = float("nan")
@@ -169,7 +176,7 @@ def _run_phalanx(args) -> dict[str, Any]:
                 error = (outcome.result.vector - _expected_mean(args.world, args.numel)).abs().max().item()
             if args.verify and outcome.verdict.banned:
                 raise RuntimeError(f"an honest benchmark round banned {outcome.verdict.banned}")
-            return {"data_s": data, "round_s": rounds, "error": error, "bytes_sent": per_round, "cpu_s": cpu}
+            return {"data_s": data, "round_s": rounds, "error": error, "bytes_sent": per_round, "cpu_s": cpu, "rss_peak": peak}
         finally:
             await node.aclose()
 
@@ -194,9 +201,14 @@ def worker_main(argv: Optional[list[str]] = None) -> None:
     torch.set_num_threads(1)
     start_rss = _resident_bytes()  # the interpreter, torch and hivemind, before any vector exists
     result = {"phalanx": _run_phalanx, "hivemind": _run_hivemind, "gloo": _run_gloo}[args.impl](args)
-    result["rss_start"], result["rss_peak"] = start_rss, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    result["rss_start"] = start_rss
+    result.setdefault("rss_peak", _peak_rss())
     sys.stdout.write("RESULT " + json.dumps(result) + "\n")
     sys.stdout.flush()
+
+
+def _peak_rss() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def _resident_bytes() -> int:
