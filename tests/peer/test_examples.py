@@ -4,63 +4,37 @@ optional extras (`pip install .[hf,lightning]`), which CI installs; without them
 
 import importlib.util
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
-import hivemind
 import pytest
-from trainer_procs import LOOPBACK, group_members
+from trainer_procs import start_script, wait_scripts
 
 ROOT = Path(__file__).parents[2]
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 
 
-@pytest.fixture
-def bootstrap():
-    dht = hivemind.DHT(host_maddrs=[LOOPBACK], start=True)
-    yield [str(m) for m in dht.get_visible_maddrs()]
-    dht.shutdown()
-
-
 def _run_two_peers(script: str, bootstrap: list[str], tmp_path: Path, *extra: str) -> list[dict]:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
-    procs, logs = [], []
-    for rank in range(2):
-        logs.append(tmp_path / f"{rank}.log")
-        args = [
-            sys.executable,
-            str(ROOT / "examples" / script),
-            "--initial-peers",
-            *bootstrap,
-            "--rank",
-            str(rank),
-            "--peers",
-            "2",
-            "--out",
-            str(tmp_path / f"{rank}.json"),
-            *extra,
-        ]
-        procs.append(
-            subprocess.Popen(
-                args,
-                stdout=logs[-1].open("wb"),
-                stderr=subprocess.STDOUT,
-                env=env,
-                cwd=tmp_path,
-                start_new_session=True,
-            )
-        )
-    try:
-        for p, log in zip(procs, logs, strict=True):
-            assert p.wait(400) == 0, log.read_text()[-3000:]
-            assert not group_members(p.pid), f"processes {group_members(p.pid)} outlived the script"
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+    logs = [tmp_path / f"{rank}.log" for rank in range(2)]
+    procs = [
+        start_script(
+            [
+                str(ROOT / "examples" / script),
+                "--initial-peers",
+                *bootstrap,
+                "--rank",
+                str(rank),
+                "--peers",
+                "2",
+                "--out",
+                str(tmp_path / f"{rank}.json"),
+                *extra,
+            ],
+            logs[rank],
+            cwd=tmp_path,
+        )  # fmt: skip
+        for rank in range(2)
+    ]
+    wait_scripts(procs, logs)
     return [json.loads((tmp_path / f"{rank}.json").read_text()) for rank in range(2)]
 
 

@@ -2,6 +2,7 @@
 look-ahead, and the straggler delays."""
 
 import asyncio
+
 import pytest
 import torch
 

@@ -2,17 +2,13 @@
 
 import importlib.util
 import json
-import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 
-import hivemind
 import pytest
 import torch
 import torch.nn.functional as F
-from trainer_procs import LOOPBACK, group_members
+from trainer_procs import LOOPBACK, start_script, wait_scripts
 
 from phalanx.aggregation.errors import ConfigError
 
@@ -22,31 +18,7 @@ plain_loop = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(plain_loop)
 
 
-@pytest.fixture
-def bootstrap():
-    dht = hivemind.DHT(host_maddrs=[LOOPBACK], start=True)
-    yield [str(m) for m in dht.get_visible_maddrs()]
-    dht.shutdown()
-
-
-def _start(args: list[str], log: Path) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
-    return subprocess.Popen(
-        [sys.executable, *args], stdout=log.open("wb"), stderr=subprocess.STDOUT, env=env, start_new_session=True
-    )
-
-
-def _finish(procs: list[subprocess.Popen], logs: list[Path], timeout: float = 300) -> None:
-    try:
-        for p, log in zip(procs, logs, strict=True):
-            assert p.wait(timeout) == 0, log.read_text()[-3000:]
-        for p in procs:  # the DHT process and p2pd went with each script
-            assert not group_members(p.pid), f"processes {group_members(p.pid)} outlived their script"
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+_start, _finish = start_script, wait_scripts
 
 
 GLOBAL_STEPS, BATCH, TARGET, PEERS = 25, 8, 48, 3

@@ -7,21 +7,13 @@ import subprocess
 import sys
 from pathlib import Path
 
-import hivemind
 import pytest
 import torch
+from trainer_procs import children, join_args, spawn, unix_socket_files
 
 from phalanx.peer.checkpoint import load_latest
-from trainer_procs import LOOPBACK, children, join_args, spawn, unix_socket_files
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
-
-
-@pytest.fixture
-def bootstrap():
-    dht = hivemind.DHT(host_maddrs=[LOOPBACK], start=True)
-    yield [str(m) for m in dht.get_visible_maddrs()]
-    dht.shutdown()
 
 
 def _checkpoints(directory: Path) -> dict[int, Path]:

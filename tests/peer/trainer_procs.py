@@ -12,6 +12,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Optional
 
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"
 
@@ -20,7 +21,7 @@ LOOPBACK = "/ip4/127.0.0.1/tcp/0"
 class Proc:
     popen: subprocess.Popen
     log: Path
-    events: "queue.Queue[dict]" = field(default_factory=queue.Queue)
+    events: queue.Queue[dict] = field(default_factory=queue.Queue)
     seen: list = field(default_factory=list)
 
     def next_event(self, kind: str, timeout: float = 240.0, where=lambda e: True) -> dict:
@@ -158,3 +159,30 @@ def join_args(initial_peers: list[str], tmp: Path, name: str, *extra: str) -> li
         "join", "--initial-peers", *initial_peers, "--host-maddrs", LOOPBACK,
         "--identity-path", str(tmp / f"{name}.id"), "--events", *extra,
     ]  # fmt: skip
+
+
+def start_script(args: list[str], log: Path, cwd: Optional[Path] = None) -> subprocess.Popen:
+    """A user's Python script (`args` after the interpreter) in a session of its own, output to `log`."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen(
+        [sys.executable, *args],
+        stdout=log.open("wb"),
+        stderr=subprocess.STDOUT,
+        env=env,
+        cwd=cwd,
+        start_new_session=True,
+    )
+
+
+def wait_scripts(procs: list[subprocess.Popen], logs: list[Path], timeout: float = 400) -> None:
+    """Each script exits 0 and leaves no process of its group behind (its DHT process, p2pd); killed otherwise."""
+    try:
+        for p, log in zip(procs, logs, strict=True):
+            assert p.wait(timeout) == 0, log.read_text()[-3000:]
+        for p in procs:
+            assert not group_members(p.pid), f"processes {group_members(p.pid)} outlived their script"
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
