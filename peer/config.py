@@ -126,7 +126,7 @@ class PeerConfig(NetworkSettings):
     aggregator: str = Field("mean", description=f"Rule each reducer applies, with parameters as NAME:name=value,... (e.g. bucketing:s=2,inner=mean): {', '.join(AGGREGATOR_NAMES)}; clipped_gossip (gossip/lasgd: each member gets its own clipped average).")
     tau: Optional[float] = Field(None, gt=0, description="Clipping radius for centered_clip (shorthand for --aggregator-params tau=…).")
     aggregator_params: str = Field("", description="Extra aggregator parameters as name=value pairs, e.g. 'tau=1,max_iter=100'; bucketing: 's=2,inner=mean' (inner: the rule applied to the bucket means). Not together with --aggregator NAME:params.")
-    compression: Literal["none", "fp16", "8bit"] = Field("none", description="Codec for tensors on the wire.")
+    compression: Literal["none", "fp16", "8bit", "int8"] = Field("none", description="Codec for tensors on the wire: int8 has per-block scales and a strict error bound (verified rounds take it).")
     min_group_size: int = Field(1, ge=1, description="Fewest peers a round may close with at its deadline.")
     target_group_size: Optional[int] = Field(None, ge=2, description="Most peers per group (default: everyone ready).")
     matchmaking_timeout_s: float = Field(5.0, gt=0, description="How long a leader waits for expected peers.")
@@ -139,7 +139,7 @@ class PeerConfig(NetworkSettings):
     wait_for_peers: int = Field(1, ge=1, description="Before the first step, wait (up to a minute) until this many trainers are announced; avoids a ragged start.")
     torch_threads: Optional[int] = Field(None, ge=1, description="Threads torch may use in this process.")
     events: bool = Field(False, description="Print one JSON progress event per line on stdout (used by `phalanx swarm`).")
-    verify: bool = Field(False, description="Byzantine-tolerant rounds (BTARD): commitments, MPRNG, projection checks, validators, bans. Needs --mode sync, --aggregator centered_clip or mean, and --compression none or fp16.")
+    verify: bool = Field(False, description="Byzantine-tolerant rounds (BTARD): commitments, MPRNG, projection checks, validators, bans. Needs --mode sync, --aggregator centered_clip or mean, and --compression none, fp16 or int8.")
     validators: int = Field(1, ge=0, le=8, description="With --verify: members per round that each recompute another member's gradient (one training step each; no two check the same member).")
     phase_timeout_s: float = Field(10.0, gt=0, description="With --verify: how long each verification phase waits for the others.")
     admission: Optional[Path] = Field(None, description="Private swarm: the owner's public key (from `phalanx keygen --owner`); peers without a valid certificate are refused.")
@@ -177,7 +177,7 @@ class PeerConfig(NetworkSettings):
             )
         if self.verify and self.compression == Codec.UINT8.value:
             raise ValueError(
-                "--verify needs --compression none or fp16: 8-bit codebooks can move an honest aggregate "
+                "--verify needs --compression none, fp16 or int8: 8-bit codebooks can move an honest aggregate "
                 "further than the projection check can tell from tampering"
             )
         if self.aggregator_name == "clipped_gossip" and MODES[self.mode].lockstep:

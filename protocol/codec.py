@@ -1,4 +1,5 @@
-"""Tensor bytes on the wire: raw float32, or hivemind's fp16 / 8-bit codecs.
+"""Tensor bytes on the wire: raw float32, hivemind's fp16 / 8-bit codecs, or int8 with per-block
+scales (little-endian float32 scales, one per INT8_BLOCK values, then the int8 codes).
 
 Decoding checks everything a peer controls (codec, dtype, shape, buffer size) against
 what the round agreed on, so a bad payload is a PeerProtocolError, never a crash.
@@ -12,6 +13,7 @@ import torch
 from hivemind.compression import deserialize_torch_tensor, serialize_torch_tensor
 from hivemind.proto.runtime_pb2 import CompressionType, Tensor as TensorProto
 
+from phalanx.aggregation.compression import INT8_BLOCK, int8_dequantize, int8_error_bound, int8_quantize
 from phalanx.aggregation.errors import PeerProtocolError
 from phalanx.protocol.config import Codec
 
@@ -24,6 +26,9 @@ def encode(vector: torch.Tensor, codec: Codec) -> bytes | memoryview:
     vector = vector.detach().to("cpu", torch.float32).contiguous().view(-1)
     if codec is Codec.NONE:
         return memoryview(vector.numpy()).cast("B")
+    if codec is Codec.INT8:
+        codes, scales = int8_quantize(vector)
+        return scales.numpy().tobytes() + codes.numpy().tobytes()
     return serialize_torch_tensor(vector, _HIVEMIND[codec]).SerializeToString()
 
 
@@ -38,6 +43,8 @@ def rounding_bound(decoded: torch.Tensor, codec: Codec) -> float:
     edge buckets), so verified rounds refuse them."""
     if codec is Codec.NONE:
         return 0.0
+    if codec is Codec.INT8:
+        return int8_error_bound(decoded)
     if codec is Codec.FP16:
         norm = float(torch.linalg.vector_norm(decoded.double()))
         slack = FP16_UNIT_ROUNDOFF * norm + FP16_SUBNORMAL_HALF_STEP * math.sqrt(decoded.numel())
@@ -47,6 +54,8 @@ def rounding_bound(decoded: torch.Tensor, codec: Codec) -> float:
 
 def encoded_size_bound(numel: int, codec: Codec) -> int:
     """Upper bound on encode()'s output size, used as the receive limit."""
+    if codec is Codec.INT8:
+        return 4 * -(-numel // INT8_BLOCK) + numel
     per_elem = {Codec.NONE: 4, Codec.FP16: 2, Codec.UINT8: 1}[codec]
     return numel * per_elem + (0 if codec is Codec.NONE else 4096)
 
@@ -59,6 +68,8 @@ def decode(data: bytes | bytearray | memoryview, codec: Codec, numel: int, *, pe
         if numel == 0:
             return torch.zeros(0)
         return torch.frombuffer(data, dtype=torch.float32)
+    if codec is Codec.INT8:
+        return _decode_int8(data, numel, peer)
     try:
         proto = TensorProto.FromString(bytes(data))
     except Exception as e:
@@ -78,3 +89,20 @@ def decode(data: bytes | bytearray | memoryview, codec: Codec, numel: int, *, pe
     if tensor.numel() != numel:
         raise PeerProtocolError(f"tensor has {tensor.numel()} elements, expected {numel}", peer=peer)
     return tensor.reshape(-1).to(torch.float32)
+
+
+def _decode_int8(data: bytes | bytearray | memoryview, numel: int, peer: str | None) -> torch.Tensor:
+    expected = encoded_size_bound(numel, Codec.INT8)
+    if len(data) != expected:
+        raise PeerProtocolError(f"expected {expected} bytes of int8 codes and scales for {numel} values, got {len(data)}", peer=peer)
+    if numel == 0:
+        return torch.zeros(0)
+    blocks = -(-numel // INT8_BLOCK)
+    raw = bytearray(data)
+    scales = torch.frombuffer(raw, dtype=torch.float32, count=blocks)
+    if bool((scales < 0).any()):
+        raise PeerProtocolError("int8 block scale is negative (an absmax never is)", peer=peer)
+    codes = torch.frombuffer(raw, dtype=torch.int8, offset=4 * blocks)
+    if bool((codes == -128).any()):
+        raise PeerProtocolError("int8 code -128 is outside the codec's range [-127, 127]", peer=peer)
+    return int8_dequantize(codes, scales)

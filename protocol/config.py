@@ -19,6 +19,7 @@ class Codec(str, enum.Enum):
     NONE = "none"  # raw little-endian float32, zero-copy
     FP16 = "fp16"  # hivemind FLOAT16 (clamped to the fp16 range)
     UINT8 = "8bit"  # hivemind UNIFORM_8BIT (per-tensor codebook)
+    INT8 = "int8"  # per-block absmax scale and int8 codes (aggregation/compression.py): a strict error bound
 
     @classmethod
     def parse(cls, name: str) -> "Codec":

@@ -132,7 +132,7 @@ class RoundEngine:
             if identity is None:
                 raise ValueError("verified rounds need the peer's identity to sign")
             if config.compression is Codec.UINT8:
-                raise ValueError("verified rounds need compression none or fp16 (8-bit aggregates have no error bound)")
+                raise ValueError("verified rounds need compression none, fp16 or int8 (8-bit codebooks have no error bound)")
             self.exchange = ExchangeService(transport, wait_for_round_s=config.verify.phase_timeout_s)
             self.btard = BtardService(transport, self.exchange, identity)
         self._output: Optional[torch.Tensor] = None  # reused by every round: see run_round

@@ -36,7 +36,7 @@ def test_lists_accept_commas_and_spaces_from_env(monkeypatch):
         ({"aggregator": "nope"}, "--aggregator nope: unknown aggregator 'nope'; valid names: mean, centered_clip"),
         ({"aggregator": "trimmed_mean"}, "missing required parameter 'b' (parameters: --aggregator NAME:name=value"),
         ({"tau": -1}, "--tau: Input should be greater than 0 (got -1)"),
-        ({"compression": "zip"}, "--compression: Input should be 'none', 'fp16' or '8bit' (got 'zip')"),
+        ({"compression": "zip"}, "--compression: Input should be 'none', 'fp16', '8bit' or 'int8' (got 'zip')"),
         ({"resume": True}, "--resume needs --checkpoint-dir"),
         ({"initial_peers": "notamaddr"}, "--initial-peers: 'notamaddr' is not a multiaddr"),
         ({"aggregator_params": "tau=abc"}, "--aggregator-params takes name=number pairs like tau=1, not 'tau=abc'"),
@@ -45,7 +45,7 @@ def test_lists_accept_commas_and_spaces_from_env(monkeypatch):
         ({"aggregator": "clipped_gossip", "tau": 1.0}, "use it with --mode gossip (or lasgd)"),
         ({"aggregator": "clipped_gossip", "mode": "gossip"}, "takes exactly one parameter, tau"),
         ({"sync_policy": "k:0"}, "--sync-policy / --slowdown"),
-        ({"verify": True, "aggregator": "centered_clip", "tau": 1.0, "compression": "8bit"}, "--verify needs --compression none or fp16"),
+        ({"verify": True, "aggregator": "centered_clip", "tau": 1.0, "compression": "8bit"}, "--verify needs --compression none, fp16 or int8"),
         ({"verify": True, "aggregator": "centered_clip", "tau": 1.0, "mode": "lasgd"}, "--verify runs BTARD-SGD and needs --mode sync"),
         ({"upload_limit_mbps": -1}, "--upload-limit-mbps: Input should be greater than or equal to 0"),
         (

@@ -16,9 +16,10 @@ from phalanx.protocol.engine import Averaged
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
 
-def test_wrong_aggregate_is_caught_through_fp16_rounding():
+@pytest.mark.parametrize("codec", [Codec.FP16, Codec.INT8])
+def test_wrong_aggregate_is_caught_through_the_codecs_rounding(codec):
     async def main():
-        config = dataclasses.replace(CONFIG, compression=Codec.FP16)
+        config = dataclasses.replace(CONFIG, compression=codec)
         behaviors = [None, None, None, PROTOCOL_ATTACKS["wrong_aggregate"]()]
         async with open_swarm(4, config, behaviors=behaviors) as peers:
             # fp16 rounding of honest aggregates widens the tolerance, so one random projection sees this

@@ -92,12 +92,13 @@ def test_honest_verified_round_with_the_plain_mean_is_clean():
     asyncio.run(main())
 
 
-def test_honest_verified_round_with_fp16_is_clean():
+@pytest.mark.parametrize("codec", [Codec.FP16, Codec.INT8])
+def test_honest_verified_round_with_a_lossy_codec_is_clean(codec):
     """Commitments cover the compressed bytes, reports are taken on what the reducers decoded, and the
-    fixed-point tolerance allows for the aggregate's fp16 rounding (not more)."""
+    fixed-point tolerance allows for the aggregate's rounding by the codec (not more)."""
 
     async def main():
-        config = dataclasses.replace(CONFIG, compression=Codec.FP16)
+        config = dataclasses.replace(CONFIG, compression=codec)
         async with open_swarm(4, config) as peers:
             outcomes = await run_round(peers, inputs(4))
             first = outcomes[0]
