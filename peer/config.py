@@ -111,6 +111,9 @@ class PeerConfig(NetworkSettings):
     dana: bool = Field(False, description="lasgd/gossip: compute gradients at DANA's look-ahead position θ − η·γ·v (momentum lives on the peer).")
     max_gap: int = Field(8, ge=1, description="lasgd/gossip: a peer more than this many versions behind downloads the current model instead of contributing.")
     average_optimizer_state: bool = Field(False, description="lasgd/gossip: also average the momentum buffers (default: they stay local).")
+    inner_steps: int = Field(50, ge=1, le=100_000, description="diloco: local steps of the inner optimizer between two outer steps (H).")
+    outer_lr: float = Field(0.7, gt=0, le=10, description="diloco: the outer Nesterov step's learning rate (η).")
+    outer_momentum: float = Field(0.9, ge=0, lt=1, description="diloco: the outer Nesterov step's momentum (μ).")
     sync_policy: str = Field("full", description="How many peers a round waits for: full, k:<K>, hybrid:<linear|exp>:<T>, adasync:<K0>:<T0>.")
     async_window_s: float = Field(0.3, gt=0, description="lasgd/gossip: how long a forming group waits for more peers after the first one is ready.")
     slowdown: Optional[str] = Field(None, description="Delay each local step (a straggler for demos and tests): const:S, exp:M, shifted-exp:S:M, pareto:S:A.")
@@ -174,6 +177,11 @@ class PeerConfig(NetworkSettings):
             raise ValueError(
                 "--verify runs BTARD-SGD and needs --mode sync: asynchronous exchanges weight stale "
                 "contributions, which the fixed-point check cannot tell from tampering"
+            )
+        if self.verify and self.mode == "diloco":
+            raise ValueError(
+                "--verify with --mode diloco is not available yet (validators would recompute H inner steps); "
+                "use --mode sync for verified rounds"
             )
         if self.verify and self.compression == Codec.UINT8.value:
             raise ValueError(

@@ -86,6 +86,14 @@ class GlobalStep:
     def reset(self) -> None:
         self.samples, self._single = 0, None
 
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        """What a newcomer downloads: parameters and the optimizer's state (identical on every peer)."""
+        return self.trainable.state_tensors()
+
+    def load_state_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
+        self.trainable.load_state_tensors(tensors)
+        self.reset()
+
     async def attempt(self) -> Union[Averaged, Resync, None]:
         """`round` then `finish`, for callers that never cancel halfway."""
         return await self.finish(await self.round())

@@ -44,13 +44,14 @@ from phalanx.peer.global_step import GlobalStep
 from phalanx.peer.health import PeerMetrics, open_node_health
 from phalanx.peer.model import Trainable
 from phalanx.peer.node import DHT_DIED, Node, open_node, quiet_p2p_daemon_noise, wait_for_trainers
+from phalanx.peer.outer_step import OuterStep
 from phalanx.peer.plan import PeerPlan, make_plan
 from phalanx.protocol.engine import ROUND_FAILURES, Averaged, Resync, initial_version
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
-API_MODES = ("sync",)  # modes this front door runs so far (phalanx join runs them all)
+API_MODES = ("sync", "diloco")  # modes this front door runs so far (phalanx join runs them all)
 Scheduler = Union[torch.optim.lr_scheduler.LRScheduler, Callable[[torch.optim.Optimizer], Any]]
 
 
@@ -143,7 +144,7 @@ class Optimizer(torch.optim.Optimizer):
         if mode not in API_MODES:
             raise ConfigError(
                 f"phalanx.Optimizer(mode={mode!r}): this front door runs {', '.join(API_MODES)} so far; "
-                f"use mode='sync' here, or `phalanx join --mode {mode}` with a task"
+                f"use one of those here, or `phalanx join --mode {mode}` with a task"
             )
         if verify:
             given = (("model", model), ("batch_fn", batch_fn), ("loss_fn", loss_fn))
@@ -179,6 +180,7 @@ class Optimizer(torch.optim.Optimizer):
         self._peers_last_round = 0
         self._metrics = PeerMetrics(role="trainer")
         self._health = None
+        self._outer: Optional[OuterStep] = None  # diloco's outer step; else self._steps is a GlobalStep
         self._closed = False
         self._swarm = _SwarmThread()
         try:
@@ -201,12 +203,17 @@ class Optimizer(torch.optim.Optimizer):
                 loss = closure()
         if isinstance(loss, torch.Tensor):
             self._last_loss = float(loss.detach())
-        params = self.trainable.params
-        self._steps.add(
-            torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params])
-        )
+        if self._outer is not None:  # diloco: the inner optimizer steps on this batch's gradient, here
+            self.inner.step()
+            self._outer.inner_step_done()
+        else:
+            params = self.trainable.params
+            self._steps.add(
+                torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params])
+            )
         if self._steps.ready:
             self._global_step()
+        self._follow_schedule()
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -222,12 +229,11 @@ class Optimizer(torch.optim.Optimizer):
     def load_state_from_peers(self) -> bool:
         """Download the swarm's parameters, optimizer state and step (a newcomer's first call); False
         when no peer with a state was ready to hand one over within the join timeout."""
-        snapshot = self._swarm.call(self.node.engine.fetch_swarm_state(self.trainable.state_tensors()))
+        snapshot = self._swarm.call(self.node.engine.fetch_swarm_state(self._steps.state_tensors()))
         if snapshot is None:
             return False
-        self.trainable.load_state_tensors(snapshot.tensors)
+        self._steps.load_state_tensors(snapshot.tensors)
         self.node.engine.set_state(snapshot.version, snapshot.step)
-        self._steps.reset()
         self._follow_schedule()
         self._last_round = "resynced"
         return True
@@ -251,8 +257,8 @@ class Optimizer(torch.optim.Optimizer):
         s = engine.stats
         return Statistics(
             global_step=engine.step,
-            local_samples=self._steps.samples,
-            samples_per_round=self._steps.share,
+            local_samples=self._outer.inner * self.batch_size_per_step if self._outer else self._steps.samples,
+            samples_per_round=self._outer.inner_steps * self.batch_size_per_step if self._outer else self._steps.share,
             peers_last_round=self._peers_last_round,
             last_round=self._last_round,
             rounds_ok=s.rounds_ok,
@@ -267,6 +273,8 @@ class Optimizer(torch.optim.Optimizer):
 
     def state_dict(self) -> dict[str, Any]:
         state = {"optimizer": self.inner.state_dict(), "global_step": self.global_step}
+        if self._outer is not None:  # saved at an outer step: the parameters are θ_t then
+            state["outer_momentum"] = self._outer.momentum.detach().cpu().clone()
         if self.scheduler is not None:
             state["scheduler"] = self.scheduler.state_dict()
         return state
@@ -279,9 +287,17 @@ class Optimizer(torch.optim.Optimizer):
         self.inner.load_state_dict(state_dict["optimizer"])
         if self.scheduler is not None and "scheduler" in state_dict:
             self.scheduler.load_state_dict(state_dict["scheduler"])
-            self._scheduled = int(state_dict["global_step"])
+            inner_steps = self._outer.inner_steps if self._outer is not None else 1
+            self._scheduled = int(state_dict["global_step"]) * inner_steps
         step = int(state_dict["global_step"])
-        version = initial_version(self.plan.run_hash, self.trainable.state_tensors(), step)
+        if self._outer is not None:
+            if "outer_momentum" not in state_dict:
+                raise ConfigError(
+                    "phalanx.Optimizer.load_state_dict: a diloco checkpoint has outer_momentum; this one has none"
+                )
+            self._outer.momentum.copy_(state_dict["outer_momentum"])
+            self._outer.anchor = self._outer._flat()
+        version = initial_version(self.plan.run_hash, self._steps.state_tensors(), step)
         self.node.engine.set_state(version, step)
         self._follow_schedule()
 
@@ -307,15 +323,24 @@ class Optimizer(torch.optim.Optimizer):
     async def _open(self) -> Node:
         node = await open_node(self.plan, loss=lambda: self._last_loss)
         try:
-            node.engine.set_state(initial_version(self.plan.run_hash, self.trainable.state_tensors(), 0), 0)
+            in_thread = lambda fn, *args: asyncio.get_running_loop().run_in_executor(None, fn, *args)  # noqa: E731
+            if self.plan.training.mode == "diloco":
+                outer = self.plan.outer
+                self._outer = self._steps = OuterStep(
+                    node, self.trainable.params, inner_steps=outer.inner_steps, outer_lr=outer.outer_lr,
+                    outer_momentum=outer.outer_momentum, in_thread=in_thread,
+                )  # fmt: skip
+            else:
+                self._steps = GlobalStep(
+                    node, self.trainable, batch_size_per_step=self.batch_size_per_step,
+                    target_batch_size=self.target_batch_size, wait_for_peers=self.plan.training.wait_for_peers,
+                    in_thread=in_thread, recompute=self._recompute if self.plan.round.verify is not None else None,
+                )  # fmt: skip
+            node.engine.set_state(initial_version(self.plan.run_hash, self._steps.state_tensors(), 0), 0)
             self._health = await open_node_health(node, self.plan, self._metrics)
             await wait_for_trainers(node, self.plan.training.wait_for_peers)
-            self._steps = GlobalStep(
-                node, self.trainable, batch_size_per_step=self.batch_size_per_step,
-                target_batch_size=self.target_batch_size, wait_for_peers=self.plan.training.wait_for_peers,
-                in_thread=lambda fn, *args: asyncio.get_running_loop().run_in_executor(None, fn, *args),
-                recompute=self._recompute if self.plan.round.verify is not None else None,
-            )  # fmt: skip
+            if self._outer is None:
+                self._steps.share = self._steps.next_share()  # now that the trainers are in view
         except BaseException:
             await node.aclose()
             raise
@@ -328,7 +353,7 @@ class Optimizer(torch.optim.Optimizer):
 
     def _global_step(self) -> None:
         """Average this peer's gradient with the swarm's (weighted by local steps) and step on it."""
-        samples = self._steps.samples
+        samples = self._outer.inner * self.batch_size_per_step if self._outer else self._steps.samples
         outcome = self._swarm.call(self._round())
         if isinstance(outcome, Averaged):
             self._last_round = "partial" if outcome.result.missing_parts else "ok"
@@ -339,7 +364,6 @@ class Optimizer(torch.optim.Optimizer):
             )  # fmt: skip
         else:
             self._last_round = "resynced"
-        self._follow_schedule()
 
     async def _round(self) -> Union[Averaged, Resync]:
         """The round of this global step, retried (backing off) until one completes."""
@@ -385,10 +409,14 @@ class Optimizer(torch.optim.Optimizer):
             raise PhalanxError(f"{DHT_DIED}: the swarm is out of reach")
 
     def _follow_schedule(self) -> None:
-        """Step the scheduler to the global step (a newcomer's catches up with the swarm's)."""
+        """Step the scheduler to the global step (diloco: to the inner step, H per outer step); a
+        newcomer's catches up with the swarm's."""
         if self.scheduler is None:
             return
-        while self._scheduled < self.global_step:
+        position = (
+            self.global_step if self._outer is None else self._outer.step * self._outer.inner_steps + self._outer.inner
+        )
+        while self._scheduled < position:
             self.scheduler.step()
             self._scheduled += 1
 

@@ -41,7 +41,7 @@ class TrainingConfig:
     device: str
     """auto, cpu, cuda or cuda:N."""
     mode: str
-    """sync, lasgd or gossip."""
+    """sync, lasgd, gossip or diloco."""
     batch_size: Optional[int]
     """Samples per step; None: the task's."""
     lr: Optional[float]
@@ -92,6 +92,18 @@ class ExchangeConfig:
     """Average the momentum buffers too."""
 
 
+@dataclass(frozen=True, kw_only=True)
+class OuterConfig:
+    """DiLoCo's section (--mode diloco): inner steps per outer step and the outer Nesterov step."""
+
+    inner_steps: int
+    """Local steps of the inner optimizer between outer steps (H)."""
+    outer_lr: float
+    """The outer step's learning rate (η)."""
+    outer_momentum: float
+    """The outer step's momentum (μ)."""
+
+
 @dataclass(frozen=True)
 class Attack:
     """What `--attack` makes of this peer: its protocol behaviour and its gradient attack."""
@@ -118,6 +130,7 @@ class PeerPlan:
     """Addresses, identity, relays, HTTP: the DHT, the transport and the health service read these."""
     training: TrainingConfig
     exchange: ExchangeConfig
+    outer: OuterConfig
     round: RoundConfig
     sync_policy: SyncPolicy
     """How many members a round waits for (one instance: AdaSync keeps state)."""
@@ -157,17 +170,19 @@ def make_plan(config: PeerConfig) -> PeerPlan:
     round_config = config.round_config(name, params)
     training = _section(TrainingConfig, config)
     exchange = _section(ExchangeConfig, config)
+    outer = _section(OuterConfig, config)
     private = PrivateSwarm(config.admission, config.certificate) if config.admission is not None else None
     return PeerPlan(
         network=config,
         training=training,
         exchange=exchange,
+        outer=outer,
         round=round_config,
         sync_policy=sync_policy,
         attack=Attack(config.attack, behavior, gradient),
         slowdown=slowdown,
         private=private,
-        run_hash=run_hash(config.run_id, training, exchange, round_config, sync_policy, private),
+        run_hash=run_hash(config.run_id, training, exchange, round_config, sync_policy, private, outer),
     )
 
 
@@ -178,6 +193,7 @@ def run_hash(
     round_config: RoundConfig,
     sync_policy: SyncPolicy,
     private: Optional[PrivateSwarm],
+    outer: OuterConfig,
 ) -> bytes:
     """Hash of everything peers must agree on; local fields (paths, ports, stopping) stay out, so
     peers that differ only there still meet."""
@@ -197,6 +213,7 @@ def run_hash(
         "sync_policy": sync_policy.spec,
         "average_optimizer_state": exchange.average_optimizer_state,
         "exchanges": [exchange.sync_every, exchange.staleness, exchange.dana] if not MODES[training.mode].lockstep else None,
+        "outer": [outer.inner_steps, outer.outer_lr, outer.outer_momentum] if training.mode == "diloco" else None,
         # peers of different private swarms (different owners) never meet
         "owner": hashlib.sha256(private.owner_key.read_bytes()).hexdigest() if private else None,
     }

@@ -48,8 +48,16 @@ def bench_allreduce(
     numel: int = typer.Option(10_000_000, "--numel", min=1, help="float32 values per peer."),
     rounds: int = typer.Option(5, "--rounds", min=1, help="Timed rounds after one warm-up (median reported)."),
     impls: str = typer.Option("phalanx,hivemind,gloo", "--impls", help="Which of phalanx, hivemind, gloo to run."),
-    verify: bool = typer.Option(False, "--verify", help="Instead: plain mean vs CenteredClip vs CenteredClip with full verification (time and bytes per round)."),
-    upload_mbps: str = typer.Option("0", "--upload-mbps", help="With --verify: comma-separated per-peer upload caps in Mbit/s to repeat the comparison at (0: uncapped loopback)."),
+    verify: bool = typer.Option(
+        False,
+        "--verify",
+        help="Instead: plain mean vs CenteredClip vs CenteredClip with full verification (time and bytes per round).",
+    ),
+    upload_mbps: str = typer.Option(
+        "0",
+        "--upload-mbps",
+        help="With --verify: comma-separated per-peer upload caps in Mbit/s to repeat the comparison at (0: uncapped loopback).",
+    ),
 ) -> None:
     """All-reduce one vector per peer on loopback: Phalanx's round engine (mean), hivemind's
     DecentralizedAverager and torch.distributed gloo, each in N worker processes; prints medians and ratios.
@@ -84,11 +92,17 @@ def bench_allreduce(
 @bench_app.command("swarm")
 def bench_swarm(
     peers: int = typer.Option(4, "--peers", min=1, help="Peers (processes) per run."),
-    task: str = typer.Option("digits-mlp", "--task", help="digits-mlp (target: test accuracy) or tiny-gpt (target: validation loss)."),
-    task_options: str = typer.Option("", "--task-options", help="The task's options, name=value,... (tiny-gpt default: a small CPU config)."),
+    task: str = typer.Option(
+        "digits-mlp", "--task", help="digits-mlp (target: test accuracy) or tiny-gpt (target: validation loss)."
+    ),
+    task_options: str = typer.Option(
+        "", "--task-options", help="The task's options, name=value,... (tiny-gpt default: a small CPU config)."
+    ),
     target_accuracy: float = typer.Option(0.95, "--target-accuracy", min=0.0, max=1.0, help="digits-mlp's target."),
     target_loss: float = typer.Option(3.0, "--target-loss", min=0.0, help="tiny-gpt's target."),
-    impls: str = typer.Option("phalanx,hivemind,ddp", "--impls", help="Which of phalanx, phalanx-lasgd, hivemind, ddp to run."),
+    impls: str = typer.Option(
+        "phalanx,hivemind,ddp", "--impls", help="Which of phalanx, phalanx-lasgd, hivemind, ddp to run."
+    ),
     repeats: int = typer.Option(1, "--repeats", min=1, help="Runs per implementation (median reported)."),
     time_limit_s: float = typer.Option(300.0, "--time-limit-s", help="Give up on a reference run after this long."),
 ) -> None:
@@ -119,13 +133,60 @@ def bench_swarm(
     run_swarm_bench(peers, goal, chosen, repeats=repeats, time_limit_s=time_limit_s)
 
 
+@bench_app.command("diloco")
+def bench_diloco(
+    peers: int = typer.Option(4, "--peers", min=1, help="Peers (processes) per run."),
+    task: str = typer.Option(
+        "digits-mlp", "--task", help="digits-mlp (target: test accuracy) or tiny-gpt (target: validation loss)."
+    ),
+    task_options: str = typer.Option(
+        "", "--task-options", help="The task's options, name=value,... (tiny-gpt default: a small CPU config)."
+    ),
+    target_accuracy: float = typer.Option(0.95, "--target-accuracy", min=0.0, max=1.0, help="digits-mlp's target."),
+    target_loss: float = typer.Option(3.0, "--target-loss", min=0.0, help="tiny-gpt's target."),
+    inner_steps: int = typer.Option(50, "--inner-steps", min=1, help="DiLoCo's H."),
+    upload_mbps: float = typer.Option(100.0, "--upload-mbps", min=0.0, help="Upload cap per peer (0: uncapped)."),
+    repeats: int = typer.Option(1, "--repeats", min=1, help="Runs per case (median reported)."),
+) -> None:
+    """To the same target under an upload cap: sync, diloco and diloco with int8 pseudo-gradients
+    (wall time, bytes sent per peer, rounds).
+
+    [bold]Examples[/bold]
+
+      phalanx bench diloco --peers 4 --upload-mbps 100
+
+      phalanx bench diloco --task tiny-gpt --peers 4 --inner-steps 20
+    """
+    from phalanx.peer.bench.swarm import SMALL_GPT, Goal, run_diloco_bench
+
+    if task not in ("digits-mlp", "tiny-gpt"):
+        raise ConfigError(f"--task {task}: bench diloco runs digits-mlp or tiny-gpt")
+    if task == "tiny-gpt":
+        goal = Goal(task, task_options or SMALL_GPT, "loss", target_loss)
+    else:
+        goal = Goal(task, task_options, "accuracy", target_accuracy)
+    diloco = ["--mode", "diloco", "--inner-steps", str(inner_steps)]
+    cases = [
+        ("sync", ["--mode", "sync"]),
+        (f"diloco H={inner_steps}", diloco),
+        (f"diloco H={inner_steps} + int8", [*diloco, "--compression", "int8"]),
+    ]
+    run_diloco_bench(peers, goal, cases, upload_mbps=upload_mbps, repeats=repeats)
+
+
 @bench_app.command("convergence")
 def bench_convergence(
     peers: int = typer.Option(4, "--peers", min=2, help="Peers per run (one of them a straggler)."),
     target_accuracy: float = typer.Option(0.95, "--target-accuracy", min=0.0, max=1.0),
     repeats: int = typer.Option(3, "--repeats", min=1, help="Runs per mode (median reported)."),
-    base_step_s: float = typer.Option(0.01, "--base-step-s", min=0.0, help="Every local step takes at least this long (stands in for GPU work)."),
-    straggler: str = typer.Option("shifted-exp:0.025:0.025", "--straggler", help="The straggler's step time (--slowdown form); the default is ~5× the others."),
+    base_step_s: float = typer.Option(
+        0.01, "--base-step-s", min=0.0, help="Every local step takes at least this long (stands in for GPU work)."
+    ),
+    straggler: str = typer.Option(
+        "shifted-exp:0.025:0.025",
+        "--straggler",
+        help="The straggler's step time (--slowdown form); the default is ~5× the others.",
+    ),
     max_steps: int = typer.Option(3000, "--max-steps", min=1),
 ) -> None:
     """Wall time to the target accuracy on digits with one straggler: sync, lasgd with Gap-Aware,
@@ -147,7 +208,9 @@ def bench_convergence(
 
 
 @bench_app.command("cli")
-def bench_cli(repeats: int = typer.Option(5, "--repeats", min=1, help="Timed runs per command (median reported).")) -> None:
+def bench_cli(
+    repeats: int = typer.Option(5, "--repeats", min=1, help="Timed runs per command (median reported)."),
+) -> None:
     """Time `phalanx --help`, `phalanx join --help` and mistyped flags (fresh processes) against
     `python -c pass` and `python -c "import torch"` measured in the same run.
 

@@ -26,6 +26,8 @@ from phalanx.peer.bench import bench_console
 EVAL_EVERY = 10
 SEED = 0
 IMPLS = ("phalanx", "phalanx-lasgd", "hivemind", "ddp")
+# `phalanx bench diloco`: the same runs, phalanx only, by the flags each adds to `phalanx join`
+DILOCO_H = 50
 SMALL_GPT = "dim=64,layers=2,heads=4,context=64"  # tiny-gpt's default here: fits a shared CPU
 # hivemind.Optimizer's matchmaking time: 1 s is the fastest setting that still groups 4 local peers
 # reliably here (its default of 15 s, or the quickstart's 3 s, only make it slower)
@@ -172,7 +174,11 @@ def _run_reference(impl: str, world: int, goal: Goal, time_limit_s: float) -> di
                 cmd += ["--initial-peers", *initial]
             procs.append(
                 subprocess.Popen(
-                    cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                    cmd,
+                    stdin=subprocess.PIPE,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    text=True,
                     start_new_session=True,
                 )  # fmt: skip
             )
@@ -230,7 +236,9 @@ def _run_phalanx(world: int, goal: Goal, extra_args: list[str]) -> dict[str, Any
     swarm = Swarm(world, args, target_accuracy=goal.target if goal.metric == "accuracy" else None, live=False)
     result = uvloop.run(swarm.run())
     if result.kept_workdir is not None:
-        swarm.console.print(f"phalanx did not reach the target; its logs are kept in {result.kept_workdir}", soft_wrap=True)
+        swarm.console.print(
+            f"phalanx did not reach the target; its logs are kept in {result.kept_workdir}", soft_wrap=True
+        )
     events = [e for v in result.peers for e in v.events]
     starts = [e["t"] for e in events if e["event"] == "training"]
     hits = [e for e in events if e["event"] == "eval" and _met(e, goal.metric, goal.target)]
@@ -243,6 +251,8 @@ def _run_phalanx(world: int, goal: Goal, extra_args: list[str]) -> dict[str, Any
         "failures": failures,
         "resyncs": sum(r.get("resyncs", 0) for r in reports),
         "peak_rss": max((r["peak_rss_bytes"] for r in reports if r.get("peak_rss_bytes")), default=None),
+        "bytes_sent": max((r.get("bytes_sent", 0) for r in reports), default=0),
+        "rounds": max((r.get("rounds_ok", 0) + r.get("rounds_partial", 0) for r in reports), default=0),
     }
 
 
@@ -315,3 +325,45 @@ def run_swarm_bench(
 
 if __name__ == "__main__":
     worker_main()
+
+
+def run_diloco_bench(
+    peers: int, goal: Goal, cases: list[tuple[str, list[str]]], *, upload_mbps: float, repeats: int = 1, console=None
+) -> list[dict[str, Any]]:
+    """Phalanx runs that differ by their join flags (sync, diloco, diloco + int8, ...), each to `goal`
+    under an upload cap per peer; wall time, bytes sent per peer and rounds, with ratios to the first."""
+    from rich.table import Table
+
+    console = console or bench_console()
+    cap = ["--upload-limit-mbps", str(upload_mbps)] if upload_mbps else []
+    rows = []
+    for label, flags in cases:
+        runs = []
+        for i in range(repeats):
+            console.print(
+                f"running {label} with {peers} peers to {goal}, upload {upload_mbps or 'uncapped'} Mbit/s (run {i + 1}/{repeats})…"
+            )
+            runs.append(_run_phalanx(peers, goal, [*flags, *cap]))
+        times = [r["time_s"] for r in runs if r["time_s"] is not None]
+        rows.append({
+            "impl": label,
+            "time_s": statistics.median(times) if len(times) == len(runs) else None,
+            "steps": statistics.median(r["steps"] for r in runs),
+            "bytes_sent": statistics.median(r["bytes_sent"] for r in runs),
+            "rounds": statistics.median(r["rounds"] for r in runs),
+            "failures": sum(r["failures"] for r in runs),
+        })  # fmt: skip
+    cap_text = f"{upload_mbps:g} Mbit/s upload per peer" if upload_mbps else "uncapped loopback"
+    table = Table(title=f"to {goal}, {peers} peers, {cap_text} (median of {repeats})")
+    for col in ("run", "seconds", "steps", "rounds", "MB sent/peer", "fewer bytes", "vs first"):
+        table.add_column(col, justify="right")
+    first = rows[0]
+    for r in rows:
+        fewer = f"{first['bytes_sent'] / r['bytes_sent']:.0f}×" if r["bytes_sent"] else ""
+        ratio = f"{r['time_s'] / first['time_s']:.2f}×" if r["time_s"] and first["time_s"] else ""
+        table.add_row(
+            r["impl"], "not reached" if r["time_s"] is None else f"{r['time_s']:.1f}", f"{r['steps']:.0f}",
+            f"{r['rounds']:.0f}", f"{r['bytes_sent'] / 1e6:.2f}", fewer, ratio,
+        )  # fmt: skip
+    console.print(table)
+    return rows

@@ -34,6 +34,11 @@ MODES: dict[str, ModeInfo] = {
     "gossip": ModeInfo(
         "the same with one random peer at a time", "phalanx.peer.modes.local:LocalMode", lockstep=False, group_size=2
     ),
+    "diloco": ModeInfo(
+        "--inner-steps local steps, then an outer Nesterov step on the averaged pseudo-gradient",
+        "phalanx.peer.modes.diloco:DilocoMode",
+        lockstep=True,
+    ),
 }
 
 

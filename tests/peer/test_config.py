@@ -99,7 +99,11 @@ def _run_hash(overrides) -> bytes:
 CC = {"aggregator": "centered_clip", "tau": 1.0}
 VERIFY = {**CC, "verify": True}
 LASGD = {"mode": "lasgd"}
+DILOCO = {"mode": "diloco"}
 HASHED = {
+    "inner_steps": (DILOCO, {**DILOCO, "inner_steps": 10}),
+    "outer_lr": (DILOCO, {**DILOCO, "outer_lr": 1.0}),
+    "outer_momentum": (DILOCO, {**DILOCO, "outer_momentum": 0.5}),
     "run_id": ({}, {"run_id": "other"}),
     "task": ({}, {"task": "mnist-cnn"}),
     "task_options": ({}, {"task_options": "hidden=32"}),

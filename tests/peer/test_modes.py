@@ -20,7 +20,7 @@ def test_every_mode_loads_a_loop_the_runtime_can_run(name):
 
 
 def test_an_unknown_mode_is_a_config_error_listing_the_valid_ones():
-    with pytest.raises(ConfigError, match=r"^--mode: unknown mode 'diloko'; valid: sync, lasgd, gossip$"):
+    with pytest.raises(ConfigError, match=r"^--mode: unknown mode 'diloko'; valid: sync, lasgd, gossip, diloco$"):
         mode_info("diloko")
 
 

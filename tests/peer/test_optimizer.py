@@ -141,7 +141,7 @@ def _model_and_adamw(model=None):
             {"verify": True},
             "phalanx.Optimizer(verify=True): validators recompute a peer's gradient from its public batch; pass model, batch_fn, loss_fn",
         ),
-        ({"mode": "lasgd"}, "phalanx.Optimizer(mode='lasgd'): this front door runs sync so far"),
+        ({"mode": "lasgd"}, "phalanx.Optimizer(mode='lasgd'): this front door runs sync, diloco so far"),
         ({"batch_size_per_step": 0}, "phalanx.Optimizer(batch_size_per_step=0): give the samples of one step, ≥ 1"),
         (
             {"target_batch_size": 4},

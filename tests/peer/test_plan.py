@@ -10,7 +10,7 @@ import pytest
 
 from phalanx.aggregation.errors import ConfigError
 from phalanx.peer.config import NetworkSettings, PeerConfig, load_settings
-from phalanx.peer.plan import PARSED, ExchangeConfig, TrainingConfig, make_plan
+from phalanx.peer.plan import PARSED, ExchangeConfig, OuterConfig, TrainingConfig, make_plan
 
 
 def _plan(overrides):
@@ -18,7 +18,7 @@ def _plan(overrides):
 
 
 def test_every_setting_reaches_the_plan():
-    sections = {f.name for cls in (TrainingConfig, ExchangeConfig) for f in dataclasses.fields(cls)}
+    sections = {f.name for cls in (TrainingConfig, ExchangeConfig, OuterConfig) for f in dataclasses.fields(cls)}
     assert not sections & PARSED and not sections & set(NetworkSettings.model_fields)
     assert sections | PARSED | set(NetworkSettings.model_fields) == set(PeerConfig.model_fields)
 
