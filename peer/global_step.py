@@ -2,13 +2,15 @@
 (peer/modes/sync.py, over a Task) and `phalanx.Optimizer` (peer/optimizer.py, over the user's loop).
 
     add(gradient, samples)            local steps add up to this peer's share of the target batch
-    round()                            average the mean gradient with the swarm, weighted by local
-                                       steps (cancellable)
+    round()                            average the mean gradient with the swarm, weighted by
+                                       samples (cancellable)
     finish(outcome)                    apply it with the optimizer and publish state, or (behind the
                                        swarm) download a donor's state instead (never cancelled)
 
-Weights count local steps, not samples: every peer of a run has the same batch size per step, and
-a peer that took one step weighs 1, as verified rounds require of every part.
+The weight of a contribution is its samples over (target batch + one step), so at most 1: reducers
+never trust a weight above 1 (a peer could inflate its own), and the weighted mean Σ wᵢgᵢ / Σ wᵢ is
+the sample-weighted one. Without a target every contribution is one step and weighs 1, as verified
+rounds require of every part.
 """
 
 from __future__ import annotations
@@ -103,9 +105,14 @@ class GlobalStep:
         cancelled. Round failures raise (ROUND_FAILURES) and keep the gradient for another try."""
         steps = self.samples // self.batch_size_per_step
         vector = self._single if self._single is not None else self._sum / steps
-        return await self.engine.run_round(
-            vector.to("cpu", torch.float32), weight=float(steps), recompute=self.recompute
-        )
+        return await self.engine.run_round(vector.to("cpu", torch.float32), weight=self.weight, recompute=self.recompute)
+
+    @property
+    def weight(self) -> float:
+        """This contribution's weight in the round: samples / (target + one step), 1 without a target."""
+        if self.target_batch_size is None:
+            return 1.0
+        return self.samples / (self.target_batch_size + self.batch_size_per_step)
 
     async def finish(self, outcome: Union[Averaged, Resync]) -> Union[Averaged, Resync, None]:
         """Averaged: applied with the optimizer and published. Resync: the swarm's state is loaded
