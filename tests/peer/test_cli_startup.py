@@ -74,4 +74,4 @@ def test_help_at_80_columns_shows_every_flag_whole_with_its_default_and_variable
         assert any(line.strip().split(" ")[0] == flag for line in lines), flag
     if command == "join":
         assert "[default: 25] [env: PHALANX_EVAL_EVERY]" in text
-        assert "Built-in task (digits-mlp, mnist-cnn, cifar10-resnet18)" in text
+        assert "Built-in task (digits-mlp, mnist-cnn, cifar10-resnet18, tiny-gpt)" in text
