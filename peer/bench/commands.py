@@ -4,6 +4,7 @@ Only typer loads here; a benchmark's own module loads when its command runs."""
 from __future__ import annotations
 
 import typer
+
 from phalanx.aggregation.errors import ConfigError
 from phalanx.peer.cli_options import float_list, int_list, str_list
 
@@ -118,18 +119,13 @@ def bench_swarm(
       phalanx bench swarm --task tiny-gpt --peers 4 \\
           --impls phalanx,phalanx-lasgd,hivemind,ddp
     """
-    from phalanx.peer.bench.swarm import IMPLS, SMALL_GPT, Goal, run_swarm_bench
+    from phalanx.peer.bench.swarm import IMPLS, Goal, run_swarm_bench
 
     chosen = str_list(impls)
     unknown = sorted(set(chosen) - set(IMPLS))
     if unknown:
         raise ConfigError(f"--impls: unknown {', '.join(unknown)}; choose from {', '.join(IMPLS)}")
-    if task not in ("digits-mlp", "tiny-gpt"):
-        raise ConfigError(f"--task {task}: bench swarm runs digits-mlp or tiny-gpt")
-    if task == "tiny-gpt":
-        goal = Goal(task, task_options or SMALL_GPT, "loss", target_loss)
-    else:
-        goal = Goal(task, task_options, "accuracy", target_accuracy)
+    goal = Goal.for_task("swarm", task, task_options, target_accuracy, target_loss)
     run_swarm_bench(peers, goal, chosen, repeats=repeats, time_limit_s=time_limit_s)
 
 
@@ -157,14 +153,9 @@ def bench_diloco(
 
       phalanx bench diloco --task tiny-gpt --peers 4 --inner-steps 20
     """
-    from phalanx.peer.bench.swarm import SMALL_GPT, Goal, run_diloco_bench
+    from phalanx.peer.bench.swarm import Goal, run_diloco_bench
 
-    if task not in ("digits-mlp", "tiny-gpt"):
-        raise ConfigError(f"--task {task}: bench diloco runs digits-mlp or tiny-gpt")
-    if task == "tiny-gpt":
-        goal = Goal(task, task_options or SMALL_GPT, "loss", target_loss)
-    else:
-        goal = Goal(task, task_options, "accuracy", target_accuracy)
+    goal = Goal.for_task("diloco", task, task_options, target_accuracy, target_loss)
     diloco = ["--mode", "diloco", "--inner-steps", str(inner_steps)]
     cases = [
         ("sync", ["--mode", "sync"]),

@@ -21,6 +21,7 @@ from typing import Any, Optional
 
 import torch
 
+from phalanx.aggregation.errors import ConfigError
 from phalanx.peer.bench import bench_console
 
 EVAL_EVERY = 10
@@ -262,6 +263,15 @@ class Goal:
     task_options: str
     metric: str  # "accuracy" (at least target) or "loss" (at most target)
     target: float
+
+    @classmethod
+    def for_task(cls, command: str, task: str, options: str, target_accuracy: float, target_loss: float) -> Goal:
+        """digits-mlp's goal is a test accuracy, tiny-gpt's a validation loss (on a small config by default)."""
+        if task == "tiny-gpt":
+            return cls(task, options or SMALL_GPT, "loss", target_loss)
+        if task == "digits-mlp":
+            return cls(task, options, "accuracy", target_accuracy)
+        raise ConfigError(f"--task {task}: bench {command} runs digits-mlp or tiny-gpt")
 
     def __str__(self) -> str:
         what = "test accuracy" if self.metric == "accuracy" else "validation loss"

@@ -6,8 +6,8 @@ plain SGD inside, the outer Nesterov step across the swarm; writes its final θ 
 """
 
 import argparse
-import importlib.util
 import json
+import sys
 from pathlib import Path
 
 import torch
@@ -15,9 +15,10 @@ import torch.nn.functional as F
 
 import phalanx
 
-spec = importlib.util.spec_from_file_location("plain_loop", Path(__file__).parents[2] / "examples" / "plain_loop.py")
-plain_loop = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(plain_loop)
+sys.path.insert(0, str(Path(__file__).parent))
+from trainer_procs import load_example  # noqa: E402
+
+plain_loop = load_example("plain_loop")
 
 parser = argparse.ArgumentParser()
 parser.add_argument("out", type=Path)

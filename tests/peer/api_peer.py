@@ -8,7 +8,6 @@ got as NAME-loaded-STEP.pt, trains 3 more global steps and exits.
 """
 
 import argparse
-import importlib.util
 import sys
 from pathlib import Path
 
@@ -17,9 +16,10 @@ import torch.nn.functional as F
 
 import phalanx
 
-spec = importlib.util.spec_from_file_location("plain_loop", Path(__file__).parents[2] / "examples" / "plain_loop.py")
-plain_loop = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(plain_loop)
+sys.path.insert(0, str(Path(__file__).parent))
+from trainer_procs import load_example  # noqa: E402
+
+plain_loop = load_example("plain_loop")
 
 parser = argparse.ArgumentParser()
 parser.add_argument("name")

@@ -7,7 +7,6 @@ public batch gives another one, so the swarm bans it. Exit 0 after --global-step
 """
 
 import argparse
-import importlib.util
 import json
 import sys
 from pathlib import Path
@@ -19,9 +18,10 @@ import phalanx
 from phalanx.aggregation.errors import PhalanxError
 from phalanx.tasks import batch_generator
 
-spec = importlib.util.spec_from_file_location("plain_loop", Path(__file__).parents[2] / "examples" / "plain_loop.py")
-plain_loop = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(plain_loop)
+sys.path.insert(0, str(Path(__file__).parent))
+from trainer_procs import load_example  # noqa: E402
+
+plain_loop = load_example("plain_loop")
 
 parser = argparse.ArgumentParser()
 parser.add_argument("out", type=Path)

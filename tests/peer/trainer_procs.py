@@ -186,3 +186,14 @@ def wait_scripts(procs: list[subprocess.Popen], logs: list[Path], timeout: float
             if p.poll() is None:
                 p.kill()
                 p.wait()
+
+
+def load_example(name: str):
+    """examples/<name>.py as a module (the tests' user scripts reuse its model and data)."""
+    import importlib.util
+
+    path = Path(__file__).parents[2] / "examples" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
