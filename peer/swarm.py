@@ -176,7 +176,8 @@ class Swarm:
             elif kind == "training":
                 view.ready_s = self._elapsed()
             elif kind == "step":
-                view.step, view.loss, view.group = event["step"], event["loss"], event["group"]
+                view.step, view.loss = event["step"], event["loss"]
+                view.group = event.get("group", view.group)
                 view.bytes_sent = event.get("bytes_sent", view.bytes_sent)
                 if view.first_step_s is None:
                     view.first_step_s = self._elapsed()
@@ -187,6 +188,8 @@ class Swarm:
                     if self.time_to_target is None:
                         self.time_to_target = self._elapsed()
                     self.target_hit.set()
+            elif kind == "outer":
+                view.step, view.group = event["step"], event["group"]
             elif kind == "resynced":
                 view.step = event["step"]
             elif kind == "done":
@@ -296,6 +299,9 @@ class Swarm:
                     if bootstrap_up.done():
                         bootstrap_up.result()  # raises if it exited before it was up
                         waiting.discard(bootstrap_up)
+                    for f in followers:
+                        if f.done() and f in waiting:
+                            f.result()  # a follower that failed is a bug of ours: say so, not "the peer exited"
                     waiting.difference_update(f for f in followers if f.done())
                     return target_task.done() or all(f.done() for f in honest)
 

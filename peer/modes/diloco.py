@@ -46,7 +46,9 @@ class DilocoMode:
                 loss, grad = await runtime.in_thread(runtime.contribution, step)
                 await runtime.in_thread(model.apply, grad, step)
                 outer.inner_step_done()
-                await runtime.step_done(self.step, loss, f"inner {outer.inner}/{outer.inner_steps}")
+                await runtime.step_done(
+                    self.step, loss, f"inner {outer.inner}/{outer.inner_steps}", group=runtime.report.group_size
+                )
                 continue
             round_task = await runtime.run_unless_stopped(outer.round())
             if round_task is None:

@@ -71,3 +71,18 @@ def test_the_run_stops_once_no_honest_trainer_is_left(tmp_path):
     assert "every honest trainer has exited: stopping the others" in text
     assert "straggler-0 exited with code 2" in text
     assert result.kept_workdir is None and (tmp_path / "run" / "straggler-0.log").exists()  # a folder given is the caller's
+
+
+def test_a_diloco_swarm_runs_to_its_target_under_the_launcher(tmp_path):
+    # diloco's step events carry the last outer round's group; a launcher that read them as sync's
+    # stopped every trainer at the first one (its follower failed silently)
+    out = io.StringIO()
+    swarm = Swarm(
+        2, ["--mode", "diloco", "--inner-steps", "5", "--eval-every", "10", "--wait-for-peers", "2", "--steps", "3000"],
+        target_accuracy=0.9, workdir=tmp_path / "run", live=False, console=Console(file=out, width=200),
+    )  # fmt: skip
+    result = asyncio.run(swarm.run())
+    assert result.reached_target, out.getvalue()[-3000:]
+    outer = [e for v in result.peers for e in v.events if e["event"] == "outer"]
+    assert outer and all(e["group"] == 2 for e in outer[-2:]), outer[-4:]
+    assert all(v.report and v.report["rounds_ok"] >= 1 for v in result.peers)
