@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import concurrent.futures
 import copy
 import hashlib
 import json
@@ -31,6 +32,7 @@ import logging
 import math
 import re
 import threading
+import time
 from collections.abc import Callable, Coroutine, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Optional, TypeVar, Union
@@ -93,7 +95,10 @@ class _SwarmThread:
         self.thread.start()
 
     def call(self, coro: Coroutine[Any, Any, T]) -> T:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
+        return self.submit(coro).result()
+
+    def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
 
     def close(self) -> None:
         self.loop.call_soon_threadsafe(self.loop.stop)
@@ -181,6 +186,7 @@ class Optimizer(torch.optim.Optimizer):
         self._metrics = PeerMetrics(role="trainer")
         self._health = None
         self._outer: Optional[OuterStep] = None  # diloco's outer step; else self._steps is a GlobalStep
+        self._in_flight: Optional[concurrent.futures.Future] = None  # diloco: the outer round running
         self._closed = False
         self._swarm = _SwarmThread()
         try:
@@ -206,13 +212,14 @@ class Optimizer(torch.optim.Optimizer):
         if self._outer is not None:  # diloco: the inner optimizer steps on this batch's gradient, here
             self.inner.step()
             self._outer.inner_step_done()
+            self._outer_boundary()
         else:
             params = self.trainable.params
             self._steps.add(
                 torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params])
             )
-        if self._steps.ready:
-            self._global_step()
+            if self._steps.ready:
+                self._global_step()
         self._follow_schedule()
         return loss
 
@@ -232,8 +239,8 @@ class Optimizer(torch.optim.Optimizer):
         snapshot = self._swarm.call(self.node.engine.fetch_swarm_state(self._steps.state_tensors()))
         if snapshot is None:
             return False
-        self._steps.load_state_tensors(snapshot.tensors)
         self.node.engine.set_state(snapshot.version, snapshot.step)
+        self._steps.load_state_tensors(snapshot.tensors)
         self._follow_schedule()
         self._last_round = "resynced"
         return True
@@ -273,8 +280,9 @@ class Optimizer(torch.optim.Optimizer):
 
     def state_dict(self) -> dict[str, Any]:
         state = {"optimizer": self.inner.state_dict(), "global_step": self.global_step}
-        if self._outer is not None:  # saved at an outer step: the parameters are θ_t then
+        if self._outer is not None:  # θ_t and v; the parameters (x) are the model's to save
             state["outer_momentum"] = self._outer.momentum.detach().cpu().clone()
+            state["outer_anchor"] = self._outer.anchor.detach().cpu().clone()
         if self.scheduler is not None:
             state["scheduler"] = self.scheduler.state_dict()
         return state
@@ -295,8 +303,8 @@ class Optimizer(torch.optim.Optimizer):
                 raise ConfigError(
                     "phalanx.Optimizer.load_state_dict: a diloco checkpoint has outer_momentum; this one has none"
                 )
-            self._outer.momentum.copy_(state_dict["outer_momentum"])
-            self._outer.anchor = self._outer._flat()
+            # θ_t itself when saved (the parameters hold x, which may have moved on from it)
+            self._outer.restore(state_dict["outer_momentum"], state_dict.get("outer_anchor"), step)
         version = initial_version(self.plan.run_hash, self._steps.state_tensors(), step)
         self.node.engine.set_state(version, step)
         self._follow_schedule()
@@ -307,6 +315,8 @@ class Optimizer(torch.optim.Optimizer):
             return
         self._closed = True
         atexit.unregister(self.close)
+        if self._in_flight is not None:  # diloco: a round still running is left (the others go on without us)
+            self._in_flight.cancel()
         try:
             self._swarm.call(self._aclose())
         finally:
@@ -328,7 +338,7 @@ class Optimizer(torch.optim.Optimizer):
                 outer = self.plan.outer
                 self._outer = self._steps = OuterStep(
                     node, self.trainable.params, inner_steps=outer.inner_steps, outer_lr=outer.outer_lr,
-                    outer_momentum=outer.outer_momentum, in_thread=in_thread,
+                    outer_momentum=outer.outer_momentum, in_thread=in_thread, overlap=outer.overlap == "on",
                 )  # fmt: skip
             else:
                 self._steps = GlobalStep(
@@ -353,8 +363,51 @@ class Optimizer(torch.optim.Optimizer):
 
     def _global_step(self) -> None:
         """Average this peer's gradient with the swarm's (weighted by local steps) and step on it."""
-        samples = self._outer.inner * self.batch_size_per_step if self._outer else self._steps.samples
-        outcome = self._swarm.call(self._round())
+        self._landed(self._swarm.call(self._round()), self._steps.samples)
+
+    def _outer_boundary(self) -> None:
+        """diloco: land the round in flight once it is over (a boundary waits for it), then begin the
+        next one at a boundary; without overlap, wait for that one too. Failed rounds are retried after
+        a back-off, their inner steps counted into the next Δ."""
+        outer = self._outer
+        assert outer is not None
+        if self._in_flight is not None and (self._in_flight.done() or outer.inner >= outer.inner_steps):
+            self._land_outer()
+        while outer.inner >= outer.inner_steps and self._in_flight is None:
+            if not outer.ready:  # a back-off after a failed round: wait it out, as the strict version does
+                time.sleep(outer.retry_in_s)
+            self._check_node()
+            delta = outer.begin()
+            self._in_flight = self._swarm.submit(self._outer_round(delta))
+            if outer.overlap:
+                return
+            self._land_outer()
+
+    def _land_outer(self) -> None:
+        outer, future = self._outer, self._in_flight
+        assert outer is not None and future is not None
+        self._in_flight = None
+        try:
+            outcome = future.result()
+        except ROUND_FAILURES as e:
+            outer.failed()
+            self._metrics.round_failed()
+            self._last_round = "failed"
+            logger.warning(f"outer round at global step {self.global_step} failed: {e}; retrying")
+            return
+        if outcome is None:  # the state download failed: another round
+            outer.failed()
+            return
+        outer.rebase()
+        self._landed(outcome, outer.inner_steps * self.batch_size_per_step)
+
+    async def _outer_round(self, delta: torch.Tensor) -> Union[Averaged, Resync, None]:
+        outer = self._outer
+        assert outer is not None
+        outcome = await outer.round(delta)
+        return await asyncio.shield(outer.finish(outcome))
+
+    def _landed(self, outcome: Union[Averaged, Resync], samples: int) -> None:
         if isinstance(outcome, Averaged):
             self._last_round = "partial" if outcome.result.missing_parts else "ok"
             self._peers_last_round = len(outcome.group.members)
@@ -413,9 +466,7 @@ class Optimizer(torch.optim.Optimizer):
         newcomer's catches up with the swarm's."""
         if self.scheduler is None:
             return
-        position = (
-            self.global_step if self._outer is None else self._outer.step * self._outer.inner_steps + self._outer.inner
-        )
+        position = self.global_step if self._outer is None else self._outer.position
         while self._scheduled < position:
             self.scheduler.step()
             self._scheduled += 1

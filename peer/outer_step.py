@@ -10,12 +10,24 @@ robustly), and every peer applies the outer Nesterov step on the result Δ̄:
 θ and the outer momentum v are the shared state: identical on every peer after each outer step
 (every peer computes them from the same Δ̄), and what a newcomer downloads. The inner optimizer's
 state is not shared, and the inner steps start again from θ_{t+1}.
+
+Overlap (`--overlap on`; off by default, see docs/algorithms.md §8): the round of outer step t runs while the peer takes the inner
+steps of t+1. They start from the peer's own estimate of θ_{t+1}: the outer step applied to its own
+Δ_i instead of the swarm's Δ̄ (x̂ = θ_t − η·(Δ_i + μ·(μ·v + Δ_i)); exact for a swarm of one). When
+θ_{t+1} lands, the steps taken meanwhile are moved onto it: x ← x − x̂ + θ_{t+1}. The next
+pseudo-gradient θ_{t+1} − x is then the H inner steps since the boundary, as in the strict version;
+only their gradients were taken near θ_{t+1} instead of at it (one outer step of delay at most: a
+boundary waits for the round before it). θ and v stay bit-identical across peers; the local x does
+not. `--overlap off` (the default) waits for every round before the next inner step (then x ← θ_{t+1}
+exactly).
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Union
+import time
+from collections.abc import Callable
+from typing import Optional, Union
 
 import torch
 
@@ -35,21 +47,45 @@ def nesterov_outer_step(
     anchor.sub_(delta.add(momentum, alpha=mu), alpha=lr)
 
 
+BACKOFF_MAX_S = 5.0
+
+
+def write_flat(params: list[torch.Tensor], flat: torch.Tensor) -> None:
+    """Copy the flat vector `flat` into `params`, in order."""
+    offset = 0
+    with torch.no_grad():
+        for p in params:
+            p.copy_(flat[offset : offset + p.numel()].view_as(p))
+            offset += p.numel()
+
+
+def backoff_s(failures: int) -> float:
+    """The wait before retrying after `failures` failed rounds in a row: 0.2 s, doubling, at most 5 s."""
+    return min(BACKOFF_MAX_S, 0.1 * 2 ** min(failures, 6))
+
+
 class OuterStep:
+    """θ_t, v and the bookkeeping of one peer's outer steps. `begin` and `rebase` touch the model's
+    parameters: call them on the thread that trains; `round` and `finish` run on the node's loop."""
+
     def __init__(
         self, node: Node, params: list[torch.Tensor], *, inner_steps: int, outer_lr: float, outer_momentum: float,
-        in_thread: InThread,
+        in_thread: InThread, overlap: bool = False, contribute: Optional[Callable[[int, torch.Tensor], torch.Tensor]] = None,
     ) -> None:  # fmt: skip
         self.node, self.engine, self.params = node, node.engine, [p for p in params if p.requires_grad]
-        self.inner_steps, self.outer_lr, self.outer_momentum, self.in_thread = (
-            inner_steps,
-            outer_lr,
-            outer_momentum,
-            in_thread,
-        )
+        self.inner_steps, self.outer_lr, self.outer_momentum = inner_steps, outer_lr, outer_momentum
+        self.in_thread, self.overlap = in_thread, overlap
+        self.contribute = contribute  # (outer step, honest Δ) → what this peer sends (attacks)
         self.anchor = self._flat()  # θ_t, on the parameters' device
         self.momentum = torch.zeros_like(self.anchor)  # v
-        self.inner = 0  # inner steps taken since θ_t
+        self.inner = 0  # inner steps since the last boundary
+        self.counted = self.engine.step  # outer steps begun and not failed: the position's whole part
+        self.in_flight = False  # a round began and is not rebased onto yet
+        self.failures = 0  # failed rounds in a row
+        self._start: Optional[torch.Tensor] = None  # x at the boundary of the round in flight
+        self._inner_at_boundary = 0
+        self._landed: Union[Averaged, Resync, None] = None  # finished, waiting for `rebase`
+        self._retry_at = 0.0
 
     @property
     def step(self) -> int:
@@ -57,63 +93,127 @@ class OuterStep:
         return self.engine.step
 
     @property
+    def position(self) -> int:
+        """Inner steps of this peer's training so far: H per outer step begun, plus those since."""
+        return self.counted * self.inner_steps + self.inner
+
+    @property
     def ready(self) -> bool:
-        return self.inner >= self.inner_steps
+        """The next boundary is here (after a failure: and its back-off is over)."""
+        return self.inner >= self.inner_steps and not self.in_flight and time.monotonic() >= self._retry_at
+
+    @property
+    def retry_in_s(self) -> float:
+        """What is left of the back-off after a failed round."""
+        return max(0.0, self._retry_at - time.monotonic())
 
     def inner_step_done(self) -> None:
         self.inner += 1
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
-        """The shared state: θ_t and v (the inner optimizer's state is each peer's own)."""
-        tensors = {f"param.{i}": p.detach().to("cpu", copy=True) for i, p in enumerate(self.params)}
+        """The shared state: θ_t and v (the inner optimizer's state, and x, are each peer's own)."""
+        tensors, offset = {}, 0
+        for i, p in enumerate(self.params):
+            tensors[f"param.{i}"] = self.anchor[offset : offset + p.numel()].view_as(p).to("cpu", p.dtype, copy=True)
+            offset += p.numel()
         tensors["outer_momentum"] = self.momentum.to("cpu", copy=True)
         return tensors
 
     def load_state_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
+        """θ and v from a snapshot (a donor's, a checkpoint's), and x ← θ; the caller sets the engine's state."""
         with torch.no_grad():
             for i, p in enumerate(self.params):
                 p.copy_(tensors[f"param.{i}"])
         self.momentum.copy_(tensors["outer_momentum"])
         self.anchor = self._flat()
-        self.inner = 0
+        self.inner, self.in_flight, self._landed, self._start = 0, False, None, None
+        self.counted = self.engine.step
 
-    async def attempt(self) -> Union[Averaged, Resync, None]:
-        """`round` then `finish`, for callers that never cancel halfway."""
-        return await self.finish(await self.round())
+    def restore(self, momentum: torch.Tensor, anchor: Optional[torch.Tensor], step: int) -> None:
+        """A checkpoint's v and θ_t (None: the parameters as they are) at outer step `step`; the
+        parameters stay as they are."""
+        self.momentum.copy_(momentum)
+        self.anchor = self._flat() if anchor is None else anchor.to(self.anchor.device, torch.float32).clone()
+        self.inner, self.in_flight, self._landed, self._start, self.counted = 0, False, None, None, step
 
-    async def round(self) -> Union[Averaged, Resync]:
-        """All-reduce this peer's pseudo-gradient θ_t − θ_i; may be cancelled. Failures raise
-        (ROUND_FAILURES) and keep the inner steps for another try."""
-        pseudo_gradient = self.anchor - self._flat()
-        return await self.engine.run_round(pseudo_gradient.to("cpu", torch.float32), weight=1.0)
+    # ---- a boundary: begin (training thread), round and finish (loop), rebase (training thread) --
+
+    def begin(self) -> torch.Tensor:
+        """This boundary's contribution: Δ = θ_t − x (or an attacker's version of it)."""
+        x = self._flat()
+        delta = self.anchor - x
+        if self.contribute is not None:
+            delta = self.contribute(self.engine.step, delta)
+        if self.overlap:  # train on from our own estimate of θ_{t+1}: the outer step on our Δ alone
+            x = self.anchor.clone()
+            nesterov_outer_step(x, self.momentum.clone(), self.anchor - self._flat(), self.outer_lr, self.outer_momentum)
+            self._write(x)
+        self._start = x
+        self._inner_at_boundary, self.inner = self.inner, 0
+        self.counted += 1
+        self.in_flight = True
+        return delta.to("cpu", torch.float32)
+
+    async def round(self, delta: torch.Tensor) -> Union[Averaged, Resync]:
+        """All-reduce `delta`; may be cancelled. Failures raise (ROUND_FAILURES): call `failed`."""
+        return await self.engine.run_round(delta, weight=1.0)
 
     async def finish(self, outcome: Union[Averaged, Resync]) -> Union[Averaged, Resync, None]:
-        """Averaged: the outer step is applied and published. Resync: the swarm's θ and v are loaded
-        (this peer's inner steps are dropped). None: the state download failed; try another round."""
+        """Averaged: the outer step is applied to θ and v and published. Resync: the swarm's θ and v
+        are loaded. Either way `rebase` then moves x. None: the state download failed (`failed`)."""
         if isinstance(outcome, Resync):
             try:
                 snapshot = await self.engine.fetch_state(outcome, self.state_tensors())
             except (PhalanxError, ValueError) as e:
                 logger.warning(f"state download from {outcome.donor[-8:]} failed: {e}")
                 return None
-            await self.in_thread(self.load_state_tensors, snapshot.tensors)
+            await self.in_thread(self._load_anchor, snapshot.tensors)
             self.engine.set_state(snapshot.version, snapshot.step)
             logger.info(f"loaded the outer state of step {snapshot.step} from {outcome.donor[-8:]}")
-            return outcome
-        await self.in_thread(self._apply, outcome.result.vector)
-        await self.engine.completed(outcome, self.state_tensors)
+        else:
+            await self.in_thread(self._outer_step, outcome.result.vector)
+            await self.engine.completed(outcome, self.state_tensors)
+        self._landed = outcome
         return outcome
 
-    def _apply(self, delta: torch.Tensor) -> None:
+    def failed(self) -> float:
+        """The round in flight failed: its inner steps count again (the next Δ covers them too) and the
+        next boundary waits out a back-off, which is returned."""
+        self.inner += self._inner_at_boundary
+        self.counted -= 1
+        self.in_flight, self._start, self._landed = False, None, None
+        self.failures += 1
+        wait = backoff_s(self.failures)
+        self._retry_at = time.monotonic() + wait
+        return wait
+
+    def rebase(self) -> None:
+        """Move x onto θ_{t+1}: keep the inner steps taken since the boundary (none without overlap); after
+        a resync, x ← θ and those steps are dropped (they started from a state the swarm left)."""
+        outcome, start = self._landed, self._start
+        assert outcome is not None and start is not None, "rebase() before the round finished"
+        if isinstance(outcome, Resync):
+            self._write(self.anchor)
+            self.inner, self.counted = 0, self.engine.step
+        elif self.inner == 0:  # nothing taken meanwhile (always so without overlap): x = θ_{t+1} exactly
+            self._write(self.anchor)
+        else:
+            self._write(self._flat().sub_(start).add_(self.anchor))
+        self.in_flight, self._start, self._landed, self.failures = False, None, None, 0
+
+    def _outer_step(self, delta: torch.Tensor) -> None:
         nesterov_outer_step(
             self.anchor, self.momentum, delta.to(self.anchor.device), self.outer_lr, self.outer_momentum
         )
-        offset = 0
-        with torch.no_grad():
-            for p in self.params:
-                p.copy_(self.anchor[offset : offset + p.numel()].view_as(p))
-                offset += p.numel()
-        self.inner = 0
+
+    def _load_anchor(self, tensors: dict[str, torch.Tensor]) -> None:
+        self.anchor = torch.cat([tensors[f"param.{i}"].reshape(-1) for i in range(len(self.params))]).to(
+            self.anchor.device, torch.float32
+        )
+        self.momentum.copy_(tensors["outer_momentum"])
+
+    def _write(self, flat: torch.Tensor) -> None:
+        write_flat(self.params, flat)
 
     def _flat(self) -> torch.Tensor:
         return torch.cat([p.detach().reshape(-1).to(torch.float32) for p in self.params])

@@ -87,6 +87,8 @@ class Runtime:
         self.report = Report()
         self.health = PeerMetrics(role="trainer")  # updated once per round; read by the health server
         self.stop_requested = asyncio.Event()
+        # what --eval-every evaluates (worker thread): the model, unless the mode says otherwise
+        self.evaluated_module: Callable[[], torch.nn.Module] = lambda: self.model.module
         self._last_event = 0.0
         self._node: Optional[Node] = None
 
@@ -200,7 +202,7 @@ class Runtime:
         logger.log(level, f"{what} failed: {error}")
 
     async def evaluate(self, step: int) -> None:
-        metrics = await self.in_thread(self.task.evaluate, self.model.module)
+        metrics = await self.in_thread(lambda: self.task.evaluate(self.evaluated_module()))
         self.report.accuracy = metrics["accuracy"]
         self.health.evaluated(metrics["accuracy"])
         extra = f" perplexity {metrics['perplexity']:.2f}" if "perplexity" in metrics else ""

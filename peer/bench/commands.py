@@ -144,8 +144,8 @@ def bench_diloco(
     upload_mbps: float = typer.Option(100.0, "--upload-mbps", min=0.0, help="Upload cap per peer (0: uncapped)."),
     repeats: int = typer.Option(1, "--repeats", min=1, help="Runs per case (median reported)."),
 ) -> None:
-    """To the same target under an upload cap: sync, diloco and diloco with int8 pseudo-gradients
-    (wall time, bytes sent per peer, rounds).
+    """To the same target under an upload cap: sync, diloco without and with overlap, and diloco
+    with int8 pseudo-gradients (wall time, bytes sent per peer, rounds).
 
     [bold]Examples[/bold]
 
@@ -159,6 +159,7 @@ def bench_diloco(
     diloco = ["--mode", "diloco", "--inner-steps", str(inner_steps)]
     cases = [
         ("sync", ["--mode", "sync"]),
+        (f"diloco H={inner_steps}, overlap off", [*diloco, "--overlap", "off"]),
         (f"diloco H={inner_steps}", diloco),
         (f"diloco H={inner_steps} + int8", [*diloco, "--compression", "int8"]),
     ]

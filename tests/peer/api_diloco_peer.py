@@ -2,7 +2,7 @@
 plain SGD inside, the outer Nesterov step across the swarm; writes its final θ and outer momentum.
 
     api_diloco_peer.py OUT_JSON --initial-peers … --rank R --peers N --outer-steps T
-        [--inner-steps H] [--outer-lr η] [--outer-momentum μ] [--lr γ]
+        [--inner-steps H] [--outer-lr η] [--outer-momentum μ] [--lr γ] [--overlap on|off]
 """
 
 import argparse
@@ -31,6 +31,7 @@ parser.add_argument("--outer-lr", type=float, default=1.0)
 parser.add_argument("--outer-momentum", type=float, default=0.0)
 parser.add_argument("--lr", type=float, default=0.1)
 parser.add_argument("--batch-size", type=int, default=16)
+parser.add_argument("--overlap", choices=["on", "off"], default="off")
 args = parser.parse_args()
 
 train, valid = plain_loop.digits()
@@ -39,6 +40,7 @@ opt = phalanx.Optimizer(
     torch.optim.SGD(model.parameters(), lr=args.lr), run_id="api-diloco", initial_peers=args.initial_peers,
     host_maddrs=["/ip4/127.0.0.1/tcp/0"], batch_size_per_step=args.batch_size, wait_for_peers=args.peers,
     mode="diloco", inner_steps=args.inner_steps, outer_lr=args.outer_lr, outer_momentum=args.outer_momentum,
+    overlap=args.overlap,
 )  # fmt: skip
 with opt:
     step = 0
@@ -56,4 +58,5 @@ with opt:
     }
     result["params"] = torch.nn.utils.parameters_to_vector(model.parameters()).tolist()
     result["outer_momentum"] = state["outer_momentum"].tolist()
+    result["outer_anchor"] = state["outer_anchor"].tolist()
 args.out.write_text(json.dumps(result))

@@ -1,6 +1,7 @@
 """DiLoCo: the outer Nesterov step against torch's, H = 1 against synchronous SGD through
 `phalanx.Optimizer`, and `phalanx join --mode diloco` on three peers."""
 
+import copy
 import importlib.util
 import json
 from pathlib import Path
@@ -118,11 +119,11 @@ def test_every_peer_ends_an_outer_step_with_identical_parameters_and_outer_momen
 
 @pytest.mark.integration
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("compression", ["none", "int8"])
-def test_phalanx_join_mode_diloco_trains_with_one_round_per_inner_steps(bootstrap, tmp_path, compression):
+@pytest.mark.parametrize(("compression", "overlap"), [("none", "off"), ("int8", "on")])
+def test_phalanx_join_mode_diloco_trains_with_one_round_per_inner_steps(bootstrap, tmp_path, compression, overlap):
     common = (
         "--mode", "diloco", "--inner-steps", "10", "--steps", "200", "--eval-every", "50", "--wait-for-peers", "3",
-        "--compression", compression,
+        "--compression", compression, "--overlap", overlap,
     )  # fmt: skip
     procs = [spawn(join_args(bootstrap, tmp_path, n, *common), tmp_path / f"{n}.log") for n in "abc"]
     try:
@@ -133,7 +134,103 @@ def test_phalanx_join_mode_diloco_trains_with_one_round_per_inner_steps(bootstra
     for report in reports:
         assert report["step"] == 200 and report["rounds_ok"] + report["rounds_partial"] >= 18, report
         assert report["rounds_ok"] + report["rounds_partial"] + report["rounds_failed"] <= 20
-        assert report["accuracy"] >= 0.9, report
-    assert len({r["param_hash"] for r in reports}) == 1  # 200 is a multiple of 10: they end on an outer step
+        # θ's accuracy; with overlap, the one-step-delayed outer step oscillates more (docs/algorithms.md §8)
+        assert report["accuracy"] >= (0.9 if overlap == "off" else 0.5), report
+    # 200 is a multiple of 10: they end on an outer step (with overlap too: the last boundary waits)
+    assert len({r["param_hash"] for r in reports}) == 1
     if compression == "int8":  # a quarter of float32's bytes per value, plus scales and headers
         assert max(r["bytes_sent"] for r in reports) < 0.4 * FLOAT32_BYTES_OF_20_ROUNDS
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(600)
+def test_overlap_in_a_swarm_of_one_is_the_strict_version(bootstrap, tmp_path):
+    # alone, a peer's own estimate of θ_{t+1} is θ_{t+1}: moving the inner steps onto it changes nothing
+    args = ("--inner-steps", "5", "--outer-lr", "0.7", "--outer-momentum", "0.9")
+    (tmp_path / "on").mkdir(), (tmp_path / "off").mkdir()
+    on = _run(bootstrap, tmp_path / "on", 1, "--outer-steps", "10", *args, "--overlap", "on")[0]
+    # the script's loop ends once θ_10 is in, when the round after it may have landed too: compare at that step
+    steps = on["global_step"]
+    assert steps in (10, 11), on
+    off = _run(bootstrap, tmp_path / "off", 1, "--outer-steps", str(steps), *args, "--overlap", "off")[0]
+    assert off["global_step"] == steps and off["local_steps"] == 5 * steps
+    torch.testing.assert_close(torch.tensor(on["outer_anchor"]), torch.tensor(off["outer_anchor"]), atol=1e-6, rtol=0)
+    torch.testing.assert_close(torch.tensor(on["outer_momentum"]), torch.tensor(off["outer_momentum"]), atol=1e-6, rtol=0)
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(600)
+def test_with_overlap_every_peer_holds_the_same_outer_state_and_trains(bootstrap, tmp_path):
+    results = _run(bootstrap, tmp_path, 3, "--outer-steps", "8", "--inner-steps", "5", "--outer-lr", "0.7",
+                   "--outer-momentum", "0.9", "--overlap", "on")  # fmt: skip
+    for r in results:
+        assert r["global_step"] in (8, 9) and r["rounds_ok"] == r["global_step"], r
+        assert r["validation_loss"] < 2.0, r["validation_loss"]  # from 2.3 at the start (x: θ plus own steps)
+    # a script stops once θ_8 is in; the round after it may have landed on some peers too: compare by step
+    by_step: dict[int, list[dict]] = {}
+    for r in results:
+        by_step.setdefault(r["global_step"], []).append(r)
+    for same in by_step.values():
+        assert all(r["outer_anchor"] == same[0]["outer_anchor"] for r in same)
+        assert all(r["outer_momentum"] == same[0]["outer_momentum"] for r in same)
+    assert max(len(same) for same in by_step.values()) >= 2
+    assert results[0]["params"] != results[1]["params"]  # x: each peer's own inner steps since the boundary
+
+
+def _diloco_runtime(attack: str, inner_steps: int = 3):
+    """A diloco runtime of an attacker on digits-mlp, with a stand-in node (no swarm: the attack's math only)."""
+    from types import SimpleNamespace
+
+    from phalanx.peer.config import PeerConfig
+    from phalanx.peer.modes.diloco import DilocoMode
+    from phalanx.peer.plan import make_plan
+    from phalanx.peer.runtime import Runtime
+
+    plan = make_plan(PeerConfig(mode="diloco", inner_steps=inner_steps, attack=attack, device="cpu", overlap="off"))
+    runtime = Runtime(plan)
+    runtime._node = SimpleNamespace(engine=SimpleNamespace(step=0), peer_id="12D3KooWattacker")
+    return runtime, DilocoMode(runtime)
+
+
+@pytest.mark.parametrize("attack", ["sign_flip", "random_direction", "ipm", "alie", "nan", "delayed"])
+def test_an_attacker_in_diloco_attacks_its_pseudo_gradient(attack):
+    runtime, mode = _diloco_runtime(attack)
+    outer = mode.outer
+    assert outer.contribute is not None
+    deltas, sent = [], []
+    for t in range(3):
+        runtime.node.engine.step = t
+        for step in range(t * 3, t * 3 + 3):  # honest inner steps
+            _, grad = runtime.gradient(runtime.model.module, "12D3KooWattacker", step)
+            runtime.model.apply(grad, step)
+            outer.inner_step_done()
+        deltas.append(outer.anchor - outer._flat())
+        sent.append(outer.begin())
+        outer.in_flight = False  # no round: x and θ_t stay, the next Δ counts from θ_t again
+    for honest, contributed in zip(deltas, sent, strict=True):
+        assert honest.abs().sum() > 0
+        if attack == "sign_flip":
+            torch.testing.assert_close(contributed, -1000.0 * honest)
+        elif attack == "nan":
+            assert torch.isnan(contributed).all()
+        elif attack != "delayed":
+            assert not torch.allclose(contributed, honest)
+    if attack == "delayed":  # the oldest Δ it kept, again and again
+        assert all(torch.equal(s, deltas[0]) for s in sent)
+
+
+def test_an_alie_attacker_estimates_from_honest_deltas_of_h_inner_steps():
+    runtime, mode = _diloco_runtime("alie")
+    replica = mode._honest_delta("extra1")
+    model = copy.deepcopy(runtime.model)
+    for step in range(3):
+        _, grad = runtime.gradient(model.module, "12D3KooWattacker/extra1", step)
+        model.apply(grad, step)
+    expected = mode.outer.anchor - torch.nn.utils.parameters_to_vector(model.params).detach()
+    assert torch.equal(replica, expected)  # H = 3 honest steps from θ_t, on the copy; the model untouched
+    assert torch.equal(mode.outer._flat(), mode.outer.anchor)
+
+
+def test_label_flip_in_diloco_flips_the_inner_data_and_sends_delta_as_it_is():
+    runtime, mode = _diloco_runtime("label_flip")
+    assert mode.outer.contribute is None and runtime.attack.flips_labels
