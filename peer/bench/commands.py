@@ -159,8 +159,8 @@ def bench_diloco(
     diloco = ["--mode", "diloco", "--inner-steps", str(inner_steps)]
     cases = [
         ("sync", ["--mode", "sync"]),
-        (f"diloco H={inner_steps}, overlap off", [*diloco, "--overlap", "off"]),
         (f"diloco H={inner_steps}", diloco),
+        (f"diloco H={inner_steps}, overlap on", [*diloco, "--overlap", "on"]),
         (f"diloco H={inner_steps} + int8", [*diloco, "--compression", "int8"]),
     ]
     run_diloco_bench(peers, goal, cases, upload_mbps=upload_mbps, repeats=repeats)
