@@ -143,8 +143,8 @@ class PeerConfig(NetworkSettings):
     wait_for_peers: int = Field(1, ge=1, description="Before the first step, wait (up to a minute) until this many trainers are announced; avoids a ragged start.")
     torch_threads: Optional[int] = Field(None, ge=1, description="Threads torch may use in this process.")
     events: bool = Field(False, description="Print one JSON progress event per line on stdout (used by `phalanx swarm`).")
-    verify: bool = Field(False, description="Byzantine-tolerant rounds (BTARD): commitments, MPRNG, projection checks, validators, bans. Needs --mode sync, --aggregator centered_clip or mean, and --compression none, fp16 or int8.")
-    validators: int = Field(1, ge=0, le=8, description="With --verify: members per round that each recompute another member's gradient (one training step each; no two check the same member).")
+    verify: bool = Field(False, description="Byzantine-tolerant rounds (BTARD): commitments, MPRNG, projection checks, validators, bans. Needs --mode sync or diloco, --aggregator centered_clip or mean, and --compression none, fp16 or int8.")
+    validators: int = Field(1, ge=0, le=8, description="With --verify: members per round that each recompute another member's gradient (one training step each, diloco: H; no two check the same member).")
     phase_timeout_s: float = Field(10.0, gt=0, description="With --verify: how long each verification phase waits for the others.")
     admission: Optional[Path] = Field(None, description="Private swarm: the owner's public key (from `phalanx keygen --owner`); peers without a valid certificate are refused.")
     certificate: Optional[Path] = Field(None, description="Private swarm: this peer's certificate (from `phalanx admit`).")
@@ -176,13 +176,13 @@ class PeerConfig(NetworkSettings):
                 raise ValueError(f"{flag}: no such file {str(path)!r}")
         if self.verify and not MODES[self.mode].lockstep:
             raise ValueError(
-                "--verify runs BTARD-SGD and needs --mode sync: asynchronous exchanges weight stale "
+                "--verify runs BTARD-SGD and needs --mode sync or diloco: asynchronous exchanges weight stale "
                 "contributions, which the fixed-point check cannot tell from tampering"
             )
-        if self.verify and self.mode == "diloco":
+        if self.verify and self.mode == "diloco" and self.overlap == "on":
             raise ValueError(
-                "--verify with --mode diloco is not available yet (validators would recompute H inner steps); "
-                "use --mode sync for verified rounds"
+                "--verify with --mode diloco needs --overlap off: validators recompute a peer's H inner steps "
+                "from θ_t, and overlapped steps start from the peer's own estimate of θ_t+1"
             )
         if self.verify and self.compression == Codec.UINT8.value:
             raise ValueError(

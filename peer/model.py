@@ -143,6 +143,11 @@ def materialize_optimizer_state(optimizer: torch.optim.Optimizer, params: list[t
         g["lr"] = lr
     for p, grad in zip(params, grads, strict=True):
         p.grad = grad
+    zero_optimizer_state(optimizer)
+
+
+def zero_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+    """Every state tensor to zero, in place: a fresh optimizer's state, in the layout of a used one."""
     with torch.no_grad():
         for state in optimizer.state.values():
             for value in state.values():

@@ -151,6 +151,11 @@ class Optimizer(torch.optim.Optimizer):
                 f"phalanx.Optimizer(mode={mode!r}): this front door runs {', '.join(API_MODES)} so far; "
                 f"use one of those here, or `phalanx join --mode {mode}` with a task"
             )
+        if verify and mode == "diloco":
+            raise ConfigError(
+                "phalanx.Optimizer(verify=True, mode='diloco'): the library verifies sync rounds only so far "
+                "(validators would replay your H inner steps); use mode='sync', or `phalanx join --mode diloco --verify` with a task"
+            )
         if verify:
             given = (("model", model), ("batch_fn", batch_fn), ("loss_fn", loss_fn))
             missing = [name for name, value in given if value is None]

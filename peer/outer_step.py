@@ -34,6 +34,7 @@ import torch
 from phalanx.aggregation.errors import PhalanxError
 from phalanx.peer.global_step import InThread
 from phalanx.peer.node import Node
+from phalanx.protocol.btard import Recompute
 from phalanx.protocol.engine import Averaged, Resync
 
 logger = logging.getLogger(__name__)
@@ -71,11 +72,13 @@ class OuterStep:
     def __init__(
         self, node: Node, params: list[torch.Tensor], *, inner_steps: int, outer_lr: float, outer_momentum: float,
         in_thread: InThread, overlap: bool = False, contribute: Optional[Callable[[int, torch.Tensor], torch.Tensor]] = None,
+        recompute: Optional[Recompute] = None,
     ) -> None:  # fmt: skip
         self.node, self.engine, self.params = node, node.engine, [p for p in params if p.requires_grad]
         self.inner_steps, self.outer_lr, self.outer_momentum = inner_steps, outer_lr, outer_momentum
         self.in_thread, self.overlap = in_thread, overlap
         self.contribute = contribute  # (outer step, honest Δ) → what this peer sends (attacks)
+        self.recompute = recompute  # verified rounds: a validator's replay of another member's Δ
         self.anchor = self._flat()  # θ_t, on the parameters' device
         self.momentum = torch.zeros_like(self.anchor)  # v
         self.inner = 0  # inner steps since the last boundary
@@ -156,7 +159,7 @@ class OuterStep:
 
     async def round(self, delta: torch.Tensor) -> Union[Averaged, Resync]:
         """All-reduce `delta`; may be cancelled. Failures raise (ROUND_FAILURES): call `failed`."""
-        return await self.engine.run_round(delta, weight=1.0)
+        return await self.engine.run_round(delta, weight=1.0, recompute=self.recompute)
 
     async def finish(self, outcome: Union[Averaged, Resync]) -> Union[Averaged, Resync, None]:
         """Averaged: the outer step is applied to θ and v and published. Resync: the swarm's θ and v

@@ -21,7 +21,7 @@ import torch
 
 from phalanx.aggregation.errors import ConfigError, PhalanxError
 from phalanx.aggregation.spec import parse_params
-from phalanx.peer.checkpoint import load_latest, save_checkpoint
+from phalanx.peer.checkpoint import Checkpoint, load_latest, save_checkpoint
 from phalanx.peer.health import PeerMetrics, open_node_health
 from phalanx.peer.model import Model, resolve_device
 from phalanx.peer.node import DHT_DIED, Node, open_node, visible_maddrs, wait_for_trainers
@@ -89,6 +89,9 @@ class Runtime:
         self.stop_requested = asyncio.Event()
         # what --eval-every evaluates (worker thread): the model, unless the mode says otherwise
         self.evaluated_module: Callable[[], torch.nn.Module] = lambda: self.model.module
+        # what a checkpoint holds besides the model and its optimizer: the mode's own state (diloco: θ_t, v)
+        self.checkpoint_extra: Callable[[], dict[str, Any]] = dict
+        self.resumed: Optional[Checkpoint] = None  # the checkpoint --resume loaded, for the mode's own state
         self._last_event = 0.0
         self._node: Optional[Node] = None
 
@@ -223,7 +226,7 @@ class Runtime:
             step=step,
             model_state=self.model.module.state_dict(),
             optimizer_state=self.model.optimizer.state_dict(),
-            extra={"task": self.config.task, "run_id": self.plan.network.run_id},
+            extra={"task": self.config.task, "run_id": self.plan.network.run_id, **self.checkpoint_extra()},
             keep=self.config.checkpoint_keep,
         )
 
@@ -267,9 +270,9 @@ class Runtime:
             self.report.bytes_sent = node.transport.stats.bytes_sent
             self.report.bytes_received = node.transport.stats.bytes_received
             self.report.peak_rss_bytes = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-            if self.config.checkpoint_dir is not None and engine.step > 0:
-                path = await self.in_thread(self.checkpoint, engine.step)
-                logger.info(f"checkpoint saved: {path} (step {engine.step}); continue with --resume")
+            if self.config.checkpoint_dir is not None and self.report.step > 0:  # counted as --checkpoint-every counts
+                path = await self.in_thread(self.checkpoint, self.report.step)
+                logger.info(f"checkpoint saved: {path} (step {self.report.step}); continue with --resume")
             if health is not None:
                 await health.aclose()
             await node.aclose()
@@ -286,6 +289,7 @@ class Runtime:
             return 0
         self.model.module.load_state_dict(ckpt.model_state, strict=True)
         self.model.optimizer.load_state_dict(ckpt.optimizer_state)
+        self.resumed = ckpt
         logger.info(f"resumed from {ckpt.path.name} at step {ckpt.step}")
         return ckpt.step
 

@@ -144,8 +144,8 @@ def bench_diloco(
     upload_mbps: float = typer.Option(100.0, "--upload-mbps", min=0.0, help="Upload cap per peer (0: uncapped)."),
     repeats: int = typer.Option(1, "--repeats", min=1, help="Runs per case (median reported)."),
 ) -> None:
-    """To the same target under an upload cap: sync, diloco without and with overlap, and diloco
-    with int8 pseudo-gradients (wall time, bytes sent per peer, rounds).
+    """To the same target under an upload cap: sync, diloco without and with overlap, diloco with
+    int8 pseudo-gradients, and that verified (wall time, bytes sent per peer, rounds).
 
     [bold]Examples[/bold]
 
@@ -153,7 +153,7 @@ def bench_diloco(
 
       phalanx bench diloco --task tiny-gpt --peers 4 --inner-steps 20
     """
-    from phalanx.peer.bench.swarm import Goal, run_diloco_bench
+    from phalanx.peer.bench.swarm import Goal, print_diloco_goals, run_diloco_bench
 
     goal = Goal.for_task("diloco", task, task_options, target_accuracy, target_loss)
     diloco = ["--mode", "diloco", "--inner-steps", str(inner_steps)]
@@ -162,8 +162,34 @@ def bench_diloco(
         (f"diloco H={inner_steps}", diloco),
         (f"diloco H={inner_steps}, overlap on", [*diloco, "--overlap", "on"]),
         (f"diloco H={inner_steps} + int8", [*diloco, "--compression", "int8"]),
+        (f"diloco H={inner_steps} + int8 + verify", [*diloco, "--compression", "int8", "--verify"]),
     ]
-    run_diloco_bench(peers, goal, cases, upload_mbps=upload_mbps, repeats=repeats)
+    rows = {r["impl"]: r for r in run_diloco_bench(peers, goal, cases, upload_mbps=upload_mbps, repeats=repeats)}
+    print_diloco_goals(rows["sync"], rows[cases[3][0]], rows[cases[4][0]], upload_mbps)
+
+
+@bench_app.command("replay")
+def bench_replay(
+    task: str = typer.Option("tiny-gpt", "--task", help="A built-in task."),
+    task_options: str = typer.Option(
+        "dim=64,layers=2,heads=4,context=64", "--task-options", help="The task's options, name=value,..."
+    ),
+    inner_steps: int = typer.Option(50, "--inner-steps", min=1, help="DiLoCo's H: the steps a validator replays."),
+    threads: str = typer.Option("1,2", "--threads", help="Comma-separated torch thread counts; the first is the reference."),
+    parts: int = typer.Option(8, "--parts", min=1, help="Parts of the vector (a round's members), compared one by one."),
+) -> None:
+    """How far two honest replays of H inner steps differ (other thread counts), against the
+    tolerance validators of verified diloco rounds accept.
+
+    [bold]Examples[/bold]
+
+      phalanx bench replay
+
+      phalanx bench replay --task digits-mlp --task-options "" --inner-steps 500 --threads 1,2
+    """
+    from phalanx.peer.bench.replay import run_replay_bench
+
+    run_replay_bench(task, task_options, inner_steps, int_list(threads, "--threads"), parts)
 
 
 @bench_app.command("convergence")

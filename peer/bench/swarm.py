@@ -333,9 +333,6 @@ def run_swarm_bench(
     return rows
 
 
-if __name__ == "__main__":
-    worker_main()
-
 
 def run_diloco_bench(
     peers: int, goal: Goal, cases: list[tuple[str, list[str]]], *, upload_mbps: float, repeats: int = 1, console=None
@@ -377,3 +374,28 @@ def run_diloco_bench(
         )  # fmt: skip
     console.print(table)
     return rows
+
+
+def print_diloco_goals(sync: dict, int8: dict, verified: dict, upload_mbps: float, console=None) -> None:
+    """The issue's goals: diloco + int8 sends ≥ 100× fewer bytes than sync to the target, in less wall
+    time; verifying it costs ≤ 1.10× its wall time under an upload cap, ≤ 1.3× on raw loopback."""
+    console = console or bench_console()
+    if not (sync["time_s"] and int8["time_s"] and int8["bytes_sent"]):
+        console.print("goals: not measured (a run did not reach the target)")
+        return
+    fewer = sync["bytes_sent"] / int8["bytes_sent"]
+    met = fewer >= 100 and int8["time_s"] < sync["time_s"]
+    console.print(
+        f"goal: diloco + int8 sends ≥ 100× fewer bytes than sync, in less time — {fewer:.0f}× fewer, "
+        f"{int8['time_s'] / sync['time_s']:.2f}× the time: {'met' if met else 'NOT met'}"
+    )
+    if verified["time_s"]:
+        bound = 1.10 if upload_mbps else 1.3
+        ratio = verified["time_s"] / int8["time_s"]
+        console.print(
+            f"goal: verified ≤ {bound}× the unverified wall time — {ratio:.2f}×: {'met' if ratio <= bound else 'NOT met'}"
+        )
+
+
+if __name__ == "__main__":
+    worker_main()

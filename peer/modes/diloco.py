@@ -11,6 +11,10 @@ The step count (reports, --steps, the eval and checkpoint cadence, the batches) 
 iterate. The last boundary before --steps runs strictly, so a peer stops on θ of its last outer step
 (evaluated once more if it landed after that step's evaluation).
 
+With --verify (and --overlap off), every phase starts from a fresh inner optimizer state, so a peer's
+Δ follows from θ_t and its public batches (seed, peer, step) alone, and a validator replays a
+member's H inner steps to check it (H steps of compute per validation).
+
 An attacker (--attack) takes honest inner steps (label_flip: on flipped labels) and attacks the
 pseudo-gradient it sends: ALIE's and the others' statistics are those of honest Δs it recomputes
 from θ_t on other batches of its own.
@@ -25,9 +29,11 @@ from typing import Optional, Union
 
 import torch
 
+from phalanx.peer.model import Model, zero_optimizer_state
 from phalanx.peer.outer_step import OuterStep, write_flat
 from phalanx.peer.runtime import Runtime
-from phalanx.protocol.engine import ROUND_FAILURES, Averaged, Resync
+from phalanx.protocol.engine import ROUND_FAILURES, Averaged, Resync, initial_version
+
 
 logger = logging.getLogger(__name__)
 
@@ -41,11 +47,19 @@ class DilocoMode:
             runtime.node, runtime.model.params, inner_steps=outer.inner_steps, outer_lr=outer.outer_lr,
             outer_momentum=outer.outer_momentum, in_thread=runtime.in_thread, overlap=outer.overlap == "on",
             contribute=self._attacked if attack is not None and not attack.flips_labels else None,
+            recompute=self._recompute if runtime.plan.round.verify is not None else None,
         )  # fmt: skip
+        # verified runs: Δ must follow from θ_t and public batches alone, so each phase's inner steps
+        # start from a fresh inner optimizer state (its moments are not carried across outer steps)
+        self.verified = runtime.plan.round.verify is not None
+        self._replica: Optional[Model] = None  # a copy of the model for replays (validators, attackers)
         self._pending: Optional[asyncio.Task] = None  # the round in flight (round, then finish)
         self._theta_module: Optional[torch.nn.Module] = None
         self._evaluated_at = -1  # the outer step of the last evaluation
         runtime.evaluated_module = self._theta  # the swarm's model θ_t, the same on every peer
+        runtime.checkpoint_extra = self._checkpoint_state
+        if runtime.resumed is not None:
+            self._resume(runtime.resumed.extra, runtime.resumed.step)
 
     @property
     def step(self) -> int:
@@ -54,6 +68,8 @@ class DilocoMode:
 
     async def run(self) -> None:
         runtime, outer = self.runtime, self.outer
+        if self.verified:
+            await runtime.in_thread(zero_optimizer_state, runtime.model.optimizer)
         try:
             while await runtime.check_node():  # a stop is checked between inner steps
                 if self._pending is not None and self._pending.done():
@@ -125,6 +141,8 @@ class DilocoMode:
             outer.failed()
             return
         await runtime.in_thread(outer.rebase)
+        if self.verified:  # a new phase from θ_{t+1}
+            await runtime.in_thread(zero_optimizer_state, runtime.model.optimizer)
         if isinstance(outcome, Resync):
             runtime.health.resync_started(outcome)
             runtime.health.resynced(self.step)
@@ -138,6 +156,26 @@ class DilocoMode:
         )  # fmt: skip
         runtime.emit("outer", step=self.step, outer_step=outer.step, group=members, round_s=round(outcome.result.duration_s, 4))
         logger.info(f"outer step {outer.step}: group {members}, sent {outcome.result.bytes_sent / 1e6:.2f} MB")
+
+    def _checkpoint_state(self) -> dict:
+        """θ_t, v and the outer step (training thread); the model in the checkpoint is this peer's x."""
+        outer = self.outer
+        return {"diloco": {"outer_step": outer.step, "anchor": outer.anchor.cpu().clone(), "momentum": outer.momentum.cpu().clone()}}
+
+    def _resume(self, extra: dict, step: int) -> None:
+        """Back to θ_t and v of the checkpoint, with x (the model as loaded) `step − H·t` inner steps on."""
+        state = extra.get("diloco")
+        if not isinstance(state, dict):
+            logger.info("the checkpoint holds no outer state: θ_t starts from its parameters")
+            return
+        outer, t = self.outer, int(state["outer_step"])
+        outer.restore(state["momentum"], state["anchor"], t)
+        outer.inner = max(0, step - t * outer.inner_steps)
+        if self.verified and outer.inner:  # a verified phase starts at θ_t from a fresh inner state
+            write_flat(outer.params, outer.anchor)
+            outer.inner = 0
+        self.engine.set_state(initial_version(self.runtime.plan.run_hash, outer.state_tensors(), t), t)
+        logger.info(f"resumed the outer state of step {t}, {outer.inner} inner steps on")
 
     def _theta(self) -> torch.nn.Module:
         """The model at θ_t (worker thread): a copy of the module, with its buffers as they are now."""
@@ -153,16 +191,30 @@ class DilocoMode:
         """The attack's version of this peer's pseudo-gradient (training thread)."""
         runtime = self.runtime
         assert runtime.attack is not None
-        return runtime.attack.contribution(outer_step, delta, lambda k: self._honest_delta(f"extra{k}"))
+        peer_id = runtime.node.peer_id
+        return runtime.attack.contribution(outer_step, delta, lambda k: self._replay(f"{peer_id}/extra{k}"))
 
-    def _honest_delta(self, tag: str) -> torch.Tensor:
-        """H honest inner steps from θ_t on this peer's batches tagged `tag`, on a copy of the model
-        (an attacker's estimate of what honest peers send)."""
+    async def _recompute(self, peer_id: str) -> torch.Tensor:
+        """A validator's replay of `peer_id`'s H inner steps of this round (verified runs)."""
+        return await self.runtime.in_thread(self._replay, peer_id)
+
+    def _replay(self, batch_key: str) -> torch.Tensor:
+        """Δ of H inner steps from θ_t on `batch_key`'s batches, on a copy of the model (training thread):
+        from a fresh inner state in verified runs, where every peer's phase starts so; otherwise from this
+        peer's own (an attacker's estimate of what honest peers send)."""
         runtime, outer = self.runtime, self.outer
-        replica = copy.deepcopy(runtime.model)
+        model = runtime.model
+        if self._replica is None:
+            self._replica = copy.deepcopy(model, {id(model.task): model.task})  # the task's data stay shared
+        replica = self._replica
         write_flat(replica.params, outer.anchor)
+        if self.verified:
+            zero_optimizer_state(replica.optimizer)
+        else:
+            # a copy: load_state_dict keeps tensors that need no cast, which would share our own state
+            replica.optimizer.load_state_dict(copy.deepcopy(model.optimizer.state_dict()))
         first = outer.step * outer.inner_steps
         for step in range(first, first + outer.inner_steps):
-            _, grad = runtime.gradient(replica.module, f"{runtime.node.peer_id}/{tag}", step)
+            _, grad = runtime.gradient(replica.module, batch_key, step)
             replica.apply(grad, step)
         return outer.anchor - torch.cat([p.detach().reshape(-1).to(torch.float32) for p in replica.params])

@@ -6,6 +6,8 @@ import importlib.util
 import json
 from pathlib import Path
 
+from typing import Optional
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -177,8 +179,8 @@ def test_with_overlap_every_peer_holds_the_same_outer_state_and_trains(bootstrap
     assert results[0]["params"] != results[1]["params"]  # x: each peer's own inner steps since the boundary
 
 
-def _diloco_runtime(attack: str, inner_steps: int = 3):
-    """A diloco runtime of an attacker on digits-mlp, with a stand-in node (no swarm: the attack's math only)."""
+def _diloco_runtime(attack: Optional[str], inner_steps: int = 3, **settings):
+    """A diloco runtime on digits-mlp with a stand-in node (no swarm: the contribution's math only)."""
     from types import SimpleNamespace
 
     from phalanx.peer.config import PeerConfig
@@ -186,7 +188,9 @@ def _diloco_runtime(attack: str, inner_steps: int = 3):
     from phalanx.peer.plan import make_plan
     from phalanx.peer.runtime import Runtime
 
-    plan = make_plan(PeerConfig(mode="diloco", inner_steps=inner_steps, attack=attack, device="cpu", overlap="off"))
+    plan = make_plan(
+        PeerConfig(mode="diloco", inner_steps=inner_steps, attack=attack, device="cpu", overlap="off", **settings)
+    )
     runtime = Runtime(plan)
     runtime._node = SimpleNamespace(engine=SimpleNamespace(step=0), peer_id="12D3KooWattacker")
     return runtime, DilocoMode(runtime)
@@ -221,7 +225,7 @@ def test_an_attacker_in_diloco_attacks_its_pseudo_gradient(attack):
 
 def test_an_alie_attacker_estimates_from_honest_deltas_of_h_inner_steps():
     runtime, mode = _diloco_runtime("alie")
-    replica = mode._honest_delta("extra1")
+    replica = mode._replay("12D3KooWattacker/extra1")
     model = copy.deepcopy(runtime.model)
     for step in range(3):
         _, grad = runtime.gradient(model.module, "12D3KooWattacker/extra1", step)
@@ -229,8 +233,68 @@ def test_an_alie_attacker_estimates_from_honest_deltas_of_h_inner_steps():
     expected = mode.outer.anchor - torch.nn.utils.parameters_to_vector(model.params).detach()
     assert torch.equal(replica, expected)  # H = 3 honest steps from θ_t, on the copy; the model untouched
     assert torch.equal(mode.outer._flat(), mode.outer.anchor)
+    for state in runtime.model.optimizer.state.values():  # and so is its optimizer's state
+        assert all(not torch.is_tensor(v) or not v.any() for v in state.values())
 
 
 def test_label_flip_in_diloco_flips_the_inner_data_and_sends_delta_as_it_is():
     runtime, mode = _diloco_runtime("label_flip")
     assert mode.outer.contribute is None and runtime.attack.flips_labels
+
+
+@pytest.mark.parametrize("fresh_phase", [True, False])
+def test_a_validator_replays_a_verified_peers_pseudo_gradient_bit_for_bit(fresh_phase):
+    from phalanx.peer.model import zero_optimizer_state
+
+    runtime, mode = _diloco_runtime(None, verify=True, aggregator="mean")
+    outer, model, peer = mode.outer, runtime.model, "12D3KooWhonest"
+    assert mode.verified and outer.recompute is not None
+
+    def phase(t: int) -> torch.Tensor:  # an honest peer's H inner steps of phase t, as DilocoMode takes them
+        for step in range(t * 3, t * 3 + 3):
+            _, grad = runtime.gradient(model.module, peer, step)
+            model.apply(grad, step)
+        return outer.anchor - outer._flat()
+
+    zero_optimizer_state(model.optimizer)
+    assert torch.equal(phase(0), mode._replay(peer))
+    outer.anchor = outer._flat()  # the next θ (any outer step: the replay starts from θ_t, whatever it is)
+    runtime.node.engine.step = 1
+    if fresh_phase:
+        zero_optimizer_state(model.optimizer)  # what DilocoMode does after every outer step of a verified run
+    delta = phase(1)
+    # carried-over momentum makes Δ depend on more than θ_t and the public batches: validators would accuse
+    assert torch.equal(delta, mode._replay(peer)) == fresh_phase
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(600)
+def test_resumed_diloco_peers_hold_theta_and_momentum_and_train_on_together(bootstrap, tmp_path):
+    common = ("--mode", "diloco", "--inner-steps", "10", "--eval-every", "50", "--wait-for-peers", "2")
+
+    def run(steps: int, *extra: str) -> list[dict]:
+        procs = [
+            spawn(join_args(bootstrap, tmp_path, n, *common, "--steps", str(steps), "--checkpoint-dir",
+                            str(tmp_path / f"ckpt-{n}"), *extra), tmp_path / f"{n}-{steps}.log")  # fmt: skip
+            for n in "ab"
+        ]
+        try:
+            return [p.next_event("done", timeout=400) for p in procs]
+        finally:
+            for p in procs:
+                p.kill()
+
+    first = run(60)
+    from phalanx.peer.checkpoint import load_latest
+
+    saved = [load_latest(tmp_path / f"ckpt-{n}") for n in "ab"]
+    for ckpt in saved:  # named by inner steps, like --checkpoint-every's; θ_6 and v beside the model
+        assert ckpt.step == 60 and ckpt.extra["diloco"]["outer_step"] == 6
+    assert torch.equal(saved[0].extra["diloco"]["anchor"], saved[1].extra["diloco"]["anchor"])
+    assert torch.equal(saved[0].extra["diloco"]["momentum"], saved[1].extra["diloco"]["momentum"])
+    assert saved[0].extra["diloco"]["momentum"].abs().sum() > 0
+    assert len({r["param_hash"] for r in first}) == 1
+    again = run(120, "--resume")
+    for report in again:  # the same θ, v and step: the same version, so no one resyncs
+        assert report["step"] == 120 and report["resyncs"] == 0 and report["rounds_ok"] >= 5, report
+    assert len({r["param_hash"] for r in again}) == 1

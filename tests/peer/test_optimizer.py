@@ -142,6 +142,10 @@ def _model_and_adamw(model=None):
             "phalanx.Optimizer(verify=True): validators recompute a peer's gradient from its public batch; pass model, batch_fn, loss_fn",
         ),
         ({"mode": "lasgd"}, "phalanx.Optimizer(mode='lasgd'): this front door runs sync, diloco so far"),
+        (
+            {"verify": True, "mode": "diloco"},
+            "phalanx.Optimizer(verify=True, mode='diloco'): the library verifies sync rounds only so far",
+        ),
         ({"batch_size_per_step": 0}, "phalanx.Optimizer(batch_size_per_step=0): give the samples of one step, ≥ 1"),
         (
             {"target_batch_size": 4},

@@ -1,0 +1,79 @@
+"""`phalanx bench replay`: how far two honest replays of the same H inner steps differ.
+
+A validator of a verified diloco round replays a member's H inner steps from θ_t on its public
+batches and compares the pseudo-gradient with what the member committed to, part by part, within
+`contribution_rtol` (relative L2 norm). Replays differ only where floating-point sums are split
+differently: other thread counts here, other hardware elsewhere. This runs the same replay in a
+process per thread count and prints each one's relative difference to the first (whole vector and
+worst part) against the tolerance.
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+from phalanx.peer.bench import bench_console
+
+PEER = "12D3KooWreplay"
+
+
+def _replay(task: str, options: str, inner_steps: int, threads: int, out: Path) -> None:
+    from phalanx.peer.config import PeerConfig
+    from phalanx.peer.model import Model, zero_optimizer_state
+    from phalanx.peer.plan import make_plan
+    from phalanx.peer.runtime import task_options
+    from phalanx.tasks import compute_gradient, resolve_task
+
+    torch.set_num_threads(threads)
+    config = make_plan(PeerConfig(task=task, task_options=options, mode="diloco", device="cpu")).training
+    resolved = resolve_task(task, **task_options(config))
+    model = Model(resolved, config)
+    theta = torch.nn.utils.parameters_to_vector(model.params).detach().clone()
+    zero_optimizer_state(model.optimizer)  # a verified phase's start
+    for step in range(inner_steps):
+        _, grad = compute_gradient(resolved, model.module, config.seed, PEER, step, resolved.batch_size)
+        model.apply(grad, step)
+    torch.save(theta - torch.nn.utils.parameters_to_vector(model.params).detach(), out)
+
+
+def run_replay_bench(task: str, options: str, inner_steps: int, threads: list[int], parts: int, console=None) -> None:
+    from rich.table import Table
+
+    from phalanx.protocol.config import VerifyConfig
+
+    console = console or bench_console()
+    rtol = VerifyConfig(tau=float("inf")).contribution_rtol
+    with tempfile.TemporaryDirectory(prefix="phalanx-replay-") as tmp:
+        deltas = []
+        for n in threads:
+            out = Path(tmp) / f"{n}.pt"
+            console.print(f"replaying {inner_steps} inner steps of {task} on {n} thread(s)…")
+            subprocess.run(
+                [sys.executable, "-m", "phalanx.peer.bench.replay", task, options, str(inner_steps), str(n), str(out)],
+                check=True,
+            )
+            deltas.append(torch.load(out, weights_only=True))
+    table = Table(title=f"{task}, H = {inner_steps}: replays against the first ({threads[0]} thread(s))")
+    for col in ("threads", "‖Δ‖", "whole vector", f"worst of {parts} parts", "tolerance", "margin"):
+        table.add_column(col, justify="right")
+    reference = deltas[0]
+    for n, delta in zip(threads, deltas, strict=True):
+        whole = float((delta - reference).norm() / reference.norm())
+        worst = max(float((a - b).norm() / b.norm()) for a, b in zip(delta.chunk(parts), reference.chunk(parts), strict=True))
+        margin = "identical" if worst == 0 else f"{rtol / worst:.0f}×"
+        table.add_row(str(n), f"{float(delta.norm()):.4g}", f"{whole:.2e}", f"{worst:.2e}", f"{rtol:.0e}", margin)
+    console.print(table)
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser()
+    for name in ("task", "options", "inner_steps", "threads", "out"):
+        parser.add_argument(name)
+    a = parser.parse_args()
+    _replay(a.task, a.options, int(a.inner_steps), int(a.threads), Path(a.out))
