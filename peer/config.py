@@ -20,7 +20,7 @@ from phalanx.peer.modes import MODES, modes_help
 from phalanx.aggregation.errors import ConfigError
 from phalanx.aggregation.names import AGGREGATOR_NAMES
 from phalanx.aggregation.spec import aggregator_params, parse_aggregator_params, parse_params, parse_spec
-from phalanx.protocol.config import Codec, MatchmakingConfig, RoundConfig, verify_config_for
+from phalanx.protocol.config import Codec, MatchmakingConfig, RoundConfig, topk_fraction, verify_config_for
 from pydantic import Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, InitSettingsSource, NoDecode, PydanticBaseSettingsSource, SettingsConfigDict
 
@@ -130,7 +130,7 @@ class PeerConfig(NetworkSettings):
     aggregator: str = Field("mean", description=f"Rule each reducer applies, with parameters as NAME:name=value,... (e.g. bucketing:s=2,inner=mean): {', '.join(AGGREGATOR_NAMES)}; clipped_gossip (gossip/lasgd: each member gets its own clipped average).")
     tau: Optional[float] = Field(None, gt=0, description="Clipping radius for centered_clip (shorthand for --aggregator-params tau=…).")
     aggregator_params: str = Field("", description="Extra aggregator parameters as name=value pairs, e.g. 'tau=1,max_iter=100'; bucketing: 's=2,inner=mean' (inner: the rule applied to the bucket means). Not together with --aggregator NAME:params.")
-    compression: Literal["none", "fp16", "8bit", "int8"] = Field("none", description="Codec for tensors on the wire: int8 has per-block scales and a strict error bound (verified rounds take it).")
+    compression: str = Field("none", description="Codec for tensors on the wire: none, fp16, 8bit, int8 (per-block scales and a strict error bound: verified rounds take it) or topk:<fraction> (diloco: the largest entries of the pseudo-gradient, with error feedback).")
     min_group_size: int = Field(1, ge=1, description="Fewest peers a round may close with at its deadline.")
     target_group_size: Optional[int] = Field(None, ge=2, description="Most peers per group (default: everyone ready).")
     matchmaking_timeout_s: float = Field(5.0, gt=0, description="How long a leader waits for expected peers.")
@@ -149,6 +149,23 @@ class PeerConfig(NetworkSettings):
     admission: Optional[Path] = Field(None, description="Private swarm: the owner's public key (from `phalanx keygen --owner`); peers without a valid certificate are refused.")
     certificate: Optional[Path] = Field(None, description="Private swarm: this peer's certificate (from `phalanx admit`).")
     attack: Optional[str] = Field(None, description="Make this peer an attacker (tests and demos): sign_flip, random_direction, label_flip, delayed, ipm, alie, nan, wrong_aggregate, equivocate, false_report, false_accusation, withhold_reveal, bad_commitment, silent, inflate_weight, withhold_aggregate, false_dispute, leave_out, deflate_weight, cover_up, equivocate_report, withhold_report, poison_state.")
+
+    @field_validator("compression")
+    @classmethod
+    def _a_compression(cls, value: str) -> str:
+        if value.startswith("topk:"):
+            try:
+                topk_fraction(value)
+            except ValueError:
+                raise ValueError("the fraction must be a number in (0, 1], like topk:0.01") from None
+        elif value not in ("none", "fp16", "8bit", "int8"):
+            raise ValueError("Input should be 'none', 'fp16', '8bit', 'int8' or 'topk:<fraction>'")
+        return value
+
+    @property
+    def topk_fraction(self) -> Optional[float]:
+        """--compression topk:<fraction>'s fraction (None for the other codecs)."""
+        return topk_fraction(self.compression)
 
     @field_validator("task_options")
     @classmethod
@@ -183,6 +200,16 @@ class PeerConfig(NetworkSettings):
             raise ValueError(
                 "--verify with --mode diloco needs --overlap off: validators recompute a peer's H inner steps "
                 "from θ_t, and overlapped steps start from the peer's own estimate of θ_t+1"
+            )
+        if self.topk_fraction is not None and self.mode != "diloco":
+            raise ValueError(
+                f"--compression {self.compression} needs --mode diloco (error feedback on the pseudo-gradient); "
+                "use int8 with other modes"
+            )
+        if self.verify and self.topk_fraction is not None:
+            raise ValueError(
+                f"--verify with --compression {self.compression}: what a peer sends depends on its error-feedback "
+                "residual, which validators cannot recompute; use int8 for verified rounds"
             )
         if self.verify and self.compression == Codec.UINT8.value:
             raise ValueError(

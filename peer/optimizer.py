@@ -344,6 +344,7 @@ class Optimizer(torch.optim.Optimizer):
                 self._outer = self._steps = OuterStep(
                     node, self.trainable.params, inner_steps=outer.inner_steps, outer_lr=outer.outer_lr,
                     outer_momentum=outer.outer_momentum, in_thread=in_thread, overlap=outer.overlap == "on",
+                    topk_fraction=outer.topk_fraction,
                 )  # fmt: skip
             else:
                 self._steps = GlobalStep(

@@ -31,6 +31,7 @@ from typing import Optional, Union
 
 import torch
 
+from phalanx.aggregation.compression import ErrorFeedback, sparse_to_dense
 from phalanx.aggregation.errors import PhalanxError
 from phalanx.peer.global_step import InThread
 from phalanx.peer.node import Node
@@ -72,7 +73,7 @@ class OuterStep:
     def __init__(
         self, node: Node, params: list[torch.Tensor], *, inner_steps: int, outer_lr: float, outer_momentum: float,
         in_thread: InThread, overlap: bool = False, contribute: Optional[Callable[[int, torch.Tensor], torch.Tensor]] = None,
-        recompute: Optional[Recompute] = None,
+        recompute: Optional[Recompute] = None, topk_fraction: Optional[float] = None,
     ) -> None:  # fmt: skip
         self.node, self.engine, self.params = node, node.engine, [p for p in params if p.requires_grad]
         self.inner_steps, self.outer_lr, self.outer_momentum = inner_steps, outer_lr, outer_momentum
@@ -81,6 +82,9 @@ class OuterStep:
         self.recompute = recompute  # verified rounds: a validator's replay of another member's Δ
         self.anchor = self._flat()  # θ_t, on the parameters' device
         self.momentum = torch.zeros_like(self.anchor)  # v
+        # top-k: the k largest entries of (residual + Δ) are sent, the rest stays in the residual
+        self.feedback = None if topk_fraction is None else ErrorFeedback(self.anchor.numel(), topk_fraction, self.anchor.device)
+        self._residual_before: Optional[torch.Tensor] = None
         self.inner = 0  # inner steps since the last boundary
         self.counted = self.engine.step  # outer steps begun and not failed: the position's whole part
         self.in_flight = False  # a round began and is not rebased onto yet
@@ -147,6 +151,10 @@ class OuterStep:
         delta = self.anchor - x
         if self.contribute is not None:
             delta = self.contribute(self.engine.step, delta)
+        if self.feedback is not None:
+            self._residual_before = self.feedback.residual.clone()
+            indices, values = self.feedback.compress(delta)
+            delta = sparse_to_dense(indices, values, delta.numel())
         if self.overlap:  # train on from our own estimate of θ_{t+1}: the outer step on our Δ alone
             x = self.anchor.clone()
             nesterov_outer_step(x, self.momentum.clone(), self.anchor - self._flat(), self.outer_lr, self.outer_momentum)
@@ -184,6 +192,8 @@ class OuterStep:
         next boundary waits out a back-off, which is returned."""
         self.inner += self._inner_at_boundary
         self.counted -= 1
+        if self.feedback is not None and self._residual_before is not None:  # nothing was delivered
+            self.feedback.residual.copy_(self._residual_before)
         self.in_flight, self._start, self._landed = False, None, None
         self.failures += 1
         wait = backoff_s(self.failures)
@@ -198,6 +208,8 @@ class OuterStep:
         if isinstance(outcome, Resync):
             self._write(self.anchor)
             self.inner, self.counted = 0, self.engine.step
+            if self.feedback is not None:  # what it held was progress from a state the swarm left
+                self.feedback.residual.zero_()
         elif self.inner == 0:  # nothing taken meanwhile (always so without overlap): x = θ_{t+1} exactly
             self._write(self.anchor)
         else:

@@ -1,5 +1,7 @@
-"""Tensor bytes on the wire: raw float32, hivemind's fp16 / 8-bit codecs, or int8 with per-block
-scales (little-endian float32 scales, one per INT8_BLOCK values, then the int8 codes).
+"""Tensor bytes on the wire: raw float32, hivemind's fp16 / 8-bit codecs, int8 with per-block
+scales (little-endian float32 scales, one per INT8_BLOCK values, then the int8 codes), or sparse
+(top-k's vectors: one form byte, then either dense float32, or a uint32 count, that many uint32
+indices strictly ascending and their float32 values; whichever is smaller, so it is lossless).
 
 Decoding checks everything a peer controls (codec, dtype, shape, buffer size) against
 what the round agreed on, so a bad payload is a PeerProtocolError, never a crash.
@@ -9,6 +11,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 from hivemind.compression import deserialize_torch_tensor, serialize_torch_tensor
 from hivemind.proto.runtime_pb2 import CompressionType, Tensor as TensorProto
@@ -29,6 +32,8 @@ def encode(vector: torch.Tensor, codec: Codec) -> bytes | memoryview:
     if codec is Codec.INT8:
         codes, scales = int8_quantize(vector)
         return scales.numpy().tobytes() + codes.numpy().tobytes()
+    if codec is Codec.SPARSE:
+        return _encode_sparse(vector)
     return serialize_torch_tensor(vector, _HIVEMIND[codec]).SerializeToString()
 
 
@@ -41,7 +46,7 @@ def rounding_bound(decoded: torch.Tensor, codec: Codec) -> float:
     `decoded`: what a reducer's honest aggregate may lose on the way to the others. Verified rounds
     widen their fixed-point tolerance by it. 8-bit codebooks have no such bound (outliers land in the
     edge buckets), so verified rounds refuse them."""
-    if codec is Codec.NONE:
+    if codec in (Codec.NONE, Codec.SPARSE):
         return 0.0
     if codec is Codec.INT8:
         return int8_error_bound(decoded)
@@ -56,6 +61,8 @@ def encoded_size_bound(numel: int, codec: Codec) -> int:
     """Upper bound on encode()'s output size, used as the receive limit."""
     if codec is Codec.INT8:
         return 4 * -(-numel // INT8_BLOCK) + numel
+    if codec is Codec.SPARSE:
+        return 1 + 4 * numel  # the sparse form is chosen only when it is smaller than the dense one
     per_elem = {Codec.NONE: 4, Codec.FP16: 2, Codec.UINT8: 1}[codec]
     return numel * per_elem + (0 if codec is Codec.NONE else 4096)
 
@@ -70,6 +77,8 @@ def decode(data: bytes | bytearray | memoryview, codec: Codec, numel: int, *, pe
         return torch.frombuffer(data, dtype=torch.float32)
     if codec is Codec.INT8:
         return _decode_int8(data, numel, peer)
+    if codec is Codec.SPARSE:
+        return _decode_sparse(data, numel, peer)
     try:
         proto = TensorProto.FromString(bytes(data))
     except Exception as e:
@@ -106,3 +115,36 @@ def _decode_int8(data: bytes | bytearray | memoryview, numel: int, peer: str | N
     if bool((codes == -128).any()):
         raise PeerProtocolError("int8 code -128 is outside the codec's range [-127, 127]", peer=peer)
     return int8_dequantize(codes, scales)
+
+
+_DENSE, _SPARSE = 0, 1
+
+
+def _encode_sparse(vector: torch.Tensor) -> bytes:
+    indices = torch.nonzero(vector, as_tuple=True)[0]
+    nnz = indices.numel()
+    if 4 + 8 * nnz >= 4 * vector.numel():
+        return bytes([_DENSE]) + vector.numpy().tobytes()
+    head = bytes([_SPARSE]) + np.uint32(nnz).tobytes()
+    return head + indices.numpy().astype("<u4").tobytes() + vector[indices].numpy().tobytes()
+
+
+def _decode_sparse(data: bytes | bytearray | memoryview, numel: int, peer: str | None) -> torch.Tensor:
+    raw = bytes(data)
+    if not raw or raw[0] not in (_DENSE, _SPARSE):
+        raise PeerProtocolError("sparse tensor: unknown form byte", peer=peer)
+    if raw[0] == _DENSE:
+        if len(raw) != 1 + 4 * numel:
+            raise PeerProtocolError(f"expected {1 + 4 * numel} bytes of dense float32, got {len(raw)}", peer=peer)
+        return torch.from_numpy(np.frombuffer(raw, dtype="<f4", offset=1).copy())
+    if len(raw) < 5:
+        raise PeerProtocolError("sparse tensor: no count", peer=peer)
+    nnz = int(np.frombuffer(raw, dtype="<u4", count=1, offset=1)[0])
+    if 4 + 8 * nnz >= 4 * numel or len(raw) != 5 + 8 * nnz:
+        raise PeerProtocolError(f"sparse tensor of {nnz} entries for {numel} values in {len(raw)} bytes", peer=peer)
+    indices = torch.from_numpy(np.frombuffer(raw, dtype="<u4", count=nnz, offset=5).astype(np.int64))
+    if nnz and (int(indices[-1]) >= numel or bool((indices[1:] <= indices[:-1]).any())):
+        raise PeerProtocolError("sparse tensor: indices out of range or not strictly ascending", peer=peer)
+    out = torch.zeros(numel, dtype=torch.float32)
+    out[indices] = torch.from_numpy(np.frombuffer(raw, dtype="<f4", count=nnz, offset=5 + 4 * nnz).copy())
+    return out

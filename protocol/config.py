@@ -20,14 +20,37 @@ class Codec(str, enum.Enum):
     FP16 = "fp16"  # hivemind FLOAT16 (clamped to the fp16 range)
     UINT8 = "8bit"  # hivemind UNIFORM_8BIT (per-tensor codebook)
     INT8 = "int8"  # per-block absmax scale and int8 codes (aggregation/compression.py): a strict error bound
+    SPARSE = "sparse"  # lossless: the nonzero entries (indices, float32 values) or dense float32, whichever is smaller
 
     @classmethod
     def parse(cls, name: str) -> "Codec":
+        """The wire codec of a --compression value (topk:<fraction> sends sparse vectors)."""
+        if name.startswith("topk:"):
+            topk_fraction(name)
+            return cls.SPARSE
         try:
-            return cls(name)
+            codec = cls(name)
         except ValueError:
-            valid = ", ".join(c.value for c in cls)
-            raise ConfigError(f"--compression must be one of {valid}, not {name!r}") from None
+            codec = None
+        if codec is None or codec is cls.SPARSE:
+            raise ConfigError(f"--compression must be one of {COMPRESSIONS}, not {name!r}") from None
+        return codec
+
+
+COMPRESSIONS = "none, fp16, 8bit, int8 or topk:<fraction>"
+
+
+def topk_fraction(compression: str) -> Optional[float]:
+    """The share of entries `--compression topk:<fraction>` sends; None for the other codecs."""
+    if not compression.startswith("topk:"):
+        return None
+    try:
+        fraction = float(compression.removeprefix("topk:"))
+    except ValueError:
+        fraction = math.nan
+    if not 0 < fraction <= 1:
+        raise ConfigError(f"--compression {compression}: the fraction must be a number in (0, 1], like topk:0.01")
+    return fraction
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -48,6 +48,7 @@ class DilocoMode:
             outer_momentum=outer.outer_momentum, in_thread=runtime.in_thread, overlap=outer.overlap == "on",
             contribute=self._attacked if attack is not None and not attack.flips_labels else None,
             recompute=self._recompute if runtime.plan.round.verify is not None else None,
+            topk_fraction=outer.topk_fraction,
         )  # fmt: skip
         # verified runs: Δ must follow from θ_t and public batches alone, so each phase's inner steps
         # start from a fresh inner optimizer state (its moments are not carried across outer steps)

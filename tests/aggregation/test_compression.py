@@ -95,3 +95,36 @@ def test_error_feedback_sends_plus_residual_is_exactly_what_was_contributed():
         sent += sparse_to_dense(indices, values, 5000).double()
     assert torch.equal(sent + feedback.residual.double(), contributed)
     assert float(feedback.residual.abs().max()) < float(contributed.abs().max())  # it does send the big ones
+
+
+@pytest.mark.parametrize("nonzero", [0, 1, 37, 499, 500, 1000])
+def test_sparse_wire_is_lossless_and_takes_the_smaller_form(nonzero):
+    g = torch.Generator().manual_seed(nonzero)
+    x = torch.zeros(1000)
+    x[torch.randperm(1000, generator=g)[:nonzero]] = torch.randn(nonzero, generator=g)
+    data = encode(x, Codec.SPARSE)
+    assert torch.equal(decode(bytearray(data), Codec.SPARSE, 1000), x)
+    assert len(data) == (5 + 8 * nonzero if 4 + 8 * nonzero < 4000 else 4001)
+    assert len(data) <= encoded_size_bound(1000, Codec.SPARSE)
+
+
+def test_sparse_decoding_refuses_what_no_encoder_produces():
+    import numpy as np
+
+    def sparse(indices, values, count=None):
+        n = len(indices) if count is None else count
+        return bytes([1]) + np.uint32(n).tobytes() + np.array(indices, "<u4").tobytes() + np.array(values, "<f4").tobytes()
+
+    cases = {
+        b"": "unknown form byte",
+        b"\x07" + b"\x00" * 40: "unknown form byte",
+        b"\x00" + b"\x00" * 36: "expected 41 bytes of dense float32",
+        sparse([1, 5], [1.0, 2.0], count=3): "sparse tensor of 3 entries",
+        sparse([5, 1], [1.0, 2.0]): "not strictly ascending",
+        sparse([1, 1], [1.0, 2.0]): "not strictly ascending",
+        sparse([1, 10], [1.0, 2.0]): "out of range",
+        sparse(list(range(5)), [1.0] * 5): "sparse tensor of 5 entries for 10 values",  # the dense form is smaller
+    }
+    for data, error in cases.items():
+        with pytest.raises(PeerProtocolError, match=error):
+            decode(data, Codec.SPARSE, 10, peer="QmBad")

@@ -36,7 +36,7 @@ def test_lists_accept_commas_and_spaces_from_env(monkeypatch):
         ({"aggregator": "nope"}, "--aggregator nope: unknown aggregator 'nope'; valid names: mean, centered_clip"),
         ({"aggregator": "trimmed_mean"}, "missing required parameter 'b' (parameters: --aggregator NAME:name=value"),
         ({"tau": -1}, "--tau: Input should be greater than 0 (got -1)"),
-        ({"compression": "zip"}, "--compression: Input should be 'none', 'fp16', '8bit' or 'int8' (got 'zip')"),
+        ({"compression": "zip"}, "--compression: Input should be 'none', 'fp16', '8bit', 'int8' or 'topk:<fraction>' (got 'zip')"),
         ({"resume": True}, "--resume needs --checkpoint-dir"),
         ({"initial_peers": "notamaddr"}, "--initial-peers: 'notamaddr' is not a multiaddr"),
         ({"aggregator_params": "tau=abc"}, "--aggregator-params takes name=number pairs like tau=1, not 'tau=abc'"),

@@ -2,6 +2,7 @@
 `phalanx.Optimizer`, and `phalanx join --mode diloco` on three peers."""
 
 import copy
+import math
 import importlib.util
 import json
 from pathlib import Path
@@ -121,7 +122,7 @@ def test_every_peer_ends_an_outer_step_with_identical_parameters_and_outer_momen
 
 @pytest.mark.integration
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize(("compression", "overlap"), [("none", "off"), ("int8", "on")])
+@pytest.mark.parametrize(("compression", "overlap"), [("none", "off"), ("int8", "on"), ("topk:0.1", "off")])
 def test_phalanx_join_mode_diloco_trains_with_one_round_per_inner_steps(bootstrap, tmp_path, compression, overlap):
     common = (
         "--mode", "diloco", "--inner-steps", "10", "--steps", "200", "--eval-every", "50", "--wait-for-peers", "3",
@@ -142,6 +143,8 @@ def test_phalanx_join_mode_diloco_trains_with_one_round_per_inner_steps(bootstra
     assert len({r["param_hash"] for r in reports}) == 1
     if compression == "int8":  # a quarter of float32's bytes per value, plus scales and headers
         assert max(r["bytes_sent"] for r in reports) < 0.4 * FLOAT32_BYTES_OF_20_ROUNDS
+    if compression == "topk:0.1":  # 10 % of the entries at 8 bytes each; the aggregates are a union of three
+        assert max(r["bytes_sent"] for r in reports) < 0.6 * FLOAT32_BYTES_OF_20_ROUNDS
 
 
 @pytest.mark.integration
@@ -298,3 +301,22 @@ def test_resumed_diloco_peers_hold_theta_and_momentum_and_train_on_together(boot
     for report in again:  # the same θ, v and step: the same version, so no one resyncs
         assert report["step"] == 120 and report["resyncs"] == 0 and report["rounds_ok"] >= 5, report
     assert len({r["param_hash"] for r in again}) == 1
+
+
+def test_topk_sends_the_largest_entries_and_a_failed_round_gives_them_back():
+    runtime, mode = _diloco_runtime(None, compression="topk:0.1")
+    outer = mode.outer
+    assert outer.feedback is not None and outer.feedback.fraction == 0.1
+    for step in range(3):
+        _, grad = runtime.gradient(runtime.model.module, "12D3KooWpeer", step)
+        runtime.model.apply(grad, step)
+        outer.inner_step_done()
+    delta = outer.anchor - outer._flat()
+    sent = outer.begin()
+    k = math.ceil(0.1 * delta.numel())
+    assert int((sent != 0).sum()) <= k
+    assert torch.equal(sent + outer.feedback.residual, delta)  # what is sent plus what is kept, exactly
+    assert sent.abs().min() >= 0 and float(sent.abs().max()) == float(delta.abs().max())
+    outer.failed()  # nothing arrived: the residual is as before, and the next Δ covers the same steps
+    assert not outer.feedback.residual.any() and outer.inner == 3
+    assert torch.equal(outer.begin(), sent)

@@ -155,7 +155,7 @@ def _model_and_adamw(model=None):
             {"learning_rate": 1.0},
             "phalanx.Optimizer(learning_rate=1.0): no such setting; settings are phalanx join's flags with underscores",
         ),
-        ({"compression": "zip"}, "phalanx.Optimizer(compression='zip'): Input should be 'none', 'fp16', '8bit' or 'int8'"),
+        ({"compression": "zip"}, "phalanx.Optimizer(compression='zip'): Input should be 'none', 'fp16', '8bit', 'int8' or 'topk:<fraction>'"),
         (
             {
                 "verify": True,
