@@ -104,7 +104,7 @@ HASHED = {
     "inner_steps": (DILOCO, {**DILOCO, "inner_steps": 10}),
     "outer_lr": (DILOCO, {**DILOCO, "outer_lr": 1.0}),
     "outer_momentum": (DILOCO, {**DILOCO, "outer_momentum": 0.5}),
-    "overlap": (DILOCO, {**DILOCO, "overlap": "off"}),
+    "overlap": (DILOCO, {**DILOCO, "overlap": "on"}),
     "run_id": ({}, {"run_id": "other"}),
     "task": ({}, {"task": "mnist-cnn"}),
     "task_options": ({}, {"task_options": "hidden=32"}),

@@ -17,10 +17,21 @@ def _plan(overrides):
     return make_plan(load_settings(PeerConfig, overrides))
 
 
+DERIVED = {"topk_fraction"}  # section fields parsed from a setting of another name (--compression topk:F)
+
+
 def test_every_setting_reaches_the_plan():
     sections = {f.name for cls in (TrainingConfig, ExchangeConfig, OuterConfig) for f in dataclasses.fields(cls)}
+    sections -= DERIVED
     assert not sections & PARSED and not sections & set(NetworkSettings.model_fields)
     assert sections | PARSED | set(NetworkSettings.model_fields) == set(PeerConfig.model_fields)
+
+
+def test_topk_is_the_sparse_codec_on_the_wire_and_a_fraction_in_the_outer_section():
+    plan = _plan({"mode": "diloco", "compression": "topk:0.05"})
+    assert plan.outer.topk_fraction == 0.05 and plan.round.compression.value == "sparse"
+    assert plan.run_hash != _plan({"mode": "diloco", "compression": "topk:0.1"}).run_hash
+    assert _plan({"mode": "diloco"}).outer.topk_fraction is None
 
 
 def test_rules_are_parsed_into_the_plan():
