@@ -91,6 +91,7 @@ class OuterStep:
         self.failures = 0  # failed rounds in a row
         self._start: Optional[torch.Tensor] = None  # x at the boundary of the round in flight
         self._inner_at_boundary = 0
+        self._boundary_x: Optional[torch.Tensor] = None
         self._landed: Union[Averaged, Resync, None] = None  # finished, waiting for `rebase`
         self._retry_at = 0.0
 
@@ -155,6 +156,7 @@ class OuterStep:
             self._residual_before = self.feedback.residual.clone()
             indices, values = self.feedback.compress(delta)
             delta = sparse_to_dense(indices, values, delta.numel())
+        self._boundary_x = x  # where a failed round puts the inner steps back
         if self.overlap:  # train on from our own estimate of θ_{t+1}: the outer step on our Δ alone
             x = self.anchor.clone()
             nesterov_outer_step(x, self.momentum.clone(), self.anchor - self._flat(), self.outer_lr, self.outer_momentum)
@@ -188,13 +190,16 @@ class OuterStep:
         return outcome
 
     def failed(self) -> float:
-        """The round in flight failed: its inner steps count again (the next Δ covers them too) and the
+        """The round in flight failed (training thread): its inner steps count again (the next Δ covers
+        them too; with overlap, the steps since are moved back off our estimate of θ_{t+1}) and the
         next boundary waits out a back-off, which is returned."""
+        if self.overlap and self._start is not None and self._boundary_x is not None:
+            self._write(self._flat().sub_(self._start).add_(self._boundary_x))
         self.inner += self._inner_at_boundary
         self.counted -= 1
         if self.feedback is not None and self._residual_before is not None:  # nothing was delivered
             self.feedback.residual.copy_(self._residual_before)
-        self.in_flight, self._start, self._landed = False, None, None
+        self.in_flight, self._start, self._landed, self._boundary_x = False, None, None, None
         self.failures += 1
         wait = backoff_s(self.failures)
         self._retry_at = time.monotonic() + wait
@@ -214,7 +219,7 @@ class OuterStep:
             self._write(self.anchor)
         else:
             self._write(self._flat().sub_(start).add_(self.anchor))
-        self.in_flight, self._start, self._landed, self.failures = False, None, None, 0
+        self.in_flight, self._start, self._landed, self._boundary_x, self.failures = False, None, None, None, 0
 
     def _outer_step(self, delta: torch.Tensor) -> None:
         nesterov_outer_step(

@@ -134,12 +134,12 @@ class DilocoMode:
         try:
             outcome = task.result()
         except ROUND_FAILURES as e:
-            wait = outer.failed()
+            wait = await runtime.in_thread(outer.failed)
             runtime.round_failed(e, f"outer step {outer.step + 1}", level=logging.WARNING)
             logger.debug(f"next outer round in {wait:.1f} s")
             return
         if outcome is None:  # the state download failed: another round
-            outer.failed()
+            await runtime.in_thread(outer.failed)
             return
         await runtime.in_thread(outer.rebase)
         if self.verified:  # a new phase from θ_{t+1}

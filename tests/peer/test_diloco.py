@@ -321,3 +321,26 @@ def test_topk_sends_the_largest_entries_and_a_failed_round_gives_them_back():
     outer.failed()  # nothing arrived: the residual is as before, and the next Δ covers the same steps
     assert not outer.feedback.residual.any() and outer.inner == 3
     assert torch.equal(outer.begin(), sent)
+
+
+def test_with_overlap_a_failed_round_moves_the_steps_taken_since_back_off_the_estimate():
+    runtime, mode = _diloco_runtime(None)
+    outer = mode.outer
+    outer.overlap = True
+
+    def inner_steps(steps) -> None:
+        for step in steps:
+            _, grad = runtime.gradient(runtime.model.module, "12D3KooWpeer", step)
+            runtime.model.apply(grad, step)
+            outer.inner_step_done()
+
+    inner_steps(range(3))
+    boundary = outer._flat()
+    outer.begin()
+    estimate = outer._flat()
+    assert not torch.equal(estimate, boundary)  # training goes on from our own estimate of θ_1
+    inner_steps(range(3, 5))
+    since = outer._flat() - estimate
+    outer.failed()
+    torch.testing.assert_close(outer._flat(), boundary + since, atol=1e-6, rtol=0)  # as if no round began
+    assert outer.inner == 5 and outer.position == 5 and not outer.in_flight
