@@ -1,8 +1,9 @@
 """`phalanx swarm`: a whole swarm on this machine — one bootstrap and N trainer processes on
 loopback — with live progress, a final report and cleanup of everything it started.
 
-Each process runs in its own session so that its DHT process and p2pd daemon can be
-killed with it; Ctrl-C stops the trainers gracefully (they checkpoint), then kills
+Trainers are forked from one process that imported torch and hivemind once (peer/zygote.py), not
+started as fresh interpreters that each import them. Each process runs in its own session so that
+its DHT process and p2pd daemon can be killed with it; Ctrl-C stops the trainers gracefully (they checkpoint), then kills
 whatever is left. Start-up is shown as it happens (from the trainers' JSON events); a peer
 that exits early is reported with its log's last error line, the run stops once no honest
 trainer is left, and the work folder of a failed run is kept.
@@ -32,6 +33,7 @@ from rich.text import Text
 from phalanx.aggregation.errors import PhalanxError
 from phalanx.peer.swarm_report import exit_reason, is_failure, last_error_line, print_report
 from phalanx.peer.swarm_views import PeerView, SwarmResult
+from phalanx.peer.zygote import Zygote
 
 logger = logging.getLogger(__name__)
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"
@@ -67,6 +69,7 @@ class Swarm:
         self.live = live
         self.join_env = join_env or {}
         self.bootstrap: Optional[asyncio.subprocess.Process] = None
+        self.zygote = Zygote(self.workdir / "zygote.log")
         # the last len(attacks) trainers are Byzantine, one attack each
         honest = peers - len(attacks)
         if stragglers > honest:
@@ -92,14 +95,16 @@ class Swarm:
     async def _spawn(self, name: str, args: list[str], env_extra: dict[str, str]) -> asyncio.subprocess.Process:
         log = open(self.workdir / f"{name}.log", "wb")
         self.logs.append(log)
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", **env_extra}
         return await asyncio.create_subprocess_exec(
             *self._command(*args),
             stdout=asyncio.subprocess.PIPE,
             stderr=log,
-            env=env,
+            env=self._env(env_extra),
             start_new_session=True,  # its DHT process and p2pd die with its process group
         )
+
+    def _env(self, extra: dict[str, str]) -> dict[str, str]:
+        return {**os.environ, "PYTHONUNBUFFERED": "1", **extra}
 
     def _identity(self, name: str) -> str:
         """An Ed25519 identity file for `name` in the work folder (kept if it is there). A missing file
@@ -157,9 +162,10 @@ class Swarm:
         ]  # fmt: skip
         env = {"PHALANX_TORCH_THREADS": "1"} if "--torch-threads" not in self.join_args else {}
         view.log_path = self.workdir / f"{view.name}.log"
-        view.process = await self._spawn(view.name, args, {**env, **self.join_env})
+        view.process = await self.zygote.spawn(args, self._env({**env, **self.join_env}), view.log_path)
 
-    async def _follow(self, view: PeerView) -> None:
+    async def _follow(self, view: PeerView, initial_peers: list[str]) -> None:
+        await self._start_trainer(view, initial_peers)
         assert view.process is not None and view.process.stdout is not None
         async for line in view.process.stdout:
             try:
@@ -223,7 +229,9 @@ class Swarm:
         """One line: how far start-up got."""
         n = len(self.views)
         if self.bootstrap_s is None:
-            return f"starting the bootstrap peer… {self._elapsed():.1f} s"
+            return "starting the bootstrap peer…"
+        if not self.zygote.ready:
+            return "bootstrap up · importing torch for the trainers…"
         started = sum(v.process is not None for v in self.views)
         connected = sum(v.connected_s is not None for v in self.views)
         ready = sum(v.ready_s is not None for v in self.views)
@@ -282,11 +290,11 @@ class Swarm:
                 if not live:
                     self.console.print(f"starting a bootstrap peer and {self.n} trainers in {self.workdir}")
                 initial_peers = await self._start_bootstrap()
+                await self.zygote.start()  # its imports run beside the bootstrap's
                 bootstrap_up = asyncio.create_task(self._watch_bootstrap())
                 honest: list[asyncio.Task] = []
-                for view in self.views:
-                    await self._start_trainer(view, initial_peers)
-                    followers.append(asyncio.create_task(self._follow(view)))
+                for view in self.views:  # each starts as soon as the zygote is ready; progress shows meanwhile
+                    followers.append(asyncio.create_task(self._follow(view, initial_peers)))
                     if view.attack is None:
                         honest.append(followers[-1])
                 target_task = asyncio.create_task(self.target_hit.wait())
@@ -386,6 +394,7 @@ class Swarm:
         for v in self.views:
             if v.exit_code is None and v.process is not None:
                 v.exit_code = v.process.returncode
+        await self.zygote.aclose()
         for log in self.logs:
             log.close()
 

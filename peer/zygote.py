@@ -1,0 +1,271 @@
+"""Start a local swarm's trainers as forks of one process that has already imported torch and hivemind.
+
+A fresh `phalanx join` spends about 3 CPU-seconds importing torch and hivemind, and 1.5 more in
+torch's optimizer machinery, before it does anything of its own; four of them side by side on two
+cores were most of `phalanx swarm`'s time to the first step. The zygote pays that once, while it is
+still single-threaded in Python, then forks one child per trainer. A child starts its own session,
+takes the pipe and log the launcher gave it, and runs the same CLI `main` a fresh process would,
+exiting through the interpreter's normal shutdown.
+
+Protocol (one JSON object per message): the launcher sends requests on a socketpair,
+``{"argv": [...], "env": {...}, "log": path}``, with the write end of the child's stdout pipe
+attached (SCM_RIGHTS); the zygote answers on its stdout with ``{"ready": true}`` once it has
+imported, ``{"pid": n}`` for each request, and ``{"exited": pid, "code": c}`` (negative: the signal)
+as each child ends. When the launcher closes the socket the zygote stops what is left of its
+children (SIGTERM to each child's process group, SIGKILL after STOP_GRACE_S) and exits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import json
+import os
+import selectors
+import signal
+import socket
+import sys
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+from phalanx.aggregation.errors import PhalanxError
+
+# What a trainer imports before its first step, heaviest first (torch._dynamo: torch's optimizers load it
+# at their first step). A module that fails to import is reported and left to the child.
+PRELOAD = (
+    "torch",
+    "hivemind",
+    "torch._dynamo",
+    "phalanx.peer.cli",
+    "phalanx.peer.trainer",
+    "phalanx.peer.node",
+    "phalanx.peer.modes.sync",
+    "phalanx.peer.modes.local",
+    "phalanx.peer.modes.diloco",
+    "phalanx.tasks",
+)
+MAX_REQUEST = 1 << 20  # bytes of one request (argv, environment, log path)
+STOP_GRACE_S = 10.0
+
+
+def _say(message: dict[str, Any]) -> None:
+    """One message to the launcher. os.write, not print: a buffered sys.stdout would be copied into
+    every fork and flushed there, into the child's own pipe."""
+    try:
+        os.write(1, (json.dumps(message) + "\n").encode())
+    except OSError:  # the launcher is gone: nobody is left to tell
+        pass
+
+
+def preload() -> None:
+    for name in PRELOAD:
+        try:
+            importlib.import_module(name)
+        except Exception as e:  # the child imports it again and reports the error where it matters
+            print(f"zygote: could not preload {name}: {e!r}", file=sys.stderr, flush=True)
+
+
+def serve(control: socket.socket) -> Optional[dict[str, Any]]:
+    """The zygote's loop. Returns only in a forked child: the request that child is to run."""
+    wake_r, wake_w = os.pipe()
+    os.set_blocking(wake_w, False)
+    signal.set_wakeup_fd(wake_w)
+    signal.signal(signal.SIGCHLD, lambda *_: None)  # the wakeup fd does the work
+    children: set[int] = set()
+    selector = selectors.DefaultSelector()
+    selector.register(control, selectors.EVENT_READ)
+    selector.register(wake_r, selectors.EVENT_READ)
+    _say({"ready": True})
+    while True:
+        for key, _ in selector.select():
+            if key.fileobj == wake_r:
+                os.read(wake_r, 4096)
+                continue
+            data, fds, _, _ = socket.recv_fds(control, MAX_REQUEST, 1)
+            if not data:  # the launcher is gone or done
+                _stop(children)
+                return None
+            request = json.loads(data)
+            pid = os.fork()
+            if pid == 0:
+                selector.close()
+                for fd in (wake_r, wake_w, control.fileno()):
+                    os.close(fd)
+                request["stdout_fd"] = fds[0]
+                return request
+            os.close(fds[0])
+            children.add(pid)
+            _say({"pid": pid})
+        _reap(children)
+
+
+def _reap(children: set[int]) -> None:
+    for pid in list(children):
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            children.discard(pid)
+            _say({"exited": pid, "code": os.waitstatus_to_exitcode(status)})
+
+
+def _stop(children: set[int]) -> None:
+    _reap(children)
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for pid in children:
+            try:
+                os.killpg(pid, sig)
+            except (ProcessLookupError, PermissionError):
+                pass
+        deadline = time.monotonic() + STOP_GRACE_S
+        while children and time.monotonic() < deadline:
+            time.sleep(0.05)
+            _reap(children)
+
+
+def become(request: dict[str, Any]) -> None:
+    """Turn this fork into the peer `request` describes, as `phalanx <argv>` would start; exits."""
+    signal.set_wakeup_fd(-1)
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    os.setsid()  # its own process group: the launcher stops it, its DHT process and p2pd together
+    log = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    null = os.open(os.devnull, os.O_RDONLY)
+    for fd, target in ((null, 0), (request["stdout_fd"], 1), (log, 2)):
+        os.dup2(fd, target)
+        os.close(fd)
+    sys.stdin = open(0, closefd=False)
+    sys.stdout = open(1, "w", buffering=1, closefd=False)  # line-buffered: events go out as they happen
+    sys.stderr = open(2, "w", buffering=1, closefd=False)
+    os.environ.clear()
+    os.environ.update(request["env"])
+    _reseed()
+    sys.argv = ["phalanx", *request["argv"]]
+    from phalanx.peer.cli import main
+
+    main(request["argv"])
+
+
+def _reseed() -> None:
+    """A fresh interpreter seeds numpy's global generator from the OS; a fork inherits the zygote's.
+    (Python's `random` reseeds itself at fork; torch's default generator has a fixed seed either way.)"""
+    if "numpy" in sys.modules:
+        sys.modules["numpy"].random.seed()
+
+
+# ---- the launcher's side -------------------------------------------------------------------------
+
+
+class ForkedProcess:
+    """A peer forked by the zygote, with what the launcher uses of `asyncio.subprocess.Process`."""
+
+    def __init__(self, pid: int, stdout: asyncio.StreamReader, exited: asyncio.Future) -> None:
+        self.pid = pid
+        self.stdout = stdout
+        self._exited = exited
+
+    @property
+    def returncode(self) -> Optional[int]:
+        return self._exited.result() if self._exited.done() and not self._exited.exception() else None
+
+    async def wait(self) -> int:
+        return await asyncio.shield(self._exited)
+
+    def send_signal(self, sig: int) -> None:
+        if self.returncode is None:
+            os.kill(self.pid, sig)
+
+
+class Zygote:
+    """Starts the zygote process (its imports run while the launcher goes on), forks peers from it,
+    and stops it. Its own log holds what it says on stderr: preload failures, a crash."""
+
+    def __init__(self, log_path: Path) -> None:
+        self.log_path = log_path
+        self._process: Optional[asyncio.subprocess.Process] = None
+        self._control: Optional[socket.socket] = None
+        self._ready = asyncio.Event()
+        self._reader: Optional[asyncio.Task] = None
+        self._pids: asyncio.Queue[int] = asyncio.Queue()
+        self._exits: dict[int, asyncio.Future] = {}
+        self._lock = asyncio.Lock()  # one request at a time: pids come back in request order
+
+    @property
+    def ready(self) -> bool:
+        return self._ready.is_set()
+
+    async def start(self) -> None:
+        # SEQPACKET keeps each request one message, its file descriptor with it
+        self._control, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        with open(self.log_path, "wb") as log:
+            self._process = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "phalanx.peer.zygote", str(theirs.fileno()),
+                stdout=asyncio.subprocess.PIPE, stderr=log, pass_fds=(theirs.fileno(),),
+            )  # fmt: skip
+        theirs.close()
+        self._reader = asyncio.create_task(self._read(), name="zygote-reader")
+
+    def _exit(self, pid: int) -> asyncio.Future:
+        if pid not in self._exits:
+            self._exits[pid] = asyncio.get_running_loop().create_future()
+        return self._exits[pid]
+
+    async def _read(self) -> None:
+        assert self._process is not None and self._process.stdout is not None
+        async for line in self._process.stdout:
+            message = json.loads(line)
+            if "ready" in message:
+                self._ready.set()
+            elif "pid" in message:
+                self._pids.put_nowait(message["pid"])
+            elif "exited" in message:
+                future = self._exit(message["exited"])
+                if not future.done():
+                    future.set_result(message["code"])
+        code = await self._process.wait()
+        lost = PhalanxError(f"the zygote process exited with code {code} (log: {self.log_path})")
+        for future in self._exits.values():
+            if not future.done():
+                future.set_exception(lost)
+
+    async def spawn(self, argv: list[str], env: dict[str, str], log_path: Path) -> ForkedProcess:
+        """Fork a peer running `phalanx <argv>` with `env` as its whole environment."""
+        assert self._reader is not None and self._control is not None
+        ready = asyncio.create_task(self._ready.wait())
+        await asyncio.wait({ready, self._reader}, return_when=asyncio.FIRST_COMPLETED)
+        if not self._ready.is_set():
+            ready.cancel()
+            raise PhalanxError(f"the zygote process exited before it was ready (log: {self.log_path})")
+        read_end, write_end = os.pipe()
+        request = json.dumps({"argv": argv, "env": env, "log": str(log_path)}).encode()
+        async with self._lock:
+            try:
+                socket.send_fds(self._control, [request], [write_end])
+            finally:
+                os.close(write_end)
+            pid = await self._pids.get()
+        stdout = asyncio.StreamReader()
+        await asyncio.get_running_loop().connect_read_pipe(
+            lambda: asyncio.StreamReaderProtocol(stdout), os.fdopen(read_end, "rb", buffering=0)
+        )
+        return ForkedProcess(pid, stdout, self._exit(pid))
+
+    async def aclose(self, timeout_s: float = STOP_GRACE_S * 2 + 5) -> None:
+        """Close the control socket: the zygote stops any child still running, then exits."""
+        if self._control is not None:
+            self._control.close()
+        if self._process is not None:
+            try:
+                await asyncio.wait_for(self._process.wait(), timeout_s)
+            except asyncio.TimeoutError:
+                self._process.kill()
+                await self._process.wait()
+        if self._reader is not None:
+            await asyncio.gather(self._reader, return_exceptions=True)
+
+
+if __name__ == "__main__":
+    sys.stdout = sys.stderr  # stdout is the launcher's channel: whatever an import prints goes to the log
+    preload()
+    child = serve(socket.socket(fileno=int(sys.argv[1])))
+    if child is None:
+        sys.exit(0)
+    become(child)

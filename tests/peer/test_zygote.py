@@ -1,0 +1,73 @@
+"""The zygote forks peers that behave as `phalanx <argv>` started afresh: their own arguments,
+environment, stdout pipe, log, session and exit code, and none of them outlives the zygote's close."""
+
+import asyncio
+import os
+import signal
+import socket
+
+import pytest
+
+from phalanx.peer.zygote import Zygote
+from phalanx.security.identity import Identity
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
+
+
+def _run(coro):
+    return asyncio.run(asyncio.wait_for(coro, 100))
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def test_a_fork_runs_the_cli_with_its_own_arguments_environment_pipe_and_log(tmp_path):
+    async def main():
+        zygote = Zygote(tmp_path / "zygote.log")
+        await zygote.start()
+        try:
+            helped = await zygote.spawn(["bootstrap", "--help"], {"COLUMNS": "80"}, tmp_path / "help.log")
+            usage = (await helped.stdout.read()).decode()
+            # the environment is the one given, not the zygote's: a bad PHALANX_* value is named
+            wrong = await zygote.spawn(["join"], {"PHALANX_STEPS": "many"}, tmp_path / "wrong.log")
+            return usage, await helped.wait(), await wrong.wait(), (await wrong.stdout.read())
+        finally:
+            await zygote.aclose()
+
+    usage, help_code, wrong_code, wrong_out = _run(main())
+    assert help_code == 0 and "Usage: phalanx bootstrap" in usage
+    assert wrong_code == 2 and wrong_out == b""
+    lines = (tmp_path / "wrong.log").read_text().strip().splitlines()
+    assert len(lines) == 1 and "PHALANX_STEPS" in lines[0], lines  # the one-line error, in its own log
+    assert "Traceback" not in (tmp_path / "zygote.log").read_text()
+
+
+def test_forks_lead_their_own_sessions_and_closing_the_zygote_stops_them(tmp_path):
+    with socket.socket() as probe:  # a port nobody listens on: the trainer waits for its initial peer
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    peer = Identity.generate_ed25519(tmp_path / "absent.id").peer_id
+    argv = ["join", "--initial-peers", f"/ip4/127.0.0.1/tcp/{port}/p2p/{peer}", "--initial-peers-wait-s", "90",
+            "--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--identity-path", str(tmp_path / "me.id")]  # fmt: skip
+
+    async def main():
+        zygote = Zygote(tmp_path / "zygote.log")
+        await zygote.start()
+        first = await zygote.spawn(argv, dict(os.environ), tmp_path / "first.log")
+        second = await zygote.spawn(argv[:-1] + [str(tmp_path / "other.id")], dict(os.environ), tmp_path / "second.log")
+        sessions = (os.getsid(first.pid), os.getsid(second.pid))
+        first.send_signal(signal.SIGKILL)
+        killed = await first.wait()
+        assert second.returncode is None
+        await zygote.aclose()  # stops the second one, still waiting for its initial peer
+        return first.pid, second.pid, sessions, killed, await second.wait()
+
+    first, second, sessions, killed, stopped = _run(main())
+    assert sessions == (first, second)
+    assert killed == -signal.SIGKILL
+    assert stopped != 0 and not _alive(second)
