@@ -303,7 +303,10 @@ class Matchmaker:
                 return
             joined = set(self._pending)
             enough = len(joined) >= self.config.min_group_size
-            if target is not None and len(joined) >= target:
+            # K counts contributions: a joiner behind the others (a straggler, one that missed the last
+            # round) is told to resync, so it does not fill the group (counting it made groups of 2 under
+            # k:3, and the member left out of each one fell behind in turn)
+            if target is not None and len(self._in_sync(self._pending)) >= target:
                 break
             if target is None and joined >= self._expected():  # (asynchronous modes too: no one left to wait for)
                 break
@@ -329,7 +332,10 @@ class Matchmaker:
             if missing:
                 logger.info(f"group closed without {len(missing)} expected peer(s): {sorted(p[-8:] for p in missing)}")
         pending, self._pending = self._pending, {}
-        for peer in self._announce_groups(pending, k or 0, target):  # joiners that fit no group wait for the next one
+        # lockstep: one group per step, whoever is in sync by now (two groups would start two models);
+        # asynchronous modes: groups of the target size
+        size = self.config.target_group_size if self.config.lockstep else target
+        for peer in self._announce_groups(pending, k or 0, size):  # joiners that fit no group wait for the next one
             self._pending[peer] = pending[peer]
         if self._pending:
             self._former = asyncio.create_task(self._form_group(), name="form-group")
@@ -340,17 +346,25 @@ class Matchmaker:
             if not entry.reply.done():
                 entry.reply.set_result(reply)
 
-    def _announce_groups(self, pending: dict[str, _Pending], k: int, size: Optional[int] = None) -> list[str]:
-        """Answer every joiner that fits a group; returns the ones left over (fewer than a group)."""
+    def _leading_state(self, pending: dict[str, _Pending]) -> tuple[int, bytes]:
+        """The (step, version) a group starts from: the highest step, then the most joiners, then the larger
+        hash (verified runs: the most joiners first)."""
         counts = Counter((p.request.step, p.request.version) for p in pending.values())
         if self.majority_state:
-            step, version = max(counts, key=lambda sv: (counts[sv], sv[0], sv[1]))
-        else:
-            step, version = max(counts, key=lambda sv: (sv[0], counts[sv], sv[1]))
-        if self.config.lockstep:
-            in_sync = sorted(p for p, entry in pending.items() if entry.request.version == version and entry.request.step == step)
-        else:
-            in_sync = sorted(pending)  # asynchronous modes: every version is welcome
+            return max(counts, key=lambda sv: (counts[sv], sv[0], sv[1]))
+        return max(counts, key=lambda sv: (sv[0], counts[sv], sv[1]))
+
+    def _in_sync(self, pending: dict[str, _Pending]) -> list[str]:
+        """The joiners that contribute to the next group; in lockstep modes those holding the leading state."""
+        if not self.config.lockstep:
+            return sorted(pending)  # asynchronous modes: every version is welcome
+        leading = self._leading_state(pending)
+        return sorted(p for p, entry in pending.items() if (entry.request.step, entry.request.version) == leading)
+
+    def _announce_groups(self, pending: dict[str, _Pending], k: int, size: Optional[int] = None) -> list[str]:
+        """Answer every joiner that fits a group; returns the ones left over (fewer than a group)."""
+        step, version = self._leading_state(pending)
+        in_sync = self._in_sync(pending)
         behind = sorted(peer for peer in pending if peer not in set(in_sync))
         self._rng.shuffle(in_sync)
         size = size or len(in_sync)  # K (or the target size): the first K form a group, the rest wait

@@ -1,0 +1,79 @@
+"""How a leader closes groups under a sync policy: K counts joiners that contribute, and a lockstep
+swarm forms one group per step. Driven through the leader's own join handling, no network."""
+
+import asyncio
+
+import pytest
+from hivemind.utils import get_dht_time
+
+from phalanx.protocol.config import MatchmakingConfig
+from phalanx.protocol.matchmaking import JoinRequest, Matchmaker, _Pending
+from phalanx.protocol.membership import Membership, PeerRecord
+from phalanx.protocol.sync_policy import parse_sync_policy
+
+PEERS = [f"12D3KooW{c}" + "x" * 45 for c in "ABCDE"]  # base58, in leading order
+RUN = b"r" * 32
+
+
+class _Transport:
+    peer_id = PEERS[0]  # the lowest ID: the leader
+
+    def register(self, *args, **kwargs) -> None:
+        pass
+
+
+def _matchmaker(peers: list[str], policy: str, *, lockstep: bool = True) -> Matchmaker:
+    membership = Membership(None, "k.peers", PEERS[0])
+    far = get_dht_time() + 3600
+    membership._view = {p: (PeerRecord(state="online", step=0), far) for p in peers}
+    config = MatchmakingConfig(matchmaking_timeout_s=3600.0, join_timeout_s=7200.0, lockstep=lockstep, min_group_size=2)
+    return Matchmaker(_Transport(), membership, config, RUN, sync_policy=parse_sync_policy(policy))
+
+
+async def _join(matchmaker: Matchmaker, peer: str, step: int) -> asyncio.Task:
+    task = asyncio.create_task(matchmaker._submit(peer, JoinRequest(run=RUN, version=bytes([step]) * 32, step=step)))
+    await asyncio.sleep(0.01)  # the leader takes the join in
+    return task
+
+
+def test_k_counts_only_joiners_in_sync_and_a_behind_one_resyncs_from_the_group():
+    """k:3 of 4: a peer left out of the last round joins at the old step first. It must not count as one
+    of the three, or the group closes with two contributors and the third falls behind in turn."""
+
+    async def main():
+        matchmaker = _matchmaker(PEERS[:4], "k:3")
+        late = await _join(matchmaker, PEERS[3], step=4)
+        first = [await _join(matchmaker, p, step=5) for p in PEERS[:2]]
+        assert not any(t.done() for t in [late, *first])  # two of K = 3 in sync: still forming
+        third = await _join(matchmaker, PEERS[2], step=5)
+        replies = [await t for t in [*first, third]]
+        group = replies[0].group
+        assert {r.kind for r in replies} == {"group"} and sorted(group.members) == sorted(PEERS[:3])
+        assert group.step == 5 and group.k == 3
+        resync = await late
+        assert resync.kind == "resync" and resync.donor in group.members
+        await matchmaker.aclose()
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("lockstep, sizes", [(True, [4]), (False, [3])])
+def test_joiners_past_k_share_one_lockstep_group(lockstep, sizes):
+    """Four in sync when K = 3 is reached (they joined together): in lockstep they form one group — two
+    groups at one step would average different gradients and start two models. Asynchronous modes keep
+    groups of K and the rest waits for the next one."""
+
+    async def main():
+        matchmaker = _matchmaker(PEERS[:5], "k:3", lockstep=lockstep)
+        loop = asyncio.get_running_loop()
+        futures = {}
+        for p in PEERS[:4]:  # all four arrive before the former looks
+            request = JoinRequest(run=RUN, version=b"v" * 32, step=7)
+            futures[p] = loop.create_future()
+            matchmaker._pending[p] = _Pending(request, futures[p])
+        await matchmaker._form_group()
+        groups = {tuple(f.result().group.members) for f in futures.values() if f.done()}
+        assert sorted(len(g) for g in groups) == sizes
+        await matchmaker.aclose()
+
+    asyncio.run(main())
