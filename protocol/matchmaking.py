@@ -303,10 +303,11 @@ class Matchmaker:
                 return
             joined = set(self._pending)
             enough = len(joined) >= self.config.min_group_size
-            # K counts contributions: a joiner behind the others (a straggler, one that missed the last
-            # round) is told to resync, so it does not fill the group (counting it made groups of 2 under
-            # k:3, and the member left out of each one fell behind in turn)
-            if target is not None and len(self._in_sync(self._pending)) >= target:
+            # K counts joiners at the leading step: one behind (a straggler, one left out of the last round)
+            # is told to resync, so it does not fill the group (counting it made groups of 2 under k:3, and
+            # the member left out of each fell behind in turn). One at that step whose version differs (its
+            # last round was partial) counts: waiting for a third matching version would last until the deadline.
+            if target is not None and self._at_leading_step(self._pending) >= target:
                 break
             if target is None and joined >= self._expected():  # (asynchronous modes too: no one left to wait for)
                 break
@@ -353,6 +354,13 @@ class Matchmaker:
         if self.majority_state:
             return max(counts, key=lambda sv: (counts[sv], sv[0], sv[1]))
         return max(counts, key=lambda sv: (sv[0], counts[sv], sv[1]))
+
+    def _at_leading_step(self, pending: dict[str, _Pending]) -> int:
+        """How many joiners hold the leading state's step (asynchronous modes: every joiner)."""
+        if not self.config.lockstep or not pending:
+            return len(pending)
+        step, _ = self._leading_state(pending)
+        return sum(entry.request.step == step for entry in pending.values())
 
     def _in_sync(self, pending: dict[str, _Pending]) -> list[str]:
         """The joiners that contribute to the next group; in lockstep modes those holding the leading state."""

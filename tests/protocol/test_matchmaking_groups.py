@@ -30,8 +30,9 @@ def _matchmaker(peers: list[str], policy: str, *, lockstep: bool = True) -> Matc
     return Matchmaker(_Transport(), membership, config, RUN, sync_policy=parse_sync_policy(policy))
 
 
-async def _join(matchmaker: Matchmaker, peer: str, step: int) -> asyncio.Task:
-    task = asyncio.create_task(matchmaker._submit(peer, JoinRequest(run=RUN, version=bytes([step]) * 32, step=step)))
+async def _join(matchmaker: Matchmaker, peer: str, step: int, version: bytes = b"") -> asyncio.Task:
+    request = JoinRequest(run=RUN, version=version or bytes([step]) * 32, step=step)
+    task = asyncio.create_task(matchmaker._submit(peer, request))
     await asyncio.sleep(0.01)  # the leader takes the join in
     return task
 
@@ -52,6 +53,22 @@ def test_k_counts_only_joiners_in_sync_and_a_behind_one_resyncs_from_the_group()
         assert group.step == 5 and group.k == 3
         resync = await late
         assert resync.kind == "resync" and resync.donor in group.members
+        await matchmaker.aclose()
+
+    asyncio.run(main())
+
+
+def test_a_joiner_at_the_step_with_another_version_counts_towards_k_and_resyncs():
+    """After a partial round members can hold different versions of one step. The third joiner at that
+    step closes the group (K = 3) instead of leaving it to wait for its deadline; it then resyncs."""
+
+    async def main():
+        matchmaker = _matchmaker(PEERS[:4], "k:3")
+        same = [await _join(matchmaker, p, step=9) for p in PEERS[:2]]
+        other = await _join(matchmaker, PEERS[2], step=9, version=b"o" * 32)
+        replies = [await asyncio.wait_for(t, 5) for t in [*same, other]]
+        assert [r.kind for r in replies] == ["group", "group", "resync"]
+        assert sorted(replies[0].group.members) == sorted(PEERS[:2])
         await matchmaker.aclose()
 
     asyncio.run(main())
