@@ -61,7 +61,8 @@ def save_checkpoint(
     extra: Mapping[str, Any] | None = None,
     keep: int = DEFAULT_KEEP,
 ) -> Path:
-    """Atomically write the checkpoint of `step`, then delete all but the newest `keep`; returns its path.
+    """Atomically write the checkpoint of `step`, then delete those of higher steps (a state this peer
+    left) and all but the newest `keep`; returns its path.
 
     Pass states that nothing modifies while this runs (e.g. from the training thread between
     steps, or copies). `extra` holds plain values only: str, int, float, bool, None, tensors,
@@ -149,12 +150,16 @@ def _checkpoint_files(directory: Path) -> list[tuple[int, Path]]:
 
 
 def _prune(directory: Path, *, keep: int, keep_path: Path) -> None:
-    # Runs only after the new file is in place, so a crash here loses nothing; the file just
-    # written is never deleted, even if (damaged) files with higher steps are still around.
-    for _, path in sorted(_checkpoint_files(directory), reverse=True)[keep:]:
-        if path != keep_path:
-            path.unlink(missing_ok=True)
-            logger.debug("deleted old checkpoint %s", path)
+    # Runs only after the new file is in place, so a crash here loses nothing. The file just written is
+    # the peer's state: files of higher steps belong to a state it left (it trained alone while cut off,
+    # then took the swarm's state of a lower step), and `load_latest` would resume from them, so they go.
+    step = int(_NAME.fullmatch(keep_path.name).group(1))  # type: ignore[union-attr]
+    files = sorted(_checkpoint_files(directory), reverse=True)
+    superseded = [path for s, path in files if s > step]
+    older = [path for s, path in files if s <= step and path != keep_path][keep - 1 :]
+    for path in superseded + older:
+        path.unlink(missing_ok=True)
+        logger.debug("deleted %s checkpoint %s", "superseded" if path in superseded else "old", path)
 
 
 def _remove_stale_temps(directory: Path) -> None:

@@ -125,7 +125,7 @@ class GlobalStep:
                 logger.warning(f"state download from {outcome.donor[-8:]} failed: {e}")
                 return None
             await self.in_thread(self.trainable.load_state_tensors, snapshot.tensors)
-            self.engine.set_state(snapshot.version, snapshot.step)
+            self.engine.set_state(snapshot.version, snapshot.step, together=outcome.together)
             logger.info(f"loaded state of step {snapshot.step} from {outcome.donor[-8:]}")
         else:
             # applying is never cancelled halfway: the model is either before or after this step

@@ -181,7 +181,7 @@ class OuterStep:
                 logger.warning(f"state download from {outcome.donor[-8:]} failed: {e}")
                 return None
             await self.in_thread(self._load_anchor, snapshot.tensors)
-            self.engine.set_state(snapshot.version, snapshot.step)
+            self.engine.set_state(snapshot.version, snapshot.step, together=outcome.together)
             logger.info(f"loaded the outer state of step {snapshot.step} from {outcome.donor[-8:]}")
         else:
             await self.in_thread(self._outer_step, outcome.result.vector)

@@ -82,6 +82,11 @@ class Resync:
     group: GroupSpec
     donor: str
 
+    @property
+    def together(self) -> bool:
+        """The donor's state comes out of a round with others (see `RoundEngine.together`)."""
+        return len(self.group.members) > 1
+
 
 @dataclass
 class EngineStats:
@@ -142,14 +147,18 @@ class RoundEngine:
         self.started_at = self.matchmaker.wall_clock()
         self.version = b""
         self.step = 0
+        # whether the state came out of a round with other peers (or from a donor of one): a state trained
+        # alone (cut off) or loaded from a checkpoint ranks below it when a leader picks the state a group
+        # starts from, so a healed peer that trained alone does not overwrite the swarm's
+        self.together = False
         self.stats = EngineStats()
 
     @property
     def peer_id(self) -> str:
         return self.transport.peer_id
 
-    def set_state(self, version: bytes, step: int) -> None:
-        self.version, self.step = version, step
+    def set_state(self, version: bytes, step: int, *, together: bool = False) -> None:
+        self.version, self.step, self.together = version, step, together
         self.membership.step = step
 
     async def start(self) -> None:
@@ -187,7 +196,7 @@ class RoundEngine:
 
     async def _run_round(self, vector, weight: float, recompute, prepare) -> Union[Averaged, Resync]:
         started = time.monotonic()
-        reply = await self.matchmaker.join(version=self.version, step=self.step)
+        reply = await self.matchmaker.join(version=self.version, step=self.step, together=self.together)
         if reply.kind == "resync":
             self.stats.resyncs += 1
             logger.info(f"state {self.step} is behind the swarm's {reply.group.step}: resyncing from {reply.donor[-8:]}")
@@ -329,7 +338,12 @@ class RoundEngine:
     async def completed(self, averaged: Averaged, snapshot_fn) -> None:
         """Advance the version after the caller applied `averaged`; publish state if we are a donor.
         `snapshot_fn()` returns the tensors to hand over (called only when needed)."""
-        self.set_state(next_version(self.version, averaged.group.round_id, averaged.result.missing_parts), self.step + 1)
+        contributors = len(averaged.group.members) - len(averaged.result.dropped_senders)
+        self.set_state(
+            next_version(self.version, averaged.group.round_id, averaged.result.missing_parts),
+            self.step + 1,
+            together=contributors > 1,
+        )
         self.membership.state = "online"
         donations = averaged.group.donations
         # verified runs: every member keeps the state as a witness, to check the donor's for the recipients

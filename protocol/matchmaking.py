@@ -54,6 +54,7 @@ class JoinRequest(WireModel):
     run: Annotated[bytes, Field(max_length=32)]  # configuration hash: peers of another run (or another config) are refused
     version: Annotated[bytes, Field(max_length=32)]  # hash of the state the joiner holds (see protocol.engine)
     step: Annotated[int, Field(ge=0)]  # training step of that state
+    together: bool = False  # that state came out of a round with others (not trained alone, not a checkpoint)
 
 
 class LeaderProbe(WireModel):
@@ -151,9 +152,9 @@ class Matchmaker:
 
     # ---- joiner ---------------------------------------------------------------------------
 
-    async def join(self, *, version: bytes, step: int) -> JoinReply:
+    async def join(self, *, version: bytes, step: int, together: bool = False) -> JoinReply:
         """Get into a group (or a resync order); raises RoundTimeoutError after join_timeout_s."""
-        request = JoinRequest(run=self.run_hash, version=version, step=step)
+        request = JoinRequest(run=self.run_hash, version=version, step=step, together=together)
         deadline = time.monotonic() + self.config.join_timeout_s
         target: Optional[str] = None
         redirects = 0
@@ -348,12 +349,14 @@ class Matchmaker:
                 entry.reply.set_result(reply)
 
     def _leading_state(self, pending: dict[str, _Pending]) -> tuple[int, bytes]:
-        """The (step, version) a group starts from: the highest step, then the most joiners, then the larger
-        hash (verified runs: the most joiners first)."""
+        """The (step, version) a group starts from: a state trained together before one trained alone or
+        loaded from a checkpoint, then the highest step, then the most joiners, then the larger hash
+        (verified runs: the most joiners first)."""
         counts = Counter((p.request.step, p.request.version) for p in pending.values())
+        together = {(p.request.step, p.request.version) for p in pending.values() if p.request.together}
         if self.majority_state:
             return max(counts, key=lambda sv: (counts[sv], sv[0], sv[1]))
-        return max(counts, key=lambda sv: (sv[0], counts[sv], sv[1]))
+        return max(counts, key=lambda sv: (sv in together, sv[0], counts[sv], sv[1]))
 
     def _at_leading_step(self, pending: dict[str, _Pending]) -> int:
         """How many joiners hold the leading state's step (asynchronous modes: every joiner)."""

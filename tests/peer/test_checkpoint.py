@@ -142,12 +142,19 @@ def test_retention_keeps_newest_k(tmp_path: Path) -> None:
     assert [p.name for p in tmp_path.iterdir()] == ["ckpt-000000007.pt"]  # no temp files remain
 
 
-def test_retention_never_deletes_the_file_just_written(tmp_path: Path) -> None:
-    checkpoint_path(tmp_path, 10).write_bytes(b"damaged leftover of a later step")
-    _save_step(tmp_path, 6, keep=1)
-    assert _steps(tmp_path) == [6, 10]
+def test_a_checkpoint_supersedes_those_of_higher_steps(tmp_path: Path) -> None:
+    """A peer that trained alone to step 12 while cut off, then took the swarm's state of step 6: resuming
+    must continue from 6, not from the state it left (nor from a damaged file of a later step)."""
+    for step in (10, 11, 12):
+        _save_step(tmp_path, step)
+    checkpoint_path(tmp_path, 13).write_bytes(b"damaged leftover of a later step")
+    _save_step(tmp_path, 6, keep=2)
+    assert _steps(tmp_path) == [6]
+    _save_step(tmp_path, 7, keep=2)
+    _save_step(tmp_path, 8, keep=2)
+    assert _steps(tmp_path) == [7, 8]
     ckpt = load_latest(tmp_path)
-    assert ckpt is not None and ckpt.step == 6
+    assert ckpt is not None and ckpt.step == 8
 
 
 def test_bad_arguments(tmp_path: Path) -> None:

@@ -30,8 +30,8 @@ def _matchmaker(peers: list[str], policy: str, *, lockstep: bool = True) -> Matc
     return Matchmaker(_Transport(), membership, config, RUN, sync_policy=parse_sync_policy(policy))
 
 
-async def _join(matchmaker: Matchmaker, peer: str, step: int, version: bytes = b"") -> asyncio.Task:
-    request = JoinRequest(run=RUN, version=version or bytes([step]) * 32, step=step)
+async def _join(matchmaker: Matchmaker, peer: str, step: int, version: bytes = b"", together=False) -> asyncio.Task:
+    request = JoinRequest(run=RUN, version=version or bytes([step % 256]) * 32, step=step, together=together)
     task = asyncio.create_task(matchmaker._submit(peer, request))
     await asyncio.sleep(0.01)  # the leader takes the join in
     return task
@@ -91,6 +91,30 @@ def test_joiners_past_k_share_one_lockstep_group(lockstep, sizes):
         await matchmaker._form_group()
         groups = {tuple(f.result().group.members) for f in futures.values() if f.done()}
         assert sorted(len(g) for g in groups) == sizes
+        await matchmaker.aclose()
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize(
+    "joins, winner",
+    [
+        # a peer cut off trained alone to step 900; the three that trained together reached 520
+        ([(900, False), (520, True), (520, True), (520, True)], 520),
+        # fresh peers (step 0) never restart a swarm, even one that trains alone now
+        ([(900, False), (0, False), (0, False), (0, False)], 900),
+        # two halves that trained together apart (a split): the higher step
+        ([(300, True), (300, True), (480, True), (480, True)], 480),
+    ],
+)
+def test_the_state_trained_together_leads_then_the_higher_step(joins, winner):
+    async def main():
+        matchmaker = _matchmaker(PEERS[:4], "full")
+        tasks = [await _join(matchmaker, p, step=s, together=t) for p, (s, t) in zip(PEERS, joins)]
+        replies = [await asyncio.wait_for(t, 5) for t in tasks]
+        assert {r.group.step for r in replies} == {winner}
+        for (step, _), reply in zip(joins, replies):
+            assert reply.kind == ("group" if step == winner else "resync")
         await matchmaker.aclose()
 
     asyncio.run(main())
