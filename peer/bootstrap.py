@@ -11,7 +11,10 @@ from pathlib import Path
 
 from phalanx.peer.config import NetworkSettings
 from phalanx.peer.health import PeerMetrics, open_health
-from phalanx.peer.node import daemon_socket_file, load_identity, remove_if_stale, serve_until, start_dht, visible_maddrs
+from phalanx.peer.node import (
+    daemon_socket_file, load_identity, remove_if_stale, replicate_p2p, serve_until, start_dht, visible_maddrs,
+)  # fmt: skip
+from phalanx.protocol.dial_back import DialBackService
 from phalanx.protocol.redial import Redialer
 
 logger = logging.getLogger(__name__)
@@ -39,9 +42,11 @@ async def _serve(settings: NetworkSettings, print_fn) -> None:
     try:
         identity_path, identity = load_identity(settings, Path(scratch.name))  # signs its health record
         dht = await loop.run_in_executor(None, start_dht, settings, identity_path)
-        daemon_socket = None
+        daemon_socket = p2p = None
         try:
             daemon_socket = await daemon_socket_file(dht)
+            p2p = await replicate_p2p(dht)
+            await DialBackService.open(p2p)  # newcomers' `phalanx doctor` asks it to dial their data port
             maddrs = await visible_maddrs(dht)
             logger.info(f"bootstrap peer {dht.peer_id} is up")
             print_fn("Other peers join this swarm with:")
@@ -61,6 +66,8 @@ async def _serve(settings: NetworkSettings, print_fn) -> None:
             finally:
                 await redialer.aclose()
         finally:
+            if p2p is not None:
+                await p2p.shutdown()  # our replica's connection to p2pd and its socket file
             await loop.run_in_executor(None, dht.shutdown)
             if daemon_socket is not None:
                 remove_if_stale(daemon_socket)

@@ -30,6 +30,7 @@ from phalanx.peer.ports import check_listen_ports
 from phalanx.protocol.admission import AdmissionGate
 from phalanx.protocol.bans import BanBook, BanVoteValidator
 from phalanx.protocol.dht_calls import DHT_DIED, in_dht
+from phalanx.protocol.dial_back import DialBackService
 from phalanx.protocol.engine import RoundEngine
 from phalanx.protocol.membership import LEADER_PERIOD_S, Membership
 from phalanx.protocol.redial import Redialer
@@ -406,6 +407,7 @@ async def open_node(plan: PeerPlan, *, loss: Callable[[], Optional[float]] = lam
         p2p = await replicate_p2p(dht)
         key = plan.run_key
         listen, hosts = await direct_hosts(dht, config)
+        await DialBackService.open(p2p)  # `phalanx doctor` of other peers asks us to dial their data port
         transport = await Transport.open(
             p2p,
             namespace=key,

@@ -21,6 +21,7 @@ import asyncio
 import importlib
 import json
 import os
+import runpy
 import selectors
 import signal
 import socket
@@ -139,9 +140,7 @@ def become(request: dict[str, Any]) -> None:
     os.environ.update(request["env"])
     _reseed()
     sys.argv = ["phalanx", *request["argv"]]
-    from phalanx.peer.cli import main
-
-    main(request["argv"])
+    runpy.run_module("phalanx", run_name="__main__", alter_sys=True)  # `python -m phalanx <argv>`
 
 
 def _reseed() -> None:

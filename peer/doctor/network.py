@@ -263,3 +263,62 @@ async def identity_free_row(p2p, settings: PeerConfig, probes: list[Probe]) -> O
     except Exception:
         return ok(check, f"no live peer of the swarm runs as {short(peer_id.to_base58())}")
     return failed(check, f"a live peer already runs as {peer_id.to_base58()} (this file's ID)", "stop that peer first (after a kill -9, its DHT process and p2pd may still run: find them with `ps -ef | grep p2pd`), or give this one its own --identity-path")
+
+
+async def direct_port_row(p2p, settings: PeerConfig, probes: list[Probe]) -> Row:
+    """Can peers open TCP to this peer's direct data port? A reached peer dials it back (protocol/dial_back.py)
+    while we listen on it for the nonce we chose."""
+    import secrets
+    import socket
+
+    from hivemind.p2p import PeerID
+
+    from phalanx.peer.doctor.local import listen_host
+    from phalanx.protocol import dial_back
+
+    check = "direct data port from outside"
+    if not settings.direct:
+        return ok(check, "--no-direct: bulk tensor bytes take libp2p streams")
+    reached = [p for p in probes if p.reached]
+    if not reached:
+        return skipped(check, "no initial peer reached to dial us back")
+    try:
+        listener = socket.create_server((listen_host(settings), settings.direct_port))
+    except OSError:
+        return skipped(check, f"cannot listen on --direct-port {settings.direct_port} (see the direct data port row)")
+    port = listener.getsockname()[1]
+    which = f"--direct-port {port}" if settings.direct_port else f"port {port} (any free one, as --direct-port 0 picks)"
+    nonce = secrets.token_bytes(dial_back.NONCE_BYTES)
+    arrived = asyncio.Event()
+
+    async def take(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            async with asyncio.timeout(dial_back.CONNECT_TIMEOUT_S):
+                if await reader.readexactly(len(dial_back.MAGIC) + len(nonce)) == dial_back.MAGIC + nonce:
+                    arrived.set()
+        except (OSError, TimeoutError, asyncio.IncompleteReadError):
+            pass
+        finally:
+            writer.close()
+
+    server = await asyncio.start_server(take, sock=listener)
+    target = reached[0]
+    fix = (f"open TCP {which} in this machine's firewall (and forward it on the router, with --public-ip), "
+           "or pass --no-direct: bulk bytes then take libp2p streams, which are slower")  # fmt: skip
+    answer = None
+    try:
+        answer = await dial_back.request_dial_back(p2p, PeerID.from_base58(target.peer_id), port, nonce, DIAL_BACK_TIMEOUT_S)
+        if answer.reached:
+            await asyncio.wait_for(arrived.wait(), dial_back.CONNECT_TIMEOUT_S)
+    except TimeoutError:
+        if answer is not None:
+            return failed(check, f"{short(target.peer_id)} connected to {answer.address}, but not to this peer", f"something else answers there (a port forward to another machine?): {fix}")
+        return warned(check, f"{short(target.peer_id)} did not answer the dial-back request in {DIAL_BACK_TIMEOUT_S:g} s", "try again, or another --initial-peers")
+    except Exception as e:
+        return warned(check, f"{short(target.peer_id)} could not be asked to dial back ({first_line(e)}; an older phalanx?)", "try another --initial-peers")
+    finally:
+        server.close()
+        await server.wait_closed()
+    if answer.reached:
+        return ok(check, f"{short(target.peer_id)} connected to {which} at {answer.address}")
+    return failed(check, f"{short(target.peer_id)} could not connect to {which} at {answer.address or 'your address'}: {answer.error}", fix)

@@ -37,7 +37,7 @@ async def network_rows(settings: PeerConfig, initial_peers: list[str], config_ha
     if p2p is None:
         why = "the p2p daemon did not start"
         peers = network.reached_row([], 0) if not initial_peers else skipped("initial peers", why)
-        skips = [skipped("reachable from outside", why), skipped("clock", why)]
+        skips = [skipped("reachable from outside", why), skipped("direct data port from outside", why), skipped("clock", why)]
         return rows + [peers, *skips, *swarm_rows(None, settings, config_hash, why)]
     try:
         usable = [a for a in initial_peers if multiaddr_row(a).status == "pass"]
@@ -46,6 +46,7 @@ async def network_rows(settings: PeerConfig, initial_peers: list[str], config_ha
             rows += probe.rows
         rows.append(network.reached_row(probes, len(initial_peers)))
         rows.append(await network.guarded("reachable from outside", network.reachability_row(p2p, settings, probes)))
+        rows.append(await network.guarded("direct data port from outside", network.direct_port_row(p2p, settings, probes)))
         identity = await network.guarded("identity free", network.identity_free_row(p2p, settings, probes))
         rows += [identity] if identity is not None else []
         reached = [p.maddrs[0] for p in probes if p.rtt_s is not None]

@@ -3,7 +3,7 @@ veth link to a bridge that lives in a namespace of its own, so nothing touches t
 network and parallel sessions cannot collide (every name carries this process's PID).
 
 Faults: `cut`/`heal` (the host's link down/up at the bridge), `split` (iptables DROP between two
-sets of hosts), `loss` (iptables `statistic` drops, both directions; all drops on arrival), `cap` (tc tbf both ways),
+sets of hosts), `block_port` (a firewall dropping TCP to one port), `loss` (iptables `statistic` drops, both directions; all drops on arrival), `cap` (tc tbf both ways),
 `clear`. Processes start inside a host with `ip netns exec`; `Host.thread_in` runs a function in a
 thread that entered the host's namespace (HTTP polls of a peer's 127.0.0.1 port). Needs root.
 `Lab.close()` removes what the lab made; `sweep_stale()` removes namespaces of dead sessions.
@@ -180,6 +180,10 @@ class Lab:
             for name in mine:
                 for other in theirs:
                     self._iptables(self.hosts[name], ["INPUT", "-i", "eth0", "-s", self.hosts[other].ip, "-j", "DROP"])
+
+    def block_port(self, name: str, port: int) -> None:
+        """A firewall on `name`: TCP to `port` arriving there is dropped (the sender sees silence)."""
+        self._iptables(self.hosts[name], ["INPUT", "-i", "eth0", "-p", "tcp", "--dport", str(port), "-j", "DROP"])
 
     def loss(self, name: str, pct: float) -> None:
         """Drop `pct` % of the packets on `name`'s link in each direction, independently at random:

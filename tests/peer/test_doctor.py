@@ -221,10 +221,12 @@ def test_healthy_swarm_passes_every_row(swarm, tmp_path):
     for stage in ("address", "tcp", "libp2p", "dht ping"):
         assert f"initial peer {peer}: {stage}" in rows
     assert rows["reachable from outside"]["detail"].startswith("local network:")
+    direct = rows["direct data port from outside"]["detail"]  # the bootstrap dialed it back
+    assert direct.startswith(f"{peer} connected to port ") and "(any free one, as --direct-port 0 picks) at 127.0.0.1:" in direct
     assert rows["run config"]["detail"].endswith("as all 1 trainers in view")
     assert rows["identity free"]["detail"].startswith("no live peer of the swarm runs as")
     code, table, _ = doctor("--initial-peers", swarm.initial_peers, json_out=False)
-    assert code == 0 and "17 checks, 0 failed" in table
+    assert code == 0 and "18 checks, 0 failed" in table
 
 
 @pytest.mark.integration
@@ -256,7 +258,9 @@ def test_busy_data_port_fails_its_row(swarm):
         port = busy.getsockname()[1]
         code, report, _ = doctor("--initial-peers", swarm.initial_peers, "--direct-port", str(port))
     assert code == 1
-    failing = [r for r in report["rows"] if r["status"] != "pass"]
+    outside = by_check(report)["direct data port from outside"]
+    assert outside["detail"] == f"SKIPPED: cannot listen on --direct-port {port} (see the direct data port row)"
+    failing = [r for r in report["rows"] if r["status"] not in ("pass", "skip")]
     assert failing == [
         {
             "check": "direct data port",
@@ -296,6 +300,7 @@ def test_dead_bootstrap_address_fails_tcp_and_skips_the_rest_loudly():
     assert rows["initial peer …FqP4Gcyn: libp2p"]["detail"] == "SKIPPED: no TCP connection"
     assert (rows["initial peers"]["status"], rows["initial peers"]["detail"]) == ("fail", "none of the 1 answered a DHT ping")
     assert rows["clock"]["status"] == rows["reachable from outside"]["status"] == "skip"
+    assert rows["direct data port from outside"]["status"] == "skip"
 
 
 @pytest.mark.integration
