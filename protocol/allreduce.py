@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from typing import Optional
 
 import torch
@@ -31,6 +32,9 @@ from phalanx.security.wire import pack, unpack
 logger = logging.getLogger(__name__)
 
 PART_METHOD = "part"
+ALIVE_METHOD = "alive"
+REDUCER_PROBE_S = 1.0  # once our part is reduced, a reducer whose reply has not come is probed this often ...
+REDUCER_ALIVE_S = 4.0  # ... and given up on when a probe is not answered within this (cut off, frozen)
 MAX_WAITING_CALLS = 256  # calls for rounds we have not registered yet, held at most this many
 
 
@@ -46,6 +50,13 @@ class AllReduceService:
         self._waiting = 0
         self._spare_rows: dict[tuple[int, int], torch.Tensor] = {}  # fresh memory costs page faults every round
         transport.register(PART_METHOD, self._serve_part, max_payload=1 << 34, sink=self._part_sink)
+        transport.register(ALIVE_METHOD, self._serve_alive, max_payload=0)
+
+    async def _serve_alive(self, peer: str, header: bytes, payload: bytearray) -> tuple[bytes, bytes]:
+        return b"", b""
+
+    async def _probe(self, peer: str) -> None:
+        await self.transport.call(peer, ALIVE_METHOD, b"", max_reply_payload=0, timeout_s=REDUCER_ALIVE_S)
 
     async def run(
         self,
@@ -88,6 +99,7 @@ class AllReduceService:
         output = torch.empty(spec.numel) if out is None else out
         missing: list[int] = []
         idle_parts: list[int] = []
+        unreachable: list[int] = []
         try:
             reduce_task = asyncio.create_task(self._reduce(reduction))
             others = [j for j in range(len(spec.members)) if j != me and j not in skip]
@@ -100,8 +112,9 @@ class AllReduceService:
             }  # fmt: skip
             # verified rounds get a late reducer's aggregate relayed by the others (see _reply_or_relayed)
             watch = self.part_idle_timeout_s if guard is None else None
-            idle_parts = await _await_calls(calls, activities, reduce_task, watch, silent=reduction.idle)
-            outcomes = [_outcome(calls[j], j in idle_parts, watch, j in reduction.idle) for j in others]
+            probe = (lambda j: self._probe(spec.members[j])) if watch is not None else None
+            idle_parts, unreachable = await _await_calls(calls, activities, reduce_task, watch, silent=reduction.idle, probe=probe)
+            outcomes = [_outcome(calls[j], j in idle_parts, watch, j in reduction.idle, j in unreachable) for j in others]
             gathered = time.monotonic()
             for j in sorted(skip - {me}):
                 missing.append(j)
@@ -146,6 +159,7 @@ class AllReduceService:
             idle_senders=tuple(spec.members[i] for i in sorted(reduction.idle)),
             late_senders=tuple(spec.members[i] for i in sorted(reduction.late)),
             idle_parts=tuple(idle_parts),
+            unreachable=tuple(spec.members[j] for j in unreachable),
             own_rows=reduction.rows if guard is not None else None,
             own_received=tuple(reduction.counted),
             own_value=output[lo:hi],
@@ -339,8 +353,10 @@ async def _await_calls(
     reduced: asyncio.Task,
     idle_s: Optional[float],
     silent: frozenset[int] | set[int] = frozenset(),
-) -> list[int]:
-    """Wait for the calls to the reducers; returns the parts whose call was given up because it stalled.
+    probe: Optional[Callable[[int], Awaitable[None]]] = None,
+) -> tuple[list[int], list[int]]:
+    """Wait for the calls to the reducers; returns the parts whose call was given up because it stalled,
+    and those of them whose reducer stopped answering probes.
 
     Until this peer's own part is reduced, a reducer may rightly be waiting for a slow sender. After
     that, every live reducer has its parts or drops its stragglers within `idle_s` of their last byte
@@ -349,30 +365,52 @@ async def _await_calls(
     already dropped it as a sender: its bytes to us stopped or its connection broke) whose call has
     moved no byte for `idle_s` is dead, frozen or cut off for certain: a live one, however slow, keeps
     sending us its part. Its call is cancelled at once, not waited for twice `idle_s` more.
+    A reducer whose reply is still missing REDUCER_PROBE_S after that is probed (`probe(j)`) every
+    REDUCER_PROBE_S; one that leaves a probe unanswered for REDUCER_ALIVE_S is cut off or frozen, and
+    its call is cancelled then: a live reducer waiting on a slow sender answers its probes.
     """
     pending = set(calls.values())
     stalled: list[int] = []
+    unreachable: list[int] = []
+    probes: dict[int, asyncio.Task] = {}
     try:
         while pending and (idle_s is None or not reduced.done()):
             waiters = pending if idle_s is None else pending | {reduced}
             await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
             pending = {c for c in pending if not c.done()}
         since, limit_s = time.monotonic(), 2 * (idle_s or 0.0)
+        next_probe = since + REDUCER_PROBE_S
         while pending:
             wait = limit_s
+            now = time.monotonic()
             for j, call in calls.items():
-                if call in pending:
-                    # silent reducers: counted from the call's last byte, not from our part's reduction
-                    idle = activities[j].idle_s() if j in silent else activities[j].idle_s(since)
-                    limit_j = idle_s if j in silent else limit_s
-                    if idle >= limit_j:
+                if call not in pending:
+                    continue
+                answered = probes.get(j)
+                if answered is not None and answered.done():
+                    del probes[j]
+                    if answered.exception() is not None:  # CallFailed: no answer within REDUCER_ALIVE_S
                         call.cancel()
                         pending.discard(call)
                         stalled.append(j)
-                    else:
-                        wait = min(wait, limit_j - idle)
+                        unreachable.append(j)
+                        continue
+                # silent reducers: counted from the call's last byte, not from our part's reduction
+                idle = activities[j].idle_s() if j in silent else activities[j].idle_s(since)
+                limit_j = idle_s if j in silent else limit_s
+                if idle >= limit_j:
+                    call.cancel()
+                    pending.discard(call)
+                    stalled.append(j)
+                else:
+                    wait = min(wait, limit_j - idle)
+                    if probe is not None and j not in probes and now >= next_probe:
+                        probes[j] = asyncio.ensure_future(probe(j))
+            if probe is not None and now >= next_probe:
+                next_probe = now + REDUCER_PROBE_S
             if pending:
-                await asyncio.wait(pending, timeout=max(wait, 0.01), return_when=asyncio.FIRST_COMPLETED)
+                wait = min(wait, max(next_probe - now, 0.01)) if probe is not None else wait
+                await asyncio.wait(pending | set(probes.values()), timeout=max(wait, 0.01), return_when=asyncio.FIRST_COMPLETED)
                 pending = {c for c in pending if not c.done()}
         await asyncio.gather(*(calls[j] for j in stalled), return_exceptions=True)
     except BaseException:
@@ -380,12 +418,18 @@ async def _await_calls(
             call.cancel()
         await asyncio.gather(*calls.values(), return_exceptions=True)
         raise
-    return sorted(stalled)
+    finally:
+        for task in probes.values():
+            task.cancel()
+        await asyncio.gather(*probes.values(), return_exceptions=True)
+    return sorted(stalled), sorted(unreachable)
 
 
 def _outcome(
-    call: asyncio.Future, stalled: bool, idle_s: Optional[float], silent: bool = False
+    call: asyncio.Future, stalled: bool, idle_s: Optional[float], silent: bool = False, unreachable: bool = False
 ) -> Optional[BaseException]:
+    if unreachable:
+        return CallFailed(f"it left a liveness probe unanswered for {REDUCER_ALIVE_S:g} s (cut off or frozen)")
     if stalled and silent:
         return CallFailed(f"its bytes to us stopped and none moved on our call to it for {idle_s:.1f} s")
     if stalled:

@@ -236,11 +236,12 @@ class RoundEngine:
         self.stats.members_dropped_idle += len(result.idle_senders)
         self.stats.members_dropped_late += len(result.late_senders)
         self.stats.parts_dropped_idle += len(result.idle_parts)
-        # a member whose own bytes to us stopped (dead, frozen, cut off) is not waited for by the next group
+        # a member whose own bytes to us stopped, or that left our probes unanswered as a reducer (dead, frozen,
+        # cut off), is not waited for by the next group
         # this peer forms, nor chosen as leader, until it joins again (which clears the suspicion) or ttl_s
         # passes. Reducers whose reply was late are not suspected: under packet loss every reducer waiting
         # on the lossy sender is late, and suspecting them all left this peer training in a group of one.
-        for peer in result.idle_senders:
+        for peer in (*result.idle_senders, *result.unreachable):
             self.membership.suspect(peer, for_s=self.membership.ttl_s)
         self.stats.last_group_size = len(group.members)
         self.stats.last_round_s = time.monotonic() - started

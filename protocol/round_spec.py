@@ -89,3 +89,4 @@ class AllReduceResult:
     idle_senders: tuple[str, ...] = ()  # dropped senders whose bytes stopped (or connection broke) before the deadline
     late_senders: tuple[str, ...] = ()  # dropped senders still missing when the deadline passed
     idle_parts: tuple[int, ...] = ()  # missing parts whose reducer moved no bytes for part_idle_timeout_s
+    unreachable: tuple[str, ...] = ()  # reducers given up on because they stopped answering liveness probes

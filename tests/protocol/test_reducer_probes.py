@@ -1,0 +1,48 @@
+"""Once our own part is reduced, a reducer that still owes us its part is probed: one that stops
+answering (cut off, frozen) is given up on at once, one that answers (waiting on a slow sender itself)
+is waited for. `_await_calls` with stand-in calls and probes; no network."""
+
+import asyncio
+
+from phalanx.protocol.allreduce import REDUCER_PROBE_S, _await_calls, _outcome
+from phalanx.protocol.channel import Activity
+from phalanx.protocol.transport import CallFailed
+
+
+async def _done() -> None:
+    pass
+
+
+def test_a_reducer_that_leaves_a_probe_unanswered_is_given_up_on_long_before_the_idle_limit():
+    async def main():
+        loop = asyncio.get_running_loop()
+        calls = {1: loop.create_future(), 2: loop.create_future()}  # 1: cut off; 2: slow but alive
+        probed: list[int] = []
+
+        async def probe(j: int) -> None:
+            probed.append(j)
+            if j == 1:
+                raise CallFailed("alive to …x timed out after 4.0 s")
+
+        reduced = asyncio.ensure_future(_done())
+        started = loop.time()
+        loop.call_later(2.5 * REDUCER_PROBE_S, calls[2].set_result, (b"", b""))
+        stalled, unreachable = await _await_calls(
+            calls, {1: Activity(), 2: Activity()}, reduced, idle_s=600.0, probe=probe
+        )
+        return stalled, unreachable, loop.time() - started, probed, calls
+
+    stalled, unreachable, took, probed, calls = asyncio.run(main())
+    assert (stalled, unreachable) == ([1], [1])
+    assert took < 10.0  # the idle limit alone would have waited 2 × 600 s
+    assert probed.count(2) >= 2 and calls[2].done() and not calls[2].cancelled()  # answered: kept waiting
+    assert "liveness probe unanswered" in str(_outcome(calls[1], True, 600.0, unreachable=True))
+
+
+def test_without_probes_only_the_idle_limit_ends_the_wait():
+    async def main():
+        loop = asyncio.get_running_loop()
+        calls = {1: loop.create_future()}
+        return await _await_calls(calls, {1: Activity()}, asyncio.ensure_future(_done()), idle_s=0.5)
+
+    assert asyncio.run(main()) == ([1], [])
