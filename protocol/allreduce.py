@@ -160,6 +160,7 @@ class AllReduceService:
             late_senders=tuple(spec.members[i] for i in sorted(reduction.late)),
             idle_parts=tuple(idle_parts),
             unreachable=tuple(spec.members[j] for j in unreachable),
+            slow_senders=tuple(spec.members[i] for i in reduction.slow(started)),
             own_rows=reduction.rows if guard is not None else None,
             own_received=tuple(reduction.counted),
             own_value=output[lo:hi],

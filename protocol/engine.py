@@ -243,6 +243,7 @@ class RoundEngine:
         # on the lossy sender is late, and suspecting them all left this peer training in a group of one.
         for peer in (*result.idle_senders, *result.unreachable):
             self.membership.suspect(peer, for_s=self.membership.ttl_s)
+        self.matchmaker.note_slow(result.slow_senders)
         self.stats.last_group_size = len(group.members)
         self.stats.last_round_s = time.monotonic() - started
         return Averaged(group, result, verdict)

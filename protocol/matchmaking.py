@@ -48,6 +48,11 @@ LEADER_PROBE_S = 1.0  # a joiner probes the leader holding its join this often .
 LEADER_ALIVE_S = 4.0  # ... and gives up on it when a probe is not answered within this (a live one answers in ms)
 MAX_REDIRECTS = 3
 LEADER_RECHECK_S = 1.0  # a forming group checks this often that its former still leads
+# Sync policies (K of N): a member whose parts came in far behind the others' (a lossy or thin link) is
+# "slow" for SLOW_FOR_S; a forming group does not count it towards K for SLOW_WAIT_S, and leaves it out
+# when K others are in sync, so one bad link does not set the pace of every round it gets into.
+SLOW_FOR_S = 30.0
+SLOW_WAIT_S = 1.0
 
 
 class JoinRequest(WireModel):
@@ -129,6 +134,7 @@ class Matchmaker:
     _probes: dict[str, asyncio.Task] = field(default_factory=dict)  # probes of the peer that would lead next
     _rng: random.Random = field(default_factory=lambda: random.Random(secrets.randbits(64)))
     _started: float = field(default_factory=time.monotonic)
+    _slow: dict[str, float] = field(default_factory=dict)  # peer -> time.monotonic() its mark ends
 
     def __post_init__(self) -> None:
         self._arrived = asyncio.Event()
@@ -276,6 +282,18 @@ class Matchmaker:
             self._former = asyncio.create_task(self._form_group(), name="form-group")
         return await future
 
+    def note_slow(self, peers: tuple[str, ...] | list[str]) -> None:
+        """Mark peers whose parts came in far behind the others in a round of ours (see SLOW_FOR_S)."""
+        now = time.monotonic()
+        for peer in peers:
+            if peer != self.peer_id:
+                self._slow[peer] = now + SLOW_FOR_S
+        for peer in [p for p, until in self._slow.items() if until <= now]:
+            del self._slow[peer]
+
+    def _is_slow(self, peer: str) -> bool:
+        return self._slow.get(peer, 0.0) > time.monotonic()
+
     def _expected(self) -> set[str]:
         view = set(self.membership.peers())
         expected = (view | self._expected_next) - self.membership.banned
@@ -308,7 +326,8 @@ class Matchmaker:
             # is told to resync, so it does not fill the group (counting it made groups of 2 under k:3, and
             # the member left out of each fell behind in turn). One at that step whose version differs (its
             # last round was partial) counts: waiting for a third matching version would last until the deadline.
-            if target is not None and self._at_leading_step(self._pending) >= target:
+            patient = bool(k and self.config.lockstep and self._slow) and time.monotonic() < first_join + SLOW_WAIT_S
+            if target is not None and self._at_leading_step(self._pending, skip_slow=patient) >= target:
                 break
             if target is None and joined >= self._expected():  # (asynchronous modes too: no one left to wait for)
                 break
@@ -323,6 +342,8 @@ class Matchmaker:
                 return
             wake_at = min(deadline, window_end) if window_end is not None and enough else deadline
             wake_at = min(wake_at, now + LEADER_RECHECK_S)  # a new leader in view (or period) releases the joiners
+            if patient:
+                wake_at = min(wake_at, first_join + SLOW_WAIT_S)  # then slow joiners count too
             try:
                 await asyncio.wait_for(self._arrived.wait(), timeout=max(wake_at - now, 0.001))
             except asyncio.TimeoutError:
@@ -358,12 +379,13 @@ class Matchmaker:
             return max(counts, key=lambda sv: (counts[sv], sv[0], sv[1]))
         return max(counts, key=lambda sv: (sv in together, sv[0], counts[sv], sv[1]))
 
-    def _at_leading_step(self, pending: dict[str, _Pending]) -> int:
-        """How many joiners hold the leading state's step (asynchronous modes: every joiner)."""
+    def _at_leading_step(self, pending: dict[str, _Pending], *, skip_slow: bool = False) -> int:
+        """How many joiners hold the leading state's step (asynchronous modes: every joiner), slow ones
+        left out with `skip_slow`."""
         if not self.config.lockstep or not pending:
             return len(pending)
         step, _ = self._leading_state(pending)
-        return sum(entry.request.step == step for entry in pending.values())
+        return sum(e.request.step == step and not (skip_slow and self._is_slow(p)) for p, e in pending.items())
 
     def _in_sync(self, pending: dict[str, _Pending]) -> list[str]:
         """The joiners that contribute to the next group; in lockstep modes those holding the leading state."""
@@ -376,6 +398,8 @@ class Matchmaker:
         """Answer every joiner that fits a group; returns the ones left over (fewer than a group)."""
         step, version = self._leading_state(pending)
         in_sync = self._in_sync(pending)
+        if k and self.config.lockstep and sum(not self._is_slow(p) for p in in_sync) >= k:
+            in_sync = [p for p in in_sync if not self._is_slow(p)]  # the slow ones resync from this group
         behind = sorted(peer for peer in pending if peer not in set(in_sync))
         self._rng.shuffle(in_sync)
         size = size or len(in_sync)  # K (or the target size): the first K form a group, the rest wait

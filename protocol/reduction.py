@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -15,6 +16,9 @@ from phalanx.protocol.channel import Activity, Hasher
 from phalanx.protocol.round_spec import PartGuard, Reducer, RoundSpec
 
 logger = logging.getLogger(__name__)
+
+SLOW_MIN_S = 0.5
+SLOW_FACTOR = 4.0
 
 
 @dataclass
@@ -44,6 +48,16 @@ class Reduction:
     late: set[int] = field(default_factory=set)  # senders still missing at the deadline
     replied: set[int] = field(default_factory=set)  # senders handed their result: once all are, nothing holds it
     finished: bool = False  # this peer's own run of the round returned
+    arrived_at: dict[int, float] = field(default_factory=dict)  # time.monotonic() each sender's part was in
+
+    def slow(self, started: float) -> list[int]:
+        """Senders whose part came in SLOW_MIN_S, and SLOW_FACTOR times the fastest other sender's time,
+        after that fastest one: a lossy or thin link, not a busy machine's few milliseconds."""
+        others = {i: at - started for i, at in self.arrived_at.items() if i != self.my_index}
+        if len(others) < 2:
+            return []  # one other sender: nobody to be slow against
+        fastest = min(others.values())
+        return sorted(i for i, took in others.items() if took - fastest > max(SLOW_MIN_S, SLOW_FACTOR * fastest))
 
     def release(self) -> None:
         """Drop the aggregate and the per-member results once the round is forgotten. The activity
@@ -100,6 +114,7 @@ class Reduction:
         self.weights[index] = min(max(weight, 0.0), 1.0)  # never trust a self-reported weight beyond 1
         self.receiving.discard(index)
         self.received.add(index)
+        self.arrived_at[index] = time.monotonic()
         self._check_complete()
 
     def refuse(self, index: int) -> None:

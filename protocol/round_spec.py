@@ -90,3 +90,4 @@ class AllReduceResult:
     late_senders: tuple[str, ...] = ()  # dropped senders still missing when the deadline passed
     idle_parts: tuple[int, ...] = ()  # missing parts whose reducer moved no bytes for part_idle_timeout_s
     unreachable: tuple[str, ...] = ()  # reducers given up on because they stopped answering liveness probes
+    slow_senders: tuple[str, ...] = ()  # senders whose part reached our reducer far behind the others (Reduction.slow)

@@ -7,7 +7,7 @@ import pytest
 from hivemind.utils import get_dht_time
 
 from phalanx.protocol.config import MatchmakingConfig
-from phalanx.protocol.matchmaking import JoinRequest, Matchmaker, _Pending
+from phalanx.protocol.matchmaking import SLOW_WAIT_S, JoinRequest, Matchmaker, _Pending
 from phalanx.protocol.membership import Membership, PeerRecord
 from phalanx.protocol.sync_policy import parse_sync_policy
 
@@ -115,6 +115,39 @@ def test_the_state_trained_together_leads_then_the_higher_step(joins, winner):
         assert {r.group.step for r in replies} == {winner}
         for (step, _), reply in zip(joins, replies):
             assert reply.kind == ("group" if step == winner else "resync")
+        await matchmaker.aclose()
+
+    asyncio.run(main())
+
+
+def test_a_slow_member_waits_for_k_others_and_is_left_out_when_they_come():
+    """k:3 of 4, one peer marked slow (its parts came in far behind in an earlier round): the group does not
+    close on it with two others while the fourth is on its way; with the fourth in, it resyncs instead."""
+
+    async def main():
+        matchmaker = _matchmaker(PEERS[:4], "k:3")
+        matchmaker.note_slow([PEERS[3]])
+        joined = [await _join(matchmaker, p, step=5) for p in (PEERS[0], PEERS[1], PEERS[3])]
+        assert not any(t.done() for t in joined)  # three at the step, one of them slow: not yet
+        fourth = await _join(matchmaker, PEERS[2], step=5)
+        replies = {p: await asyncio.wait_for(t, 5) for p, t in zip((PEERS[0], PEERS[1], PEERS[3], PEERS[2]), [*joined, fourth])}
+        assert replies[PEERS[3]].kind == "resync"
+        assert sorted(replies[PEERS[0]].group.members) == sorted([PEERS[0], PEERS[1], PEERS[2]])
+        await matchmaker.aclose()
+
+    asyncio.run(main())
+
+
+def test_a_slow_member_counts_after_the_wait_when_no_one_else_comes():
+    async def main():
+        matchmaker = _matchmaker(PEERS[:4], "k:3")
+        matchmaker.note_slow([PEERS[3]])
+        loop = asyncio.get_running_loop()
+        began = loop.time()
+        joined = [await _join(matchmaker, p, step=5) for p in (PEERS[0], PEERS[1], PEERS[3])]
+        replies = [await asyncio.wait_for(t, 5) for t in joined]
+        assert loop.time() - began >= SLOW_WAIT_S
+        assert [r.kind for r in replies] == ["group"] * 3 and len(replies[0].group.members) == 3
         await matchmaker.aclose()
 
     asyncio.run(main())

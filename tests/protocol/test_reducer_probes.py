@@ -46,3 +46,16 @@ def test_without_probes_only_the_idle_limit_ends_the_wait():
         return await _await_calls(calls, {1: Activity()}, asyncio.ensure_future(_done()), idle_s=0.5)
 
     assert asyncio.run(main()) == ([1], [])
+
+
+def test_a_sender_far_behind_the_others_is_slow_a_few_milliseconds_are_not():
+    from phalanx.protocol.reduction import Reduction
+
+    reduction = Reduction.__new__(Reduction)
+    reduction.my_index = 0
+    reduction.arrived_at = {0: 100.0, 1: 100.010, 2: 100.030, 3: 101.8}  # started at 100.0
+    assert reduction.slow(100.0) == [3]
+    reduction.arrived_at = {0: 100.0, 1: 100.010, 2: 100.300}  # a descheduled process: 0.3 s is not slow
+    assert reduction.slow(100.0) == []
+    reduction.arrived_at = {0: 100.0, 3: 103.0}  # one other sender: nobody to compare with
+    assert reduction.slow(100.0) == []
