@@ -138,6 +138,9 @@ def become(request: dict[str, Any]) -> None:
     sys.stderr = open(2, "w", buffering=1, closefd=False)
     os.environ.clear()
     os.environ.update(request["env"])
+    for entry in reversed(os.environ.get("PYTHONPATH", "").split(os.pathsep)):  # as a fresh interpreter reads it
+        if entry and entry not in sys.path:
+            sys.path.insert(1, entry)
     _reseed()
     sys.argv = ["phalanx", *request["argv"]]
     runpy.run_module("phalanx", run_name="__main__", alter_sys=True)  # `python -m phalanx <argv>`

@@ -279,6 +279,8 @@ async def direct_port_row(p2p, settings: PeerConfig, probes: list[Probe]) -> Row
     check = "direct data port from outside"
     if not settings.direct:
         return ok(check, "--no-direct: bulk tensor bytes take libp2p streams")
+    if settings.client_mode:
+        return ok(check, "--client-mode: this peer only dials out; peers that cannot reach its data port use libp2p streams")
     reached = [p for p in probes if p.reached]
     if not reached:
         return skipped(check, "no initial peer reached to dial us back")
