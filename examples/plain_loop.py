@@ -7,6 +7,8 @@ Start a bootstrap (`phalanx bootstrap` prints its address), then on each machine
 
 Each peer trains on its own batches (drawn from its rank); every global step averages the
 gradients of `--target-batch-size` samples across the swarm, as one process with that batch would.
+With `--mode lasgd` (or `gossip`) local steps never wait: every `--sync-every` steps the peers'
+progress is averaged in the background, and a global step is one such average.
 """
 
 from __future__ import annotations
@@ -52,6 +54,8 @@ def main() -> None:
     parser.add_argument("--global-steps", type=int, default=50)
     parser.add_argument("--batch-size", type=int, default=8, help="samples per local step")
     parser.add_argument("--target-batch-size", type=int, default=48, help="samples per global step, swarm-wide")
+    parser.add_argument("--mode", choices=("sync", "lasgd", "gossip"), default="sync")
+    parser.add_argument("--sync-every", type=int, default=5, help="lasgd/gossip: local steps between exchanges")
     parser.add_argument("--run-id", default="plain-loop")
     parser.add_argument("--out", help="write the final validation loss and statistics here (JSON)")
     args = parser.parse_args()
@@ -64,8 +68,12 @@ def main() -> None:
         initial_peers=args.initial_peers,
         host_maddrs=["/ip4/127.0.0.1/tcp/0"] if args.initial_peers and "/127.0.0.1/" in args.initial_peers[0] else [],
         batch_size_per_step=args.batch_size,
-        target_batch_size=args.target_batch_size,
         wait_for_peers=args.peers,
+        **(
+            {"target_batch_size": args.target_batch_size}
+            if args.mode == "sync"
+            else {"mode": args.mode, "sync_every": args.sync_every}
+        ),
     )
     with opt:
         step = 0

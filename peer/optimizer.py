@@ -16,6 +16,11 @@ for one step. So the wrapped optimizer (AdamW's moments included) steps on ident
 every peer and its state stays identical without being sent; a newcomer downloads it with the
 parameters (`load_state_from_peers`, or automatically at its first round).
 
+With mode="lasgd" (or "gossip") every `step()` is a step of the wrapped optimizer that never waits:
+every `sync_every` steps an exchange of the progress since the last average starts in the background
+and is merged at a later `step()` (peer/local_exchange.py, the same as `phalanx join --mode lasgd`).
+mode="diloco" takes `inner_steps` steps, then an outer step (peer/outer_step.py).
+
 The node (DHT, transport, rounds) lives on an event loop in a thread of its own; `step()` blocks
 the caller's thread only while a round runs.
 """
@@ -44,6 +49,7 @@ from phalanx.aggregation.errors import ConfigError, PhalanxError
 from phalanx.peer.config import PeerConfig
 from phalanx.peer.global_step import GlobalStep
 from phalanx.peer.health import PeerMetrics, open_node_health
+from phalanx.peer.local_exchange import LocalExchange
 from phalanx.peer.model import Trainable
 from phalanx.peer.node import DHT_DIED, Node, open_node, quiet_p2p_daemon_noise, wait_for_trainers
 from phalanx.peer.outer_step import OuterStep
@@ -53,7 +59,8 @@ from phalanx.protocol.engine import ROUND_FAILURES, Averaged, Resync, initial_ve
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
-API_MODES = ("sync", "diloco")  # modes this front door runs so far (phalanx join runs them all)
+API_MODES = ("sync", "lasgd", "gossip", "diloco")
+LOCAL_MODES = ("lasgd", "gossip")  # local steps never wait; an exchange every sync_every steps runs meanwhile
 Scheduler = Union[torch.optim.lr_scheduler.LRScheduler, Callable[[torch.optim.Optimizer], Any]]
 
 
@@ -62,7 +69,7 @@ class Statistics:
     """What a peer knows about its swarm after its last global step."""
 
     global_step: int
-    """Global steps (rounds applied) of the state this peer holds."""
+    """Global steps (rounds applied) of the state this peer holds; lasgd/gossip: averages behind its base."""
     local_samples: int
     """Samples accumulated since the last global step."""
     samples_per_round: int
@@ -147,10 +154,9 @@ class Optimizer(torch.optim.Optimizer):
                 f"≥ batch_size_per_step ({batch_size_per_step}), or None for a round every step"
             )
         if mode not in API_MODES:
-            raise ConfigError(
-                f"phalanx.Optimizer(mode={mode!r}): this front door runs {', '.join(API_MODES)} so far; "
-                f"use one of those here, or `phalanx join --mode {mode}` with a task"
-            )
+            raise ConfigError(f"phalanx.Optimizer(mode={mode!r}): no such mode; use one of {', '.join(API_MODES)}")
+        if mode in LOCAL_MODES:
+            _check_local_settings(mode, target_batch_size, settings)
         if verify and mode == "diloco":
             raise ConfigError(
                 "phalanx.Optimizer(verify=True, mode='diloco'): the library verifies sync rounds only so far "
@@ -190,8 +196,12 @@ class Optimizer(torch.optim.Optimizer):
         self._peers_last_round = 0
         self._metrics = PeerMetrics(role="trainer")
         self._health = None
-        self._outer: Optional[OuterStep] = None  # diloco's outer step; else self._steps is a GlobalStep
-        self._in_flight: Optional[concurrent.futures.Future] = None  # diloco: the outer round running
+        self._outer: Optional[OuterStep] = None  # diloco's outer step
+        self._local: Optional[LocalExchange] = None  # lasgd/gossip's exchange; else self._steps is a GlobalStep
+        self._in_flight: Optional[concurrent.futures.Future] = None  # diloco, lasgd, gossip: the round running
+        self._local_steps = 0  # lasgd/gossip: local steps taken (the schedule follows them)
+        self._since_exchange = 0
+        self._lr_max = max(g.get("initial_lr", g["lr"]) for g in inner.param_groups)
         self._closed = False
         self._swarm = _SwarmThread()
         try:
@@ -214,7 +224,9 @@ class Optimizer(torch.optim.Optimizer):
                 loss = closure()
         if isinstance(loss, torch.Tensor):
             self._last_loss = float(loss.detach())
-        if self._outer is not None:  # diloco: the inner optimizer steps on this batch's gradient, here
+        if self._local is not None:  # lasgd/gossip: a local step; an exchange starts or lands around it
+            self._local_step()
+        elif self._outer is not None:  # diloco: the inner optimizer steps on this batch's gradient, here
             self.inner.step()
             self._outer.inner_step_done()
             self._outer_boundary()
@@ -241,6 +253,8 @@ class Optimizer(torch.optim.Optimizer):
     def load_state_from_peers(self) -> bool:
         """Download the swarm's parameters, optimizer state and step (a newcomer's first call); False
         when no peer with a state was ready to hand one over within the join timeout."""
+        if self._local is not None:
+            return self._swarm.call(self._join_late(self.node))
         snapshot = self._swarm.call(self.node.engine.fetch_swarm_state(self._steps.state_tensors()))
         if snapshot is None:
             return False
@@ -267,10 +281,19 @@ class Optimizer(torch.optim.Optimizer):
     def statistics(self) -> Statistics:
         engine, transport = self.node.engine, self.node.transport
         s = engine.stats
+        if self._local is not None:
+            local_samples = self._since_exchange * self.batch_size_per_step
+            per_round = self.plan.exchange.sync_every * self.batch_size_per_step
+        elif self._outer is not None:
+            local_samples = self._outer.inner * self.batch_size_per_step
+            per_round = self._outer.inner_steps * self.batch_size_per_step
+        else:
+            local_samples, per_round = self._steps.samples, self._steps.share
+        penalties = self._local.state.penalties if self._local is not None else []
         return Statistics(
             global_step=engine.step,
-            local_samples=self._outer.inner * self.batch_size_per_step if self._outer else self._steps.samples,
-            samples_per_round=self._outer.inner_steps * self.batch_size_per_step if self._outer else self._steps.share,
+            local_samples=local_samples,
+            samples_per_round=per_round,
             peers_last_round=self._peers_last_round,
             last_round=self._last_round,
             rounds_ok=s.rounds_ok,
@@ -279,7 +302,7 @@ class Optimizer(torch.optim.Optimizer):
             resyncs=s.resyncs,
             bytes_sent=transport.stats.bytes_sent,
             bytes_received=transport.stats.bytes_received,
-            staleness_penalty=None,
+            staleness_penalty=penalties[-1].mean_divisor if penalties else None,
             banned=sorted(self.node.membership.banned),
         )
 
@@ -288,6 +311,9 @@ class Optimizer(torch.optim.Optimizer):
         if self._outer is not None:  # θ_t and v; the parameters (x) are the model's to save
             state["outer_momentum"] = self._outer.momentum.detach().cpu().clone()
             state["outer_anchor"] = self._outer.anchor.detach().cpu().clone()
+        if self._local is not None:  # the base the next exchange measures progress from, and its version
+            state["local_base"] = self._local.state.base.clone()
+            state["local_steps"] = self._local_steps
         if self.scheduler is not None:
             state["scheduler"] = self.scheduler.state_dict()
         return state
@@ -298,11 +324,20 @@ class Optimizer(torch.optim.Optimizer):
         if not isinstance(state_dict, dict) or "optimizer" not in state_dict or "global_step" not in state_dict:
             raise ConfigError("phalanx.Optimizer.load_state_dict: give what phalanx.Optimizer.state_dict() returned")
         self.inner.load_state_dict(state_dict["optimizer"])
+        if self._local is not None:
+            if "local_base" not in state_dict:
+                raise ConfigError(f"phalanx.Optimizer.load_state_dict: a {self.plan.training.mode} checkpoint has local_base; this one has none")
+            self._local.restore(state_dict["local_base"], int(state_dict["global_step"]))
+            self._local_steps = int(state_dict.get("local_steps", 0))
         if self.scheduler is not None and "scheduler" in state_dict:
             self.scheduler.load_state_dict(state_dict["scheduler"])
             inner_steps = self._outer.inner_steps if self._outer is not None else 1
-            self._scheduled = int(state_dict["global_step"]) * inner_steps
+            self._scheduled = self._local_steps if self._local is not None else int(state_dict["global_step"]) * inner_steps
         step = int(state_dict["global_step"])
+        if self._local is not None:
+            self._swarm.call(self._local.publish())
+            self._follow_schedule()
+            return
         if self._outer is not None:
             if "outer_momentum" not in state_dict:
                 raise ConfigError(
@@ -339,7 +374,12 @@ class Optimizer(torch.optim.Optimizer):
         node = await open_node(self.plan, loss=lambda: self._last_loss)
         try:
             in_thread = lambda fn, *args: asyncio.get_running_loop().run_in_executor(None, fn, *args)  # noqa: E731
-            if self.plan.training.mode == "diloco":
+            if self.plan.training.mode in LOCAL_MODES:
+                self._local = self._steps = LocalExchange(
+                    node.engine, self.trainable, self.plan.exchange, lr=self._lr_max,
+                    timeout_s=self.plan.round.allreduce_timeout_s, in_thread=in_thread,
+                )  # fmt: skip
+            elif self.plan.training.mode == "diloco":
                 outer = self.plan.outer
                 self._outer = self._steps = OuterStep(
                     node, self.trainable.params, inner_steps=outer.inner_steps, outer_lr=outer.outer_lr,
@@ -352,10 +392,13 @@ class Optimizer(torch.optim.Optimizer):
                     target_batch_size=self.target_batch_size, wait_for_peers=self.plan.training.wait_for_peers,
                     in_thread=in_thread, recompute=self._recompute if self.plan.round.verify is not None else None,
                 )  # fmt: skip
-            node.engine.set_state(initial_version(self.plan.run_hash, self._steps.state_tensors(), 0), 0)
+            if self._local is None:
+                node.engine.set_state(initial_version(self.plan.run_hash, self._steps.state_tensors(), 0), 0)
             self._health = await open_node_health(node, self.plan, self._metrics)
             await wait_for_trainers(node, self.plan.training.wait_for_peers)
-            if self._outer is None:
+            if self._local is not None:  # like phalanx join: a newcomer starts from the swarm's model
+                await self._join_late(node)
+            elif self._outer is None:
                 self._steps.share = self._steps.next_share()  # now that the trainers are in view
         except BaseException:
             await node.aclose()
@@ -370,6 +413,64 @@ class Optimizer(torch.optim.Optimizer):
     def _global_step(self) -> None:
         """Average this peer's gradient with the swarm's (weighted by local steps) and step on it."""
         self._landed(self._swarm.call(self._round()), self._steps.samples)
+
+    def _local_step(self) -> None:
+        """lasgd/gossip: the wrapped optimizer steps on this batch's gradient; the exchange in flight is
+        merged once it is done, and every sync_every steps a new one starts while the loop goes on."""
+        local = self._local
+        assert local is not None
+        observe = local.correction.gap_aware is not None
+        before = self.trainable.flat_params() if observe else None
+        self.inner.step()
+        if before is not None:  # Gap-Aware's statistic: the unpenalized step, in units of the largest lr
+            step = (before - self.trainable.flat_params()) / self._lr_max
+            if torch.isfinite(step).all():
+                local.correction.observe(step)
+        self._local_steps += 1
+        self._since_exchange += 1
+        if self._in_flight is not None and self._in_flight.done():
+            self._land_local()
+        if self._in_flight is None and self._since_exchange >= self.plan.exchange.sync_every:
+            self._check_node()
+            local.snapshot()
+            self._since_exchange = 0
+            self._in_flight = self._swarm.submit(self.node.engine.run_round(prepare=local.contribution))
+
+    def _land_local(self) -> None:
+        """Merge the finished exchange (this thread holds the parameters) and publish the new base."""
+        local, future = self._local, self._in_flight
+        assert local is not None and future is not None
+        self._in_flight = None
+        try:
+            outcome = future.result()
+        except ROUND_FAILURES as e:
+            self._metrics.round_failed()
+            self._last_round = "failed"
+            logger.warning(f"exchange at version {local.version} failed: {e}; the next one starts in sync_every steps")
+            return
+        if not isinstance(outcome, Averaged):
+            return
+        part = local.last
+        if part is not None and part.reset_to is not None:
+            logger.info(f"{part.penalty.gap_versions} versions behind (> max_gap): took the swarm's model")
+        local.merge(outcome)
+        self._swarm.call(local.publish())
+        self._landed(outcome, self.plan.exchange.sync_every * self.batch_size_per_step)
+
+    async def _join_late(self, node: Node) -> bool:
+        """lasgd/gossip: download the state of the peer furthest on and take it as ours (the caller's
+        thread waits, so the parameters hold still); False when no peer is past version 0."""
+        local = self._local
+        assert local is not None
+        peers = {p: r.step for p, r in node.membership.peers().items() if p != node.peer_id}
+        found = await local.download(peers)
+        if found is not None:
+            snapshot, donor = found
+            await asyncio.get_running_loop().run_in_executor(None, local.adopt, snapshot)
+            logger.info(f"joined a running swarm: model of version {snapshot.step} from {donor[-8:]}")
+            self._last_round = "resynced"
+        await local.publish()
+        return found is not None
 
     def _outer_boundary(self) -> None:
         """diloco: land the round in flight once it is over (a boundary waits for it), then begin the
@@ -472,7 +573,10 @@ class Optimizer(torch.optim.Optimizer):
         newcomer's catches up with the swarm's."""
         if self.scheduler is None:
             return
-        position = self.global_step if self._outer is None else self._outer.position
+        if self._local is not None:
+            position = self._local_steps
+        else:
+            position = self.global_step if self._outer is None else self._outer.position
         while self._scheduled < position:
             self.scheduler.step()
             self._scheduled += 1
@@ -519,10 +623,10 @@ def _plan(
     except ValidationError as e:
         first = e.errors()[0]
         message = _as_arguments(first["msg"].removeprefix("Value error, "))
-        where = f"{first['loc'][0]}={first.get('input')!r}" if first["loc"] else "settings"
+        where = f"({first['loc'][0]}={first.get('input')!r})" if first["loc"] else ""  # a rule across settings
         unknown = first["type"] == "extra_forbidden"
         raise ConfigError(
-            f"phalanx.Optimizer({where}): "
+            f"phalanx.Optimizer{where}: "
             + ("no such setting; settings are phalanx join's flags with underscores" if unknown else message)
         ) from None
     try:
@@ -548,3 +652,23 @@ def _fingerprint(inner: torch.optim.Optimizer, target: Optional[int]) -> str:
 def _as_arguments(message: str) -> str:
     """phalanx join's error messages name flags; here they name the arguments (`--tau` → `tau=`)."""
     return re.sub(r"--([a-z][a-z0-9-]*)", lambda m: m.group(1).replace("-", "_") + "=", message)
+
+
+def _check_local_settings(mode: str, target: Optional[int], settings: dict[str, Any]) -> None:
+    """What lasgd/gossip take in phalanx join but not here: the loop computes its own gradients, so
+    there is no look-ahead point to compute them at, and the wrapped optimizer's state is its own."""
+    if target is not None:
+        raise ConfigError(
+            f"phalanx.Optimizer(mode={mode!r}, target_batch_size=...): {mode} exchanges every sync_every local steps "
+            "and never waits for a global batch; drop target_batch_size and set sync_every"
+        )
+    if settings.get("dana"):
+        raise ConfigError(
+            f"phalanx.Optimizer(mode={mode!r}, dana=True): DANA computes gradients at a look-ahead point your loop "
+            "does not know of; drop dana (or use `phalanx join --mode lasgd --dana` with a task)"
+        )
+    if settings.get("average_optimizer_state"):
+        raise ConfigError(
+            f"phalanx.Optimizer(mode={mode!r}, average_optimizer_state=True): the wrapped optimizer's state stays "
+            "local here; drop average_optimizer_state (or use `phalanx join --mode lasgd` with SGD)"
+        )

@@ -10,7 +10,7 @@ exiting through the interpreter's normal shutdown.
 Protocol (one JSON object per message): the launcher sends requests on a socketpair,
 ``{"argv": [...], "env": {...}, "log": path}``, with the write end of the child's stdout pipe
 attached (SCM_RIGHTS); the zygote answers on its stdout with ``{"ready": true}`` once it has
-imported, ``{"pid": n}`` for each request, and ``{"exited": pid, "code": c}`` (negative: the signal)
+imported, ``{"pid": n}`` for each request once that child leads its own session, and ``{"exited": pid, "code": c}`` (negative: the signal)
 as each child ends. When the launcher closes the socket the zygote stops what is left of its
 children (SIGTERM to each child's process group, SIGKILL after STOP_GRACE_S) and exits.
 """
@@ -88,13 +88,18 @@ def serve(control: socket.socket) -> Optional[dict[str, Any]]:
                 _stop(children)
                 return None
             request = json.loads(data)
+            led_r, led_w = os.pipe()
             pid = os.fork()
             if pid == 0:
+                os.setsid()  # its own process group: the launcher stops it, its DHT process and p2pd together
                 selector.close()
-                for fd in (wake_r, wake_w, control.fileno()):
+                for fd in (wake_r, wake_w, control.fileno(), led_r, led_w):
                     os.close(fd)
                 request["stdout_fd"] = fds[0]
                 return request
+            os.close(led_w)
+            os.read(led_r, 1)  # EOF once the child leads its session: its pid is then also its group's
+            os.close(led_r)
             os.close(fds[0])
             children.add(pid)
             _say({"pid": pid})
@@ -127,7 +132,6 @@ def become(request: dict[str, Any]) -> None:
     """Turn this fork into the peer `request` describes, as `phalanx <argv>` would start; exits."""
     signal.set_wakeup_fd(-1)
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-    os.setsid()  # its own process group: the launcher stops it, its DHT process and p2pd together
     log = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     null = os.open(os.devnull, os.O_RDONLY)
     for fd, target in ((null, 0), (request["stdout_fd"], 1), (log, 2)):

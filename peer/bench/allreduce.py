@@ -138,12 +138,10 @@ def _run_phalanx(args) -> dict[str, Any]:
         data, rounds = [], []
         ranks: dict[str, int] = {}
 
-        vectors: dict[int, torch.Tensor] = {}
-
         async def recompute(peer: str) -> torch.Tensor:
-            """A validator's recomputation. In training it is one gradient; here the target's seeded
-            vector, generated ahead of the timed rounds so the protocol's own cost is what is measured."""
-            return vectors[ranks[peer]]
+            """A validator's recomputation: in training one gradient, here the target's seeded vector,
+            made when asked as a gradient would be, so the round's memory is what a trainer's would be."""
+            return _worker_tensor(ranks[peer], args.numel)
 
         try:
             await node.dht.store("bench.ranks", args.rank, get_dht_time() + 600, subkey=node.peer_id, return_future=True)
@@ -152,8 +150,6 @@ def _run_phalanx(args) -> dict[str, Any]:
                 found = await node.dht.get("bench.ranks", latest=True, return_future=True)
                 if found is not None:
                     ranks = {k: v.value for k, v in found.value.items()}
-            if args.verify:
-                vectors.update({r: _worker_tensor(r, args.numel) for r in range(args.world)})
             sent0, cpu0 = 0, 0.0
             for r in range(args.rounds + 1):
                 if r == 1:  # the warm-up round's last replies are sent by now: count none of them
@@ -357,7 +353,7 @@ def run_verify_bench(
                 row["label"], row["upload_mbps"] = label, limit
                 rows.append(row)
     table = Table(title=f"verification cost, {numel:,} float32 per peer on loopback (median of {rounds} rounds)")
-    for col in ("uplink", "peers", "round", "s/round", "× mean", "CPU s/peer", "× mean", "MB/peer", "× mean"):
+    for col in ("uplink", "peers", "round", "s/round", "× mean", "CPU s/peer", "× mean", "MB/peer", "× mean", "× vector"):
         table.add_column(col, justify="right", no_wrap=True)
     verdicts = []
     for limit in upload_mbps:
@@ -369,14 +365,19 @@ def run_verify_bench(
                     f"{limit:g} Mbit/s" if limit else "∞", str(world), r["label"], f"{r['round_s']:.3f}",
                     f"{r['round_s'] / base['round_s']:.2f}", f"{r['cpu_s_per_peer']:.3f}",
                     f"{r['cpu_s_per_peer'] / base['cpu_s_per_peer']:.2f}", f"{r['bytes_sent_per_peer'] / 1e6:.1f}",
-                    f"{r['bytes_sent_per_peer'] / base['bytes_sent_per_peer']:.3f}",
+                    f"{r['bytes_sent_per_peer'] / base['bytes_sent_per_peer']:.3f}", f"{r['vector_copies']:.2f}",
                 )  # fmt: skip
             full = next(r for r in group if r["label"].endswith("verify"))
             t, b = full["round_s"] / base["round_s"], full["bytes_sent_per_peer"] / base["bytes_sent_per_peer"]
             verdict = "met" if t <= 1.3 and b <= 1.05 else "NOT met"
             link = f"uploads capped at {limit:g} Mbit/s" if limit else "uncapped loopback"
             verdicts.append(f"goal at {world} peers, {link}: time ≤ 1.3× and bytes ≤ 1.05× plain mean — {t:.2f}× and {b:.3f}×: {verdict}")
+            for r in group:  # memory: a plain round within 4 copies of the vector, a verified one within 6
+                most = 6 if r["label"].endswith("verify") else 4
+                verdict = "met" if r["vector_copies"] <= most else "NOT met"
+                verdicts.append(f"goal {r['label']} at {world} peers, {link}: ≤ {most} copies of the vector — {r['vector_copies']:.2f}: {verdict}")
     console.print(table)
+    console.print("× vector: the worker's peak resident memory minus what it held before the vector existed, in copies of the vector")
     for line in verdicts:
         console.print(line)
     cores = os.cpu_count() or 1

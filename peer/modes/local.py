@@ -17,17 +17,14 @@ from typing import Optional
 
 import torch
 
-from phalanx.aggregation.errors import PeerProtocolError, PhalanxError
-from phalanx.peer.local_sgd import LocalState, StalenessCorrection, look_ahead, merge
+from phalanx.aggregation.errors import PhalanxError
+from phalanx.peer.local_exchange import LocalExchange
+from phalanx.peer.local_sgd import look_ahead
 from phalanx.peer.runtime import Runtime
 from phalanx.protocol.engine import ROUND_FAILURES, Averaged
 from phalanx.protocol.matchmaking import GroupSpec
-from phalanx.protocol.state_sync import StateSnapshot
 
 logger = logging.getLogger(__name__)
-
-BASE_KEY = b"lasgd-base"  # where each peer publishes its current base (for stale members to fetch)
-PUBLISH_STATE_EVERY = 5  # merges between full-state snapshots for newcomers
 
 
 class LocalMode:
@@ -36,15 +33,16 @@ class LocalMode:
         self.config, self.exchange, self.model = runtime.config, runtime.plan.exchange, runtime.model
         self.lr = self.model.optimizer.param_groups[0]["lr"]
         self.momentum = self.model.optimizer.param_groups[0].get("momentum", 0.0)
-        self.correction = StalenessCorrection(self.exchange.staleness, self.lr)
-        self.state = LocalState(base=self.model.flat_params())
+        self.local = LocalExchange(
+            self.engine, self.model, self.exchange, lr=self.lr, timeout_s=runtime.plan.round.allreduce_timeout_s,
+            in_thread=runtime.in_thread,
+        )  # fmt: skip
+        self.correction = self.local.correction
         self.slowdown = runtime.plan.slowdown
         self._slow_rng = self.slowdown.sampler(self.config.seed, self.node.peer_id) if self.slowdown else None
         self.local_step = 0
-        self.merges = 0
         self._steps_at_merge = 0
         self.last_loss: Optional[float] = None
-        self._base_ref: Optional[torch.Tensor] = None  # the base the exchange in flight merges onto
 
     @property
     def step(self) -> int:
@@ -53,10 +51,10 @@ class LocalMode:
     # ---- the loop ----------------------------------------------------------------------------
 
     async def run(self) -> None:
-        runtime, config, engine = self.runtime, self.config, self.engine
+        runtime, engine = self.runtime, self.engine
         if await runtime.run_unless_stopped(self._join_late()) is None:
             return
-        await self._publish()
+        await self.local.publish()
         exchange: Optional[asyncio.Task] = None
         since_exchange = 0
         try:
@@ -68,7 +66,7 @@ class LocalMode:
                 if self.slowdown is not None:
                     await runtime.sleep_or_stop(self.slowdown.draw(self._slow_rng))
                 if exchange is None and since_exchange >= self.exchange.sync_every:
-                    self.state.snapshot = await runtime.in_thread(self.model.flat_params)
+                    await runtime.in_thread(self.local.snapshot)
                     exchange = asyncio.create_task(engine.run_round(prepare=self._prepare))
                     since_exchange = 0
                 if exchange is not None and exchange.done():
@@ -101,20 +99,16 @@ class LocalMode:
 
     # ---- the exchange ------------------------------------------------------------------------
 
-    async def _prepare(self, group: GroupSpec) -> tuple[torch.Tensor, float]:
+    async def _prepare(self, group: GroupSpec):
         """Our contribution, once the group says who holds the freshest base."""
         runtime = self.runtime
-        versions = group.versions or [self.state.version] * len(group.members)
-
-        async def fetch(index: int) -> torch.Tensor:
-            return await self._fetch_base(group.members[index], versions[index])
-
-        part = await self.state.contribution(versions, fetch, self.correction, self.exchange.max_gap)
-        self._base_ref = part.base_ref
+        update, weight = await self.local.contribution(group)
+        part = self.local.last
+        assert part is not None
         if part.reset_to is not None:
             logger.info(f"{part.penalty.gap_versions} versions behind (> --max-gap): taking the current model")
             await runtime.in_thread(self.model.load_flat_params, part.reset_to)
-            self.state.snapshot = part.reset_to.clone()
+            self.local.state.snapshot = part.reset_to.clone()
         elif part.penalty.gap_versions > 0:
             logger.info(
                 f"stale contribution ({part.penalty.gap_versions} versions behind): "
@@ -124,54 +118,20 @@ class LocalMode:
         if penalty.gap_versions > 0:
             runtime.health.staleness_penalty = penalty.mean_divisor
             runtime.emit("penalty", gap=penalty.gap_versions, method=penalty.method, divisor=penalty.mean_divisor)
-        update = part.update
-        if self.exchange.average_optimizer_state:
-            momentum = await runtime.in_thread(self.model.flat_momentum)
-            update = torch.cat([update, momentum if momentum is not None else torch.zeros_like(update)])
-        return update, part.weight
-
-    async def _fetch_base(self, donor: str, version: int) -> torch.Tensor:
-        template = {"base": self.state.base}
-        snapshot = await self.engine.state.fetch(donor, BASE_KEY, template, timeout_s=self.runtime.plan.round.allreduce_timeout_s)
-        if snapshot.step != version:
-            raise PeerProtocolError(f"base of version {snapshot.step}, expected {version}", peer=donor)
-        return snapshot.tensors["base"]
-
-    def _merge(self, averaged: torch.Tensor, group: GroupSpec) -> None:
-        """b' = b_ref + avg(u'); x ← b' + (x_now − s); optionally the momentum the same way (worker thread)."""
-        numel = self.state.base.numel()
-        new_base = self._base_ref + averaged[:numel]
-        self.model.load_flat_params(merge(new_base, self.model.flat_params(), self.state.snapshot))
-        if self.exchange.average_optimizer_state:
-            self.model.load_flat_momentum(averaged[numel:])
-        self.state.base = new_base
-        self.state.version = max(group.versions or [self.state.version]) + 1
-
-    async def _publish(self) -> None:
-        self.engine.set_state(b"", self.state.version)  # joins carry the base version
-        await self.engine.state.publish(
-            StateSnapshot(step=self.state.version, version=b"", tensors={"base": self.state.base}), BASE_KEY
-        )
-        if self.merges % PUBLISH_STATE_EVERY == 0:
-            tensors = await self.runtime.in_thread(self.model.state_tensors)
-            await self.engine.state.publish(StateSnapshot(step=self.state.version, version=b"", tensors=tensors))
+        return update, weight
 
     async def _join_late(self) -> None:
         """A newcomer to a running swarm starts from a member's current model instead of from scratch."""
-        peers = {p: r for p, r in self.node.membership.peers().items() if p != self.node.peer_id}
-        if not peers or max(r.step for r in peers.values()) == 0:
-            return
-        donor = max(peers, key=lambda p: peers[p].step)
+        peers = {p: r.step for p, r in self.node.membership.peers().items() if p != self.node.peer_id}
         try:
-            snapshot = await self.engine.state.fetch(
-                donor, None, self.model.state_tensors(), timeout_s=self.runtime.plan.round.allreduce_timeout_s
-            )
+            found = await self.local.download(peers)
         except (PhalanxError, ValueError) as e:
-            logger.warning(f"could not download the swarm's model from {donor[-8:]}: {e}; starting fresh")
+            logger.warning(f"could not download the swarm's model: {e}; starting fresh")
             return
-        await self.runtime.in_thread(self.model.load_state_tensors, snapshot.tensors)
-        self.state.base = await self.runtime.in_thread(self.model.flat_params)
-        self.state.version = snapshot.step
+        if found is None:
+            return
+        snapshot, donor = found
+        await self.runtime.in_thread(self.local.adopt, snapshot)
         self.runtime.emit("resynced", step=self.local_step, version=snapshot.step, donor=donor)
         logger.info(f"joined a running swarm: model of version {snapshot.step} from {donor[-8:]}")
 
@@ -185,10 +145,8 @@ class LocalMode:
         if not isinstance(outcome, Averaged):
             return
         started = time.monotonic()
-        averaged = outcome.result.vector.clone()  # the engine reuses its buffer next round
-        await runtime.in_thread(self._merge, averaged, outcome.group)
-        self.merges += 1
-        await self._publish()
+        await runtime.in_thread(self.local.merge, outcome)
+        await self.local.publish()
         steps = self.local_step - self._steps_at_merge
         self._steps_at_merge = self.local_step
         runtime.health.round_done(
@@ -196,4 +154,4 @@ class LocalMode:
             averaged=outcome, duration_s=engine.stats.last_round_s,
         )  # fmt: skip
         runtime.report.group_size = len(outcome.group.members)
-        logger.debug(f"merged version {self.state.version} in {time.monotonic() - started:.3f} s")
+        logger.debug(f"merged version {self.local.version} in {time.monotonic() - started:.3f} s")

@@ -122,6 +122,9 @@ def test_cap_shapes_both_ends_of_the_link(lab):
 def test_close_kills_processes_started_in_a_host_and_deletes_every_namespace(lab_machine):
     lab = Lab(["a"], tag="close")
     proc = lab["a"].popen(["sleep", "600"])
+    deadline = time.monotonic() + 60  # `ip netns exec` enters the namespace after Popen returns
+    while lab.leftover_processes() != [proc.pid] and time.monotonic() < deadline:
+        time.sleep(0.05)
     assert lab.leftover_processes() == [proc.pid]
     lab.close()
     assert proc.poll() is not None

@@ -89,6 +89,54 @@ def test_three_users_scripts_match_one_process_training_on_the_union_of_their_ba
     )
 
 
+LASGD_VERSIONS, SYNC_EVERY = 8, 5
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(600)
+def test_three_lasgd_scripts_learn_and_their_averages_hold_their_models_together(bootstrap, tmp_path):
+    """mode="lasgd" through the user's loop: local AdamW steps never wait, exchanges every 5 steps.
+    The peers end far closer to each other than the same three would train apart on their batches."""
+    outs = [tmp_path / f"{r}.json" for r in range(PEERS)]
+    logs = [tmp_path / f"{r}.log" for r in range(PEERS)]
+    procs = [
+        _start(
+            [
+                str(ROOT / "examples" / "plain_loop.py"), "--initial-peers", *bootstrap, "--rank", str(r),
+                "--peers", str(PEERS), "--mode", "lasgd", "--sync-every", str(SYNC_EVERY),
+                "--global-steps", str(LASGD_VERSIONS), "--batch-size", str(BATCH), "--out", str(outs[r]),
+            ],
+            logs[r],
+        )  # fmt: skip
+        for r in range(PEERS)
+    ]
+    _finish(procs, logs)
+    results = [json.loads(out.read_text()) for out in outs]
+
+    train, valid = plain_loop.digits()
+    initial = plain_loop.validation_loss(plain_loop.make_model(), valid)
+    apart = []  # each peer's model had it trained on its own batches, as many steps, with no exchange
+    for r, result in enumerate(results):
+        model = plain_loop.make_model()
+        opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
+        for step in range(result["local_steps"]):
+            inputs, labels = plain_loop.batch(train, r, step, BATCH)
+            opt.zero_grad()
+            F.cross_entropy(model(inputs), labels).backward()
+            opt.step()
+        apart.append(torch.nn.utils.parameters_to_vector(model.parameters()).detach())
+    together = [torch.tensor(r["params"]) for r in results]
+
+    def spread(vectors):
+        return max(float((a - b).norm()) for i, a in enumerate(vectors) for b in vectors[i + 1 :])
+
+    for r in results:
+        assert r["global_step"] >= LASGD_VERSIONS and r["rounds_ok"] >= 2 and r["samples_per_round"] == SYNC_EVERY * BATCH
+        assert r["validation_loss"] < initial - 0.3, (r["validation_loss"], initial)
+        assert r["staleness_penalty"] is not None  # an exchange corrected (or left) its contribution
+    assert spread(together) < 0.5 * spread(apart), (spread(together), spread(apart))
+
+
 @pytest.mark.integration
 @pytest.mark.timeout(600)
 def test_a_newcomer_loads_bit_identical_parameters_and_adamw_state_from_peers(bootstrap, tmp_path):
@@ -141,7 +189,20 @@ def _model_and_adamw(model=None):
             {"verify": True},
             "phalanx.Optimizer(verify=True): validators recompute a peer's gradient from its public batch; pass model, batch_fn, loss_fn",
         ),
-        ({"mode": "lasgd"}, "phalanx.Optimizer(mode='lasgd'): this front door runs sync, diloco so far"),
+        ({"mode": "async"}, "phalanx.Optimizer(mode='async'): no such mode; use one of sync, lasgd, gossip, diloco"),
+        (
+            {"mode": "lasgd", "target_batch_size": 16},
+            "phalanx.Optimizer(mode='lasgd', target_batch_size=...): lasgd exchanges every sync_every local steps",
+        ),
+        ({"mode": "gossip", "dana": True}, "phalanx.Optimizer(mode='gossip', dana=True): DANA computes gradients at a look-ahead point"),
+        (
+            {"mode": "lasgd", "average_optimizer_state": True},
+            "phalanx.Optimizer(mode='lasgd', average_optimizer_state=True): the wrapped optimizer's state stays local here",
+        ),
+        (
+            {"mode": "lasgd", "verify": True, "model": MODEL, "batch_fn": print, "loss_fn": print},
+            "phalanx.Optimizer: verify= runs BTARD-SGD and needs mode= sync or diloco",
+        ),
         (
             {"verify": True, "mode": "diloco"},
             "phalanx.Optimizer(verify=True, mode='diloco'): the library verifies sync rounds only so far",
@@ -232,6 +293,35 @@ def test_alone_it_steps_its_schedule_per_global_step_round_trips_state_and_leave
         p for p in psutil.Process().children(recursive=True) if p.pid not in before and p.name() != "torch_shm_manager"
     ]
     assert not left, left
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(300)
+def test_alone_in_lasgd_it_exchanges_every_sync_every_steps_and_round_trips_its_base():
+    import phalanx
+
+    model, inner = _model_and_adamw()
+    settings = {"run_id": "alone-lasgd", "batch_size_per_step": 2, "mode": "lasgd", "sync_every": 3, "host_maddrs": [LOOPBACK]}
+    with phalanx.Optimizer(inner, **settings) as opt:
+        for _ in range(40):
+            before = [p.detach().clone() for p in model.parameters()]
+            F.mse_loss(model(torch.randn(2, 4)), torch.randn(2, 2)).backward()
+            opt.step()  # a local step moves the parameters at once: nothing waits for the swarm
+            opt.zero_grad()
+            assert not all(torch.equal(p, q) for p, q in zip(before, model.parameters(), strict=True))
+            if opt.global_step >= 3:
+                break
+        stats = opt.statistics()
+        assert stats.global_step >= 3 and stats.rounds_ok >= 3 and stats.peers_last_round == 1
+        assert stats.samples_per_round == 6 and stats.rounds_failed == 0
+        state = opt.state_dict()
+        assert state["global_step"] == opt.global_step and state["local_base"].numel() == 10
+    _, again = _model_and_adamw()
+    with phalanx.Optimizer(again, **settings) as opt:
+        opt.load_state_dict(state)
+        assert opt.global_step == state["global_step"]
+        assert torch.equal(opt.state_dict()["local_base"], state["local_base"])
+        assert opt.state_dict()["local_steps"] == state["local_steps"]
 
 
 @pytest.mark.integration

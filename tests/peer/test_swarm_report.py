@@ -128,6 +128,8 @@ def test_startup_stages_count_trainers_and_take_the_last_one_to_get_there(tmp_pa
     assert swarm.steps == 50
     assert swarm._stage().startswith("starting the bootstrap peer…")
     swarm.bootstrap_s = 1.0
+    assert swarm._stage() == "bootstrap up · importing torch for the trainers…"
+    swarm.zygote._ready.set()  # the zygote has imported
     a, b, c = swarm.views
     a.process = b.process = c.process = object()  # spawned
     a.connected_s, b.connected_s = 2.0, 3.0

@@ -8,7 +8,7 @@ import torch
 
 from phalanx.aggregation.staleness import GapAware
 from phalanx.peer.local_sgd import LocalState, StalenessCorrection
-from phalanx.peer.modes.local import BASE_KEY
+from phalanx.peer.local_exchange import BASE_KEY
 from phalanx.protocol.config import MatchmakingConfig, RoundConfig
 from phalanx.protocol.engine import Averaged
 from phalanx.protocol.state_sync import StateSnapshot
