@@ -155,6 +155,7 @@ def _run_phalanx(args) -> dict[str, Any]:
                 if r == 1:  # the warm-up round's last replies are sent by now: count none of them
                     await node.transport.wait_idle(30.0)
                     sent0, cpu0 = node.transport.stats.bytes_sent, time.process_time()
+                outcome = None  # a trainer has applied and dropped the last round's result by now
                 started = time.perf_counter()
                 outcome = await engine.run_round(base, recompute=recompute if args.verify else None)
                 if not isinstance(outcome, Averaged) or len(outcome.group.members) != args.world:
