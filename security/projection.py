@@ -67,28 +67,54 @@ def clip_factor(norm: Tensor | float, tau: float) -> Tensor | float:
     return 1.0 if norm <= 0 else min(1.0, tau / norm)
 
 
-def differences(rows: Tensor, v: Tensor, out: Tensor) -> Tensor:
-    """The half of a report that needs no seed: writes x_i − v into `out` (k, numel) float32 and returns
-    ‖x_i − v‖ (k,) float64. Reducers and reporters run it while the data phase still moves bytes.
+CHUNK = 256 * BLOCK  # values per pass: the work buffer is (k, CHUNK), never a copy of the rows
+
+
+def _differences(rows: Tensor, v: Tensor):
+    """x_i − v chunk by chunk of whole blocks (the last one ends with the part's partial block), written
+    into one small work buffer: yields (first block, chunk (k, n) float32). Each chunk is gone at the next."""
+    k, numel = rows.shape
+    work = torch.empty(k, min(CHUNK, numel), dtype=torch.float32, device=rows.device)
+    for a in range(0, numel, CHUNK):
+        b = min(a + CHUNK, numel)
+        chunk = work if b - a == work.shape[1] else torch.empty(k, b - a, dtype=torch.float32, device=rows.device)
+        torch.sub(rows[:, a:b].float(), v[a:b].float(), out=chunk)
+        yield a // BLOCK, chunk
+
+
+def distances(rows: Tensor, v: Tensor) -> Tensor:
+    """‖x_i − v‖ (k,) float64 for every row of `rows` (k, numel): the half of a report that needs no seed,
+    run while the data phase still moves bytes.
 
     Norms are taken per block in float32 and summed in float64, so that reporters, reducers and
-    judges get the same numbers up to rounding. Whole-tensor ops, not a Python loop over chunks:
-    this runs in worker threads, and every op is a round trip through the GIL.
+    judges get the same numbers up to rounding. Chunks of a quarter million values: whole-tensor ops
+    within a chunk (this runs in worker threads, every op a round trip through the GIL), and a work
+    buffer of a few MB instead of a copy of the rows (a 100M-value part would cost 400 MB per row).
     """
-    k, numel = rows.shape
-    torch.sub(rows.float(), v.float(), out=out)
-    full = numel // BLOCK * BLOCK
+    k = rows.shape[0]
     sumsq = torch.zeros(k, dtype=torch.float64, device=rows.device)
-    if full:
-        sumsq += torch.linalg.vector_norm(out[:, :full].reshape(k, -1, BLOCK), dim=-1).double().square().sum(-1)
-    if full < numel:  # the part's last, partial block
-        sumsq += torch.linalg.vector_norm(out[:, full:], dim=-1).double().square()
+    for _, d in _differences(rows, v):
+        full = d.shape[1] // BLOCK * BLOCK
+        if full:
+            sumsq += torch.linalg.vector_norm(d[:, :full].reshape(k, -1, BLOCK), dim=-1).double().square().sum(-1)
+        if full < d.shape[1]:  # the part's last, partial block
+            sumsq += torch.linalg.vector_norm(d[:, full:], dim=-1).double().square()
     return sumsq.sqrt()
 
 
-def project_differences(diff: Tensor, z: Direction) -> Tensor:
-    """⟨z, d_i⟩ (k,) float64 for every row d_i of `diff` (k, numel): one read, once the seed is known."""
-    return z.project(diff)
+def projections(rows: Tensor, v: Tensor, z: Direction) -> Tensor:
+    """⟨z, x_i − v⟩ (k,) float64 for every row of `rows` (k, numel), once the seed is known; the
+    differences are recomputed chunk by chunk, bit-identical to those `distances` saw."""
+    k = rows.shape[0]
+    total = torch.zeros(k, dtype=torch.float64, device=rows.device)
+    for first, d in _differences(rows, v):
+        full = d.shape[1] // BLOCK * BLOCK
+        if full:
+            per_block = d[:, :full].reshape(k, -1, BLOCK) @ z.u  # (k, blocks) float32
+            total += per_block.double() @ z.signs[first : first + per_block.shape[1]]
+        if full < d.shape[1]:
+            total += (d[:, full:] @ z.u[: d.shape[1] - full]).double() * z.signs[-1]
+    return total / math.sqrt(z.signs.numel())
 
 
 def clipped_reports(proj: Tensor, norms: Tensor, tau: float) -> Tensor:
@@ -96,19 +122,16 @@ def clipped_reports(proj: Tensor, norms: Tensor, tau: float) -> Tensor:
     return clip_factor(norms, tau) * proj
 
 
-def report(x: Tensor, v: Tensor, z: Direction, tau: float, out: Tensor | None = None) -> tuple[float, float]:
-    """A contributor's (s, ‖x − v‖) for its part x (numel,) against the aggregate v; `out` (1, numel)
-    float32 is work space."""
-    s, norms = recompute(x.reshape(1, -1), v, z, tau, out)
+def report(x: Tensor, v: Tensor, z: Direction, tau: float) -> tuple[float, float]:
+    """A contributor's (s, ‖x − v‖) for its part x (numel,) against the aggregate v."""
+    s, norms = recompute(x.reshape(1, -1), v, z, tau)
     return float(s[0]), float(norms[0])
 
 
-def recompute(rows: Tensor, v: Tensor, z: Direction, tau: float, out: Tensor | None = None) -> tuple[Tensor, Tensor]:
-    """(s, norms) float64 (k,) each for every row (k, numel), in one go (judges; tests); `out` (k, numel)
-    float32 is work space (fresh memory when None)."""
-    diff = torch.empty(rows.shape, dtype=torch.float32, device=rows.device) if out is None else out
-    norms = differences(rows, v, diff)
-    return clipped_reports(project_differences(diff, z), norms, tau), norms
+def recompute(rows: Tensor, v: Tensor, z: Direction, tau: float) -> tuple[Tensor, Tensor]:
+    """(s, norms) float64 (k,) each for every row (k, numel), in one go (judges; tests)."""
+    norms = distances(rows, v)
+    return clipped_reports(projections(rows, v, z), norms, tau), norms
 
 
 def report_matches(reported: tuple[float, float], true: tuple[float, float], tau: float) -> bool:

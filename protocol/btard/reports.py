@@ -22,9 +22,9 @@ from phalanx.security.evidence import Offense
 from phalanx.security.phases import RoundPhase
 from phalanx.security.projection import (
     clipped_reports,
-    differences,
     direction,
-    project_differences,
+    distances,
+    projections,
     recompute,
     report,
     report_matches,
@@ -44,36 +44,30 @@ class Reporter:
 
     def __init__(self, vr: RoundState, relay: AggregateRelay) -> None:
         self.vr, self.relay = vr, relay
-        self._diffs: Optional[torch.Tensor] = None  # (numel,): this member's part minus each aggregate
         self._own: dict[int, asyncio.Task] = {}  # part -> (s, ‖x − v‖) (1,) each of this member's contribution
-        self._row_diffs: Optional[torch.Tensor] = None  # (k, part): every received row minus our aggregate
         self._rows: Optional[asyncio.Task] = None  # (s, norms) (k,) each of every row our aggregate came from
 
     def landed(self, part: int, value: torch.Tensor, rows: Optional[torch.Tensor]) -> None:
         """Start projecting this member's contribution to `part` (if counted) and, for its own part, `rows`."""
         vr = self.vr
         if vr.me in vr.aggregates_contributors(part):
-            if self._diffs is None:
-                self._diffs = vr.service.scratch(vr.vector.numel())
-            a, b = vr.bounds[part]
             own = self.as_sent(part).view(1, -1)
-            self._own[part] = asyncio.ensure_future(self._project(part, own, value, self._diffs[a:b].view(1, -1)))
+            self._own[part] = asyncio.ensure_future(self._project(part, own, value))
         if rows is not None:
-            self._row_diffs = vr.service.scratch(*rows.shape)
-            self._rows = asyncio.ensure_future(self._project(part, rows, value, self._row_diffs))
+            self._rows = asyncio.ensure_future(self._project(part, rows, value))
 
     async def counted_projections(self) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
         """As a reducer, once the seed is public: (s, ‖x − v‖) of every part its aggregate counted."""
         return None if self._rows is None else await asyncio.shield(self._rows)
 
-    async def _project(self, part: int, rows: torch.Tensor, value: torch.Tensor, out: torch.Tensor):
+    async def _project(self, part: int, rows: torch.Tensor, value: torch.Tensor):
         """(s, ‖x − v‖) (k,) each for `rows` against aggregate `value`. Cancelled only while it waits for the seed."""
         loop = asyncio.get_running_loop()
-        norms = await loop.run_in_executor(None, differences, rows, value, out)
+        norms = await loop.run_in_executor(None, distances, rows, value)
         seed = await asyncio.shield(self.vr.seed_future())
-        z = direction(seed, part, out.shape[1])
+        z = direction(seed, part, rows.shape[1])
         return clipped_reports(
-            await loop.run_in_executor(None, project_differences, out, z), norms, self.vr.config.tau
+            await loop.run_in_executor(None, projections, rows, value, z), norms, self.vr.config.tau
         ), norms
 
     def as_sent(self, part: int) -> torch.Tensor:
@@ -187,10 +181,6 @@ class Reporter:
             )
 
     async def close(self) -> None:
-        """Wait for the projections (no thread may still write the buffers), then hand the buffers back."""
+        """Wait for the projections: no thread may still read the rows once they are handed back."""
         pending = list(self._own.values()) + ([self._rows] if self._rows is not None else [])
         await asyncio.gather(*pending, return_exceptions=True)
-        for buf in (self._diffs, self._row_diffs):
-            if buf is not None:
-                self.vr.service.return_scratch(buf)
-        self._diffs = self._row_diffs = None

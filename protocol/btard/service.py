@@ -6,7 +6,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional, Protocol
 
-import torch
 
 from phalanx.aggregation.errors import PeerProtocolError, RoundAbortedError
 from phalanx.protocol.btard.messages import EVIDENCE_METHOD, RELAY_METHOD, EvidenceRequest, RelayRequest
@@ -50,17 +49,8 @@ class BtardService:
         self.transport, self.exchange, self.identity = transport, exchange, identity
         self._held: dict[bytes, Held] = {}
         self.open: dict[bytes, OpenRound] = {}  # rounds whose received aggregates we pass on
-        self._scratch: dict[tuple[int, ...], torch.Tensor] = {}  # fresh memory costs page faults every round
         transport.register(EVIDENCE_METHOD, self._serve_evidence, max_payload=0)
         transport.register(RELAY_METHOD, self._serve_relay, max_payload=0)
-
-    def scratch(self, *shape: int) -> torch.Tensor:
-        """A float32 work buffer of `shape`; hand it back with `return_scratch` when no thread uses it."""
-        buf = self._scratch.pop(shape, None)
-        return torch.empty(shape) if buf is None else buf
-
-    def return_scratch(self, buf: torch.Tensor) -> None:
-        self._scratch[tuple(buf.shape)] = buf
 
     def hold_target(self, round_id: bytes, target: str, parts: dict[int, bytes | memoryview]) -> None:
         """Keep a validator's copies of its target's parts with the round's evidence (held since the reveal)."""

@@ -112,8 +112,4 @@ class RoundState:
         """What `contributor` should have reported on `part`, from the bytes it committed to."""
         a, b = self.bounds[part]
         x = self.part_values(data, part, contributor)
-        scratch = self.service.scratch(1, b - a)
-        try:
-            return report(x, output[a:b], direction(seed, part, b - a), self.config.tau, out=scratch)
-        finally:
-            self.service.return_scratch(scratch)
+        return report(x, output[a:b], direction(seed, part, b - a), self.config.tau)
