@@ -45,6 +45,7 @@ class LocalExchange:
         in_thread: InThread,
     ) -> None:
         self.engine, self.trainable, self.exchange = engine, trainable, exchange
+        engine.state.keep_serving(BASE_KEY)
         self.timeout_s, self.in_thread = timeout_s, in_thread
         self.correction = StalenessCorrection(exchange.staleness, lr)
         self.state = LocalState(base=trainable.flat_params())

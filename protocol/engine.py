@@ -205,8 +205,13 @@ class RoundEngine:
         known = sorted(p[-8:] for p in group.members if p in self.membership.banned)
         if known:
             logger.info(f"the leader's group includes peers we banned ({known}): they take part in this round")
+        self.state.joined(group.round_id)
         with self.transport.round_with(group.members):
-            return await self._run_group(group, started, vector, weight, recompute, prepare)
+            try:
+                return await self._run_group(group, started, vector, weight, recompute, prepare)
+            except BaseException:  # failed or cancelled: peers told to resync from us must not wait for it
+                self.state.abandon(group.round_id)
+                raise
 
     async def _run_group(self, group: GroupSpec, started: float, vector, weight: float, recompute, prepare):
         if prepare is not None:

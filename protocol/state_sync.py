@@ -32,6 +32,7 @@ logger = logging.getLogger(__name__)
 STATE_METHOD = "state"
 CHECK_METHOD = "state_check"
 SNAPSHOT_TTL_S = 120.0
+UNKNOWN_ROUND_GRACE_S = 5.0  # a resync order may reach the donor's state request before the donor's own group reply
 _DTYPES = {
     "float32": torch.float32,
     "float16": torch.float16,
@@ -91,6 +92,9 @@ class StateService:
         self._latest: Optional[tuple[StateHeader, bytearray]] = None
         self._published = asyncio.Condition()
         self._checked: set[tuple[str, bytes]] = set()  # (peer, round id): each fingerprint computed once
+        self._joined: dict[bytes, float] = {}  # rounds this peer is in or was in -> expiry
+        self._standing: set[bytes] = set()  # keys published again and again (lasgd's base), not once per round
+        self._abandoned: dict[bytes, float] = {}  # rounds this peer left without a snapshot -> expiry
         transport.register(STATE_METHOD, self._serve, max_payload=0)
         transport.register(CHECK_METHOD, self._serve_check, max_payload=0)
 
@@ -107,6 +111,30 @@ class StateService:
             self._latest = (header, payload)
             self._published.notify_all()
 
+    def keep_serving(self, key: bytes) -> None:
+        """`key` is republished as it changes: a request for it waits for its first snapshot."""
+        self._standing.add(key)
+
+    def joined(self, round_id: bytes) -> None:
+        """This peer is a member of `round_id`: a peer told to resync from it may wait for its snapshot."""
+        self._joined = self._note(self._joined, round_id)
+
+    def abandon(self, round_id: bytes) -> None:
+        """This peer's part in `round_id` failed: it will publish no snapshot after it, and a peer told
+        to resync from it hears so at once instead of waiting out its state timeout."""
+        self._abandoned = self._note(self._abandoned, round_id)
+
+    def _note(self, rounds: dict[bytes, float], round_id: bytes) -> dict[bytes, float]:
+        now = time.monotonic()
+        rounds = {r: t for r, t in rounds.items() if t > now}
+        rounds[round_id] = now + SNAPSHOT_TTL_S
+        asyncio.get_running_loop().create_task(self._wake())
+        return rounds
+
+    async def _wake(self) -> None:
+        async with self._published:
+            self._published.notify_all()
+
     async def _snapshot_of(self, round_id: Optional[bytes]) -> tuple[StateHeader, bytes]:
         """The snapshot published after `round_id` (None: the latest), once it is."""
 
@@ -114,9 +142,19 @@ class StateService:
             if round_id is None:
                 return self._latest
             entry = self._by_round.get(round_id)
+            if entry is None and round_id in self._abandoned:
+                raise RoundAbortedError("this peer's part in that round failed: it has no state after it")
             return None if entry is None else entry[1:]
 
         async with self._published:
+            if round_id is not None and round_id not in self._standing:  # a round this peer never joins has none
+                try:
+                    await asyncio.wait_for(
+                        self._published.wait_for(lambda: ready() is not None or round_id in self._joined),
+                        timeout=UNKNOWN_ROUND_GRACE_S,
+                    )
+                except asyncio.TimeoutError:
+                    raise RoundAbortedError("this peer is not a member of that round: it has no state after it") from None
             try:
                 return await asyncio.wait_for(self._published.wait_for(ready), timeout=SNAPSHOT_TTL_S)
             except asyncio.TimeoutError:
