@@ -25,6 +25,7 @@ import torch
 from phalanx.peer.bench import bench_console
 
 IMPLS = ("phalanx", "hivemind", "gloo")
+MAX_PARTIAL_ROUNDS = 5
 
 
 SPREAD = 1e-3  # per-coordinate spread of the peers' vectors around a shared one (see below)
@@ -150,20 +151,30 @@ def _run_phalanx(args) -> dict[str, Any]:
                 found = await node.dht.get("bench.ranks", latest=True, return_future=True)
                 if found is not None:
                     ranks = {k: v.value for k, v in found.value.items()}
-            sent0, cpu0 = 0, 0.0
-            for r in range(args.rounds + 1):
-                if r == 1:  # the warm-up round's last replies are sent by now: count none of them
+            sent0, cpu0, measuring = 0, 0.0, False
+            r, partial = 0, 0
+            while r <= args.rounds:
+                if r == 1 and not measuring:  # the warm-up round's last replies are sent by now: count none of them
                     await node.transport.wait_idle(30.0)
-                    sent0, cpu0 = node.transport.stats.bytes_sent, time.process_time()
+                    sent0, cpu0, measuring = node.transport.stats.bytes_sent, time.process_time(), True
                 outcome = None  # a trainer has applied and dropped the last round's result by now
                 started = time.perf_counter()
                 outcome = await engine.run_round(base, recompute=recompute if args.verify else None)
-                if not isinstance(outcome, Averaged) or len(outcome.group.members) != args.world:
-                    raise RuntimeError(f"round {r} did not form a full group: {outcome}")
+                if not isinstance(outcome, Averaged):
+                    raise RuntimeError(f"round {r}: {outcome}")
+                if len(outcome.group.members) != args.world:
+                    # a leader whose view of the DHT lapsed for a moment closes a smaller group: the state
+                    # stays as it was and the round is repeated (its time is not counted; its bytes are)
+                    partial += 1
+                    if partial > MAX_PARTIAL_ROUNDS:
+                        raise RuntimeError(f"round {r} formed groups of fewer than {args.world} {partial} times: {outcome.group}")
+                    print(f"round {r}: a group of {len(outcome.group.members)}, repeated", file=sys.stderr, flush=True)
+                    continue
                 await engine.completed(outcome, dict)
                 if r:
                     data.append(outcome.result.duration_s)
                     rounds.append(time.perf_counter() - started)
+                r += 1
             await node.transport.wait_idle(30.0)  # and every reply of the last round is counted
             peak = _peak_rss()  # the rounds' high-water mark, before the check below allocates its own vectors
             per_round = (node.transport.stats.bytes_sent - sent0) / args.rounds
