@@ -105,7 +105,8 @@ SCENARIOS: tuple[Scenario, ...] = (
     Scenario("d-lasgd", "one trainer capped at 10 then 1 Mbit/s (lasgd)", (Fault("cap", 10, 15, 10), Fault("cap", 1, 15, 10)),
              mode="lasgd", checks=()),
     Scenario("cd-k3", "20 % loss, then 1 Mbit/s, on one trainer with --sync-policy k:3",
-             (Fault("loss", 20, 15, 10), Fault("cap", 1, 15, 10)), sync_policy="k:3", checks=("stall", "throughput")),
+             (Fault("loss", 20, 15, 10), Fault("cap", 1, 15, 10)), sync_policy="k:3", checks=("stall", "throughput"),
+             open_goals=("throughput",)),  # a lossy or slow *leader* still holds every group back (docs/reliability.md)
     Scenario("e", "SIGSTOP of a trainer's processes 20 s, then SIGCONT", (Fault("stop", hold_s=20),),
              checks=("stall", "rounds", "ready_after", "one_swarm")),
     Scenario("f", "SIGKILL of a trainer's whole tree, then of another's main process only; both restarted",
