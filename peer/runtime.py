@@ -96,6 +96,11 @@ class Runtime:
         self._node: Optional[Node] = None
 
     @property
+    def opened(self) -> bool:
+        """Whether the node is up (its DHT started and answered)."""
+        return self._node is not None
+
+    @property
     def node(self) -> Node:
         if self._node is None:
             raise RuntimeError("the node opens in Runtime.run, before the mode is built")

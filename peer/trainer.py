@@ -1,12 +1,15 @@
 """`phalanx join`'s process: the runtime (peer/runtime.py) running the loop of `--mode` (peer/modes/).
 
-SIGINT/SIGTERM stop the loop between steps and write a final checkpoint; SIGUSR1 logs what
+SIGINT/SIGTERM stop the loop between steps and write a final checkpoint (before the node is up, the
+process at once: it has nothing to save); SIGUSR1 logs what
 every asyncio task and thread is doing (for a peer that seems stuck).
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
+import os
 import signal
 import sys
 import threading
@@ -15,6 +18,8 @@ from phalanx.peer.plan import PeerPlan
 from phalanx.peer.modes import mode_info
 from phalanx.peer.node import quiet_p2p_daemon_noise
 from phalanx.peer.runtime import Report, Runtime
+
+logger = logging.getLogger(__name__)
 
 
 def dump_stacks() -> None:
@@ -45,8 +50,16 @@ def run_trainer(plan: PeerPlan) -> Report:
     async def main() -> Report:
         runtime = Runtime(plan)
         loop = asyncio.get_running_loop()
+
+        def stop(sig: signal.Signals) -> None:
+            if not runtime.opened:  # still starting (waiting for its initial peers may take minutes): nothing to save
+                logger.info(f"{sig.name} before the peer was up: stopping now")
+                signal.signal(sig, signal.SIG_DFL)
+                os.kill(os.getpid(), sig)  # its DHT process and p2pd follow their parent
+            runtime.stop_requested.set()
+
         for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, runtime.stop_requested.set)
+            loop.add_signal_handler(sig, stop, sig)
         loop.add_signal_handler(signal.SIGUSR1, dump_stacks)
         loop.set_exception_handler(quiet_p2p_daemon_noise)
         return await runtime.run(mode)

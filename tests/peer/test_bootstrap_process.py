@@ -81,3 +81,34 @@ def test_a_trainer_started_before_its_bootstrap_waits_for_it_with_initial_peers_
                 proc.wait()
                 while group_members(proc.pid):
                     time.sleep(0.05)
+
+
+def test_sigterm_while_a_trainer_waits_for_its_initial_peers_stops_it_at_once(tmp_path):
+    """`docker stop` or the launcher during a long --initial-peers-wait-s: nothing to save, so no waiting it out."""
+    import socket
+
+    from phalanx.security.identity import Identity
+
+    absent = Identity.generate_ed25519(tmp_path / "absent.id")
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    log = tmp_path / "join.log"
+    join = subprocess.Popen(
+        [sys.executable, "-m", "phalanx", "join", "--initial-peers", f"/ip4/127.0.0.1/tcp/{port}/p2p/{absent.peer_id}",
+         "--initial-peers-wait-s", "600", "--host-maddrs", LOOPBACK],
+        stdout=subprocess.DEVNULL, stderr=open(log, "wb"), start_new_session=True,
+    )  # fmt: skip
+    try:
+        while "for an initial peer to accept connections" not in log.read_text():
+            assert join.poll() is None, log.read_text()[-2000:]
+            time.sleep(0.2)
+        join.send_signal(signal.SIGTERM)  # the main process only, as a supervisor sends it
+        assert join.wait(timeout=100) == -signal.SIGTERM  # not the 600 s of the wait
+        assert "SIGTERM before the peer was up: stopping now" in log.read_text()
+        while group_members(join.pid):  # and nothing it started stays behind
+            time.sleep(0.05)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(join.pid, signal.SIGKILL)
+        join.wait()
