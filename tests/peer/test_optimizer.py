@@ -25,36 +25,24 @@ GLOBAL_STEPS, BATCH, TARGET, PEERS = 25, 8, 48, 3
 TOLERANCE = 1e-4  # validation loss, swarm vs one process; measured difference ≈ 1e-7 (float sums in another order)
 
 
-@pytest.mark.integration
-@pytest.mark.timeout(600)
-def test_three_users_scripts_match_one_process_training_on_the_union_of_their_batches(bootstrap, tmp_path):
+def _run_plain_loops(bootstrap: list[str], tmp_path, args: list[str]) -> list[dict]:
+    """examples/plain_loop.py as PEERS users run it, with `args`; each one's JSON result."""
     outs = [tmp_path / f"{r}.json" for r in range(PEERS)]
     logs = [tmp_path / f"{r}.log" for r in range(PEERS)]
     procs = [
-        _start(
-            [
-                str(ROOT / "examples" / "plain_loop.py"),
-                "--initial-peers",
-                *bootstrap,
-                "--rank",
-                str(r),
-                "--peers",
-                str(PEERS),
-                "--global-steps",
-                str(GLOBAL_STEPS),
-                "--batch-size",
-                str(BATCH),
-                "--target-batch-size",
-                str(TARGET),
-                "--out",
-                str(outs[r]),
-            ],
-            logs[r],
-        )  # fmt: skip
+        _start([str(ROOT / "examples" / "plain_loop.py"), "--initial-peers", *bootstrap, "--rank", str(r),
+                "--peers", str(PEERS), *args, "--out", str(outs[r])], logs[r])  # fmt: skip
         for r in range(PEERS)
     ]
     _finish(procs, logs)
-    results = [json.loads(out.read_text()) for out in outs]
+    return [json.loads(out.read_text()) for out in outs]
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(600)
+def test_three_users_scripts_match_one_process_training_on_the_union_of_their_batches(bootstrap, tmp_path):
+    results = _run_plain_loops(bootstrap, tmp_path, ["--global-steps", str(GLOBAL_STEPS), "--batch-size", str(BATCH),
+                                                     "--target-batch-size", str(TARGET)])  # fmt: skip
 
     # the reference: one process, AdamW, each global step on the union of the peers' batches of that step
     train, valid = plain_loop.digits()
@@ -97,21 +85,8 @@ LASGD_VERSIONS, SYNC_EVERY = 8, 5
 def test_three_lasgd_scripts_learn_and_their_averages_hold_their_models_together(bootstrap, tmp_path):
     """mode="lasgd" through the user's loop: local AdamW steps never wait, exchanges every 5 steps.
     The peers end far closer to each other than the same three would train apart on their batches."""
-    outs = [tmp_path / f"{r}.json" for r in range(PEERS)]
-    logs = [tmp_path / f"{r}.log" for r in range(PEERS)]
-    procs = [
-        _start(
-            [
-                str(ROOT / "examples" / "plain_loop.py"), "--initial-peers", *bootstrap, "--rank", str(r),
-                "--peers", str(PEERS), "--mode", "lasgd", "--sync-every", str(SYNC_EVERY),
-                "--global-steps", str(LASGD_VERSIONS), "--batch-size", str(BATCH), "--out", str(outs[r]),
-            ],
-            logs[r],
-        )  # fmt: skip
-        for r in range(PEERS)
-    ]
-    _finish(procs, logs)
-    results = [json.loads(out.read_text()) for out in outs]
+    results = _run_plain_loops(bootstrap, tmp_path, ["--mode", "lasgd", "--sync-every", str(SYNC_EVERY),
+                                                     "--global-steps", str(LASGD_VERSIONS), "--batch-size", str(BATCH)])  # fmt: skip
 
     train, valid = plain_loop.digits()
     initial = plain_loop.validation_loss(plain_loop.make_model(), valid)
