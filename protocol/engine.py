@@ -127,6 +127,7 @@ class RoundEngine:
             transport, membership, config.matchmaking, run_hash, identity=identity, sync_policy=sync_policy, loss=loss,
             majority_state=config.verify is not None,
         )  # fmt: skip
+        membership.slow_marks = self.matchmaker.slow_peers  # published, so that a slow peer stops leading
         self.allreduce = AllReduceService(
             transport, registration_wait_s=config.matchmaking.join_timeout_s, part_idle_timeout_s=config.part_idle_timeout_s
         )

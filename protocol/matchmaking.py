@@ -49,10 +49,17 @@ LEADER_ALIVE_S = 4.0  # ... and gives up on it when a probe is not answered with
 MAX_REDIRECTS = 3
 LEADER_RECHECK_S = 1.0  # a forming group checks this often that its former still leads
 # Sync policies (K of N): a member whose parts came in far behind the others' (a lossy or thin link) is
-# "slow" for SLOW_FOR_S; a forming group does not count it towards K for SLOW_WAIT_S, and leaves it out
-# when K others are in sync, so one bad link does not set the pace of every round it gets into.
+# marked "slow" for SLOW_FOR_S by the reducers that saw it; once most of the others name it in their
+# membership records, a forming group does not count it towards K for SLOW_WAIT_S, and leaves it out when
+# K others are in sync, so one bad link does not set the pace of every round it gets into (nor leads).
 SLOW_FOR_S = 30.0
 SLOW_WAIT_S = 1.0
+# A leader is slow to its joiners when, of their last SLOW_JOINS_OF calls, SLOW_JOINS took more than
+# SLOW_JOIN_MIN_S (and SLOW_FACTOR times the typical one) beyond the time it held them: every join and
+# group reply crosses the leader's link, and a lossy leader set the pace of every group of a k:3 swarm.
+SLOW_JOINS_OF, SLOW_JOINS = 8, 3
+SLOW_JOIN_MIN_S = 0.2
+SLOW_FACTOR = 4.0
 
 
 class JoinRequest(WireModel):
@@ -60,6 +67,9 @@ class JoinRequest(WireModel):
     version: Annotated[bytes, Field(max_length=32)]  # hash of the state the joiner holds (see protocol.engine)
     step: Annotated[int, Field(ge=0)]  # training step of that state
     together: bool = False  # that state came out of a round with others (not trained alone, not a checkpoint)
+    # how long the joiner's previous join to this leader took beyond what the leader held it (its link, see
+    # Matchmaker._note_report); 0: none, or to another leader
+    overhead_ms: Annotated[int, Field(ge=0, le=3_600_000)] = 0
 
 
 class LeaderProbe(WireModel):
@@ -91,6 +101,7 @@ class JoinReply(WireModel):
     group: Optional[GroupSpec] = None  # for "group" and "resync" (the round the donor takes part in)
     donor: Optional[PeerIdStr] = None  # for "resync"
     leader: Optional[PeerIdStr] = None  # for "redirect"
+    held_ms: Annotated[int, Field(ge=0)] = 0  # how long the leader held the join: the rest of the call is its link
 
 
 @dataclass
@@ -135,6 +146,11 @@ class Matchmaker:
     _rng: random.Random = field(default_factory=lambda: random.Random(secrets.randbits(64)))
     _started: float = field(default_factory=time.monotonic)
     _slow: dict[str, float] = field(default_factory=dict)  # peer -> time.monotonic() its mark ends
+    _overheads_of: Optional[str] = None  # the leader our last joins went to ...
+    _overheads: list[float] = field(default_factory=list)  # ... and how long each took beyond its wait
+    _last_overhead: tuple[Optional[str], float] = (None, 0.0)  # (leader, seconds) of our last join, reported in the next
+    _reports: list[tuple[str, float]] = field(default_factory=list)  # leader: (joiner, overhead) of the last joins served
+    _stepping_down_until: float = 0.0  # leader: named slow by itself until then (see _note_report)
 
     def __post_init__(self) -> None:
         self._arrived = asyncio.Event()
@@ -201,6 +217,9 @@ class Matchmaker:
         DHT view is no reason: under packet loss a live leader's record can lapse, and joiners that gave up
         on it formed groups of one while it still formed theirs."""
         timeout_s = self.config.matchmaking_timeout_s * 2 + 5
+        if self._last_overhead[0] == leader:
+            request = request.model_copy(update={"overhead_ms": min(int(self._last_overhead[1] * 1000), 3_600_000)})
+        began = time.monotonic()
         call = asyncio.create_task(
             self.transport.call(leader, JOIN_METHOD, pack(request), max_reply_payload=0, timeout_s=timeout_s),
             name="join-call",
@@ -210,13 +229,17 @@ class Matchmaker:
                 done, _ = await asyncio.wait({call}, timeout=LEADER_PROBE_S)
                 if done:
                     header, _ = call.result()
-                    return unpack(header, JoinReply, peer=leader)
+                    reply = unpack(header, JoinReply, peer=leader)
+                    overhead = max(time.monotonic() - began - reply.held_ms / 1000, 0.0)
+                    self._note_join_overhead(leader, overhead)
+                    self._last_overhead = (leader, overhead)
+                    return reply
                 probe = asyncio.create_task(self._probe(leader), name="join-probe")
+                # the peer this one would turn to next is probed too: a split or cut that took the leader away
+                # often took it as well, and finding that out only after the leader costs twice. When that peer
+                # is this one, it would wait for everyone it expects: those are probed instead.
                 fallback = self.membership.leader(excluding=frozenset({leader}))
-                if fallback != self.peer_id and fallback not in self._probes:
-                    # the peer this one would turn to next is probed too: a split or cut that took the leader
-                    # away often took it as well, and finding that out only after the leader costs twice
-                    self._probes[fallback] = asyncio.create_task(self._probe_fallback(fallback), name="fallback-probe")
+                self._watch(self._expected() - {leader} if fallback == self.peer_id else {fallback})
                 done, _ = await asyncio.wait({call, probe}, return_when=asyncio.FIRST_COMPLETED)
                 if call in done:
                     probe.cancel()
@@ -239,13 +262,19 @@ class Matchmaker:
         request = pack(LeaderProbe(run=self.run_hash))
         return await self.transport.call(peer, PROBE_METHOD, request, max_reply_payload=0, timeout_s=LEADER_ALIVE_S)
 
-    async def _probe_fallback(self, peer: str) -> None:
+    def _watch(self, peers: set[str]) -> None:
+        """Probe each of `peers` (one probe in flight per peer) and suspect those that leave it unanswered."""
+        for peer in peers - {self.peer_id} - set(self._probes):
+            self._probes[peer] = asyncio.create_task(self._probe_watched(peer), name="watch-probe")
+
+    async def _probe_watched(self, peer: str) -> None:
         try:
             header, _ = await self._probe(peer)
             unpack(header, ProbeReply, peer=peer)
         except (CallFailed, PeerProtocolError) as e:
-            logger.info(f"next leader {peer[-8:]} does not answer probes ({e}); passing it over")
+            logger.info(f"peer {peer[-8:]} does not answer probes ({e}); not waiting for it")
             self.membership.suspect(peer, for_s=self.membership.ttl_s * 2)
+            self._arrived.set()  # a forming group re-counts whom it waits for
         finally:
             self._probes.pop(peer, None)
 
@@ -264,11 +293,17 @@ class Matchmaker:
         if peer in self.membership.banned:
             raise PeerProtocolError("banned peer", peer=peer)
         self.stats.joins_served += 1
+        self._note_report(peer, request.overhead_ms / 1000)
+        began = time.monotonic()
         reply = await self._submit(peer, request)
+        reply = reply.model_copy(update={"held_ms": int((time.monotonic() - began) * 1000)})
         return pack(reply), b""
 
     async def _submit(self, peer: str, request: JoinRequest) -> JoinReply:
         leader = self.membership.leader()
+        if leader != self.peer_id and peer != leader:
+            await self.membership.reread()  # the joiner's view and ours disagree: read the records again first
+            leader = self.membership.leader()
         if leader != self.peer_id and peer != leader:
             return JoinReply(kind="redirect", leader=leader)
         previous = self._pending.pop(peer, None)
@@ -285,14 +320,57 @@ class Matchmaker:
     def note_slow(self, peers: tuple[str, ...] | list[str]) -> None:
         """Mark peers whose parts came in far behind the others in a round of ours (see SLOW_FOR_S)."""
         now = time.monotonic()
+        new = [p for p in peers if p != self.peer_id and self._slow.get(p, 0.0) <= now]
         for peer in peers:
             if peer != self.peer_id:
                 self._slow[peer] = now + SLOW_FOR_S
+        if new:
+            self.membership.announce_soon()  # the others count our mark at their next read, not 2 s later
         for peer in [p for p, until in self._slow.items() if until <= now]:
             del self._slow[peer]
 
-    def _is_slow(self, peer: str) -> bool:
-        return self._slow.get(peer, 0.0) > time.monotonic()
+    def _note_join_overhead(self, leader: str, overhead_s: float) -> None:
+        """Mark the leader slow when its link, not its waiting for others, keeps our joins long."""
+        if self._overheads_of != leader:
+            self._overheads_of, self._overheads = leader, []
+        self._overheads = [*self._overheads[1 - SLOW_JOINS_OF :], max(overhead_s, 0.0)]
+        if len(self._overheads) < SLOW_JOINS_OF:
+            return
+        typical = sorted(self._overheads)[len(self._overheads) // 2]
+        late = sum(o > max(SLOW_JOIN_MIN_S, SLOW_FACTOR * typical) for o in self._overheads)
+        if late >= SLOW_JOINS:
+            logger.info(f"leader {leader[-8:]} is slow: {late} of our last {SLOW_JOINS_OF} joins took over "
+                        f"{max(SLOW_JOIN_MIN_S, SLOW_FACTOR * typical):.2f} s beyond its wait")  # fmt: skip
+            self.note_slow([leader])
+            self._overheads = []
+
+    def _note_report(self, joiner: str, overhead_s: float) -> None:
+        """Leader: step down (name itself slow) when its joiners' reports say its link keeps their joins long.
+        It sees every joiner's report, so it finds out several times sooner than each joiner alone; it takes
+        late reports from most of its reporters, so a minority cannot talk it out of leading."""
+        if overhead_s <= 0.0:
+            return
+        self._reports = [*self._reports[1 - SLOW_JOINS_OF :], (joiner, overhead_s)]
+        if len(self._reports) < SLOW_JOINS_OF or self._stepping_down_until > time.monotonic():
+            return
+        overheads = sorted(o for _, o in self._reports)
+        limit = max(SLOW_JOIN_MIN_S, SLOW_FACTOR * overheads[len(overheads) // 2])
+        late = [j for j, o in self._reports if o > limit]
+        reporters, late_reporters = {j for j, _ in self._reports}, set(late)
+        if len(late) >= SLOW_JOINS and len(late_reporters) >= 2 and 2 * len(late_reporters) > len(reporters):
+            logger.info(
+                f"stepping down as leader: {len(late)} of the last {SLOW_JOINS_OF} joins took over {limit:.2f} s "
+                f"beyond our wait, for {len(late_reporters)} of {len(reporters)} joiners"
+            )
+            self._stepping_down_until = time.monotonic() + SLOW_FOR_S
+            self._reports = []
+            self.membership.announce_soon()
+
+    def slow_peers(self) -> list[str]:
+        """The peers marked slow now, this one too while it steps down (published in its membership record)."""
+        now = time.monotonic()
+        marked = [p for p, until in self._slow.items() if until > now]
+        return marked + [self.peer_id] if self._stepping_down_until > now else marked
 
     def _expected(self) -> set[str]:
         view = set(self.membership.peers())
@@ -326,7 +404,14 @@ class Matchmaker:
             # is told to resync, so it does not fill the group (counting it made groups of 2 under k:3, and
             # the member left out of each fell behind in turn). One at that step whose version differs (its
             # last round was partial) counts: waiting for a third matching version would last until the deadline.
-            patient = bool(k and self.config.lockstep and self._slow) and time.monotonic() < first_join + SLOW_WAIT_S
+            # slow joiners count towards K only after SLOW_WAIT_S, and only where waiting can help: when K
+            # unflagged peers are expected (a falsely flagged healthy peer made every group wait otherwise)
+            slow = self.membership.slow_flagged()
+            patient = (
+                bool(k and self.config.lockstep and slow)
+                and len(self._expected() - slow) >= k
+                and time.monotonic() < first_join + SLOW_WAIT_S
+            )
             if target is not None and self._at_leading_step(self._pending, skip_slow=patient) >= target:
                 break
             if target is None and joined >= self._expected():  # (asynchronous modes too: no one left to wait for)
@@ -342,6 +427,12 @@ class Matchmaker:
                 return
             wake_at = min(deadline, window_end) if window_end is not None and enough else deadline
             wake_at = min(wake_at, now + LEADER_RECHECK_S)  # a new leader in view (or period) releases the joiners
+            if now >= first_join + LEADER_PROBE_S:
+                # expected peers that have not joined within a second are probed: one cut off or frozen is
+                # then not waited for beyond LEADER_ALIVE_S (its DHT record would hold the group ttl_s)
+                self._watch(self._expected() - joined)
+            else:
+                wake_at = min(wake_at, first_join + LEADER_PROBE_S)
             if patient:
                 wake_at = min(wake_at, first_join + SLOW_WAIT_S)  # then slow joiners count too
             try:
@@ -349,6 +440,13 @@ class Matchmaker:
             except asyncio.TimeoutError:
                 pass
         missing = self._expected() - set(self._pending)
+        if logger.isEnabledFor(logging.DEBUG):
+            slow = sorted(p[-8:] for p in self.membership.slow_flagged())
+            logger.debug(
+                f"group closes {time.monotonic() - first_join:.3f} s after the first join: {len(self._pending)} joined, "
+                f"{len(missing)} expected missing, K={k}, slow by the swarm's word: {slow}, marked slow here: "
+                f"{sorted(p[-8:] for p in self.slow_peers())}"
+            )
         if timed_out:
             for peer in missing:  # do not wait for them again until they join
                 self.membership.suspect(peer, for_s=self.membership.ttl_s)
@@ -385,7 +483,8 @@ class Matchmaker:
         if not self.config.lockstep or not pending:
             return len(pending)
         step, _ = self._leading_state(pending)
-        return sum(e.request.step == step and not (skip_slow and self._is_slow(p)) for p, e in pending.items())
+        slow = self.membership.slow_flagged() if skip_slow else set()
+        return sum(e.request.step == step and p not in slow for p, e in pending.items())
 
     def _in_sync(self, pending: dict[str, _Pending]) -> list[str]:
         """The joiners that contribute to the next group; in lockstep modes those holding the leading state."""
@@ -398,8 +497,12 @@ class Matchmaker:
         """Answer every joiner that fits a group; returns the ones left over (fewer than a group)."""
         step, version = self._leading_state(pending)
         in_sync = self._in_sync(pending)
-        if k and self.config.lockstep and sum(not self._is_slow(p) for p in in_sync) >= k:
-            in_sync = [p for p in in_sync if not self._is_slow(p)]  # the slow ones resync from this group
+        if k and self.config.lockstep:  # slow ones resync from this group, the most named first, while K remain
+            votes = self.membership.slow_votes()
+            for peer in sorted((p for p in in_sync if p in votes), key=lambda p: (-votes[p], p)):
+                if len(in_sync) <= k:
+                    break
+                in_sync.remove(peer)
         behind = sorted(peer for peer in pending if peer not in set(in_sync))
         self._rng.shuffle(in_sync)
         size = size or len(in_sync)  # K (or the target size): the first K form a group, the rest wait

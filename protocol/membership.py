@@ -18,13 +18,17 @@ from hivemind import DHT
 from hivemind.utils import get_dht_time
 from pydantic import ValidationError
 
+from pydantic import Field
+
 from phalanx.protocol.dht_calls import dht_get, dht_store
-from phalanx.security.wire import WireModel
+from phalanx.security.wire import PeerIdStr, WireModel
 
 logger = logging.getLogger(__name__)
 
 PeerState = Literal["joining", "online", "leaving"]
 LEADER_PERIOD_S = 600.0  # verified runs: how long one leader serves (a change redirects a forming group's joiners)
+MAX_SLOW_MARKS = 16  # peers one record may name as slow
+REREAD_S = 0.5  # the least time between two early re-reads of the view (see Membership.reread)
 
 
 class PeerRecord(WireModel):
@@ -33,6 +37,9 @@ class PeerRecord(WireModel):
     state: PeerState
     step: int  # training step of its parameters
     role: Literal["trainer"] = "trainer"
+    # peers whose parts reached this one's reducer far behind the others' lately (a lossy or thin link):
+    # a peer named by most of the others does not lead, see `Membership.slow_flagged`
+    slow: list[PeerIdStr] = Field(default=[], max_length=MAX_SLOW_MARKS)
 
 
 @dataclass
@@ -59,13 +66,16 @@ class Membership:
     _suspects: dict[str, float] = field(default_factory=dict)
     _task: Optional[asyncio.Task] = None
     _refreshed: Optional[asyncio.Event] = None
+    _soon: Optional[asyncio.Event] = None  # wakes the refresh loop early (see announce_soon)
+    _reread_at: float = float("-inf")
     admitted: Optional[Callable[[str], bool]] = None  # private swarms: peers without a certificate are invisible
     # verified runs: the leader is drawn anew each period (see `leader`); None: the lowest peer ID leads
     leader_period_s: Optional[float] = None
     leader_clock: Callable[[], float] = get_dht_time  # numbers the periods (every peer's clock is the DHT's)
+    slow_marks: Callable[[], list[str]] = lambda: []  # the peers this one finds slow, published in its record
 
     async def start(self) -> None:
-        self._refreshed = asyncio.Event()
+        self._refreshed, self._soon = asyncio.Event(), asyncio.Event()
         await self.refresh()
         self._task = asyncio.create_task(self._run(), name="membership")
 
@@ -81,9 +91,18 @@ class Membership:
             except Exception as e:
                 logger.debug(f"could not announce leaving: {e!r}")
 
+    def announce_soon(self) -> None:
+        """Refresh now rather than at the next period (a record's content changed)."""
+        if self._refreshed is not None:
+            self._soon.set()
+
     async def _run(self) -> None:
         while True:
-            await asyncio.sleep(self.refresh_s)
+            try:
+                await asyncio.wait_for(self._soon.wait(), timeout=self.refresh_s)
+            except asyncio.TimeoutError:
+                pass
+            self._soon.clear()
             try:
                 await self.refresh()
             except asyncio.CancelledError:
@@ -95,6 +114,21 @@ class Membership:
     async def refresh(self) -> None:
         """Announce ourselves and re-read everyone's records."""
         await self._announce(expire_in_s=self.ttl_s)
+        await self._read()
+
+    async def reread(self, *, timeout_s: float = 1.0) -> None:
+        """Re-read everyone's records now, at most every REREAD_S (a join this peer would redirect says its view
+        and the joiner's disagree, e.g. a leader just stepped down); failures leave the view as it was."""
+        now = time.monotonic()
+        if now - self._reread_at < REREAD_S:
+            return
+        self._reread_at = now
+        try:
+            await asyncio.wait_for(self._read(), timeout=timeout_s)
+        except (asyncio.TimeoutError, Exception) as e:
+            logger.debug(f"membership re-read failed: {e!r}")
+
+    async def _read(self) -> None:
         found = await dht_get(self.dht, self.key)
         view: dict[str, tuple[PeerRecord, float]] = {}
         if found is not None and isinstance(found.value, dict):
@@ -113,7 +147,7 @@ class Membership:
             self._refreshed.set()
 
     async def _announce(self, expire_in_s: float) -> None:
-        record = PeerRecord(state=self.state, step=self.step)
+        record = PeerRecord(state=self.state, step=self.step, slow=sorted(self.slow_marks())[:MAX_SLOW_MARKS])
         await dht_store(self.dht, self.key, record.model_dump(), get_dht_time() + expire_in_s, subkey=self.peer_id)
 
     def peers(self, *, states: tuple[PeerState, ...] = ("joining", "online")) -> dict[str, PeerRecord]:
@@ -141,14 +175,44 @@ class Membership:
             return False
         return True
 
+    def slow_votes(self) -> dict[str, int]:
+        """Peers that more than half of the others in view name as slow in their records, with how many name
+        them. Every peer reads the same records, the slow one included, so all agree it should not lead:
+        every join and group reply crosses the leader's link, and a lossy leader held every group of a
+        `k:<K>` swarm back. A peer so named has no vote itself (it still counts among the others): on a
+        lossy link it sees everyone's parts come in late and names them at random. A peer that names
+        itself steps down (Matchmaker._note_report) and counts as named by all."""
+        records = self.peers()
+        if self.peer_id in records:  # our own marks as they are now, not as last published (a leader stepping down)
+            records[self.peer_id] = records[self.peer_id].model_copy(update={"slow": sorted(self.slow_marks())[:MAX_SLOW_MARKS]})
+
+        def named(void: set[str]) -> dict[str, int]:
+            votes = {}
+            for peer in records:
+                if peer in records[peer].slow:  # it names itself: it steps down (a leader its joiners found slow)
+                    votes[peer] = len(records) - 1
+                    continue
+                count = sum(peer in rec.slow for other, rec in records.items() if other != peer and other not in void)
+                if 2 * count > len(records) - 1:
+                    votes[peer] = count
+            return votes
+
+        return named(set(named(set())))
+
+    def slow_flagged(self) -> set[str]:
+        return set(self.slow_votes())
+
     def leader(self, *, excluding: frozenset[str] = frozenset()) -> str:
         """Every peer computes the same answer from the same view (disagreement only costs a redirect or a
-        resync): among announced, unsuspected peers and ourselves, the lowest peer ID, or with
-        `leader_period_s` the lowest hash of (period number, peer ID). The leader forms the groups, and
-        anyone can make a key with a low peer ID; no key has a low hash in every period, so a Byzantine
-        peer leads about its share of the periods, not all of them. `excluding`: who would lead without them."""
-        candidates = [p for p in self.peers() if not self.is_suspect(p) and p not in excluding]
-        candidates.append(self.peer_id)
+        resync): among announced, unsuspected peers and ourselves, not flagged slow (unless all are), the
+        lowest peer ID, or with `leader_period_s` the lowest hash of (period number, peer ID). The leader
+        forms the groups, and anyone can make a key with a low peer ID; no key has a low hash in every
+        period, so a Byzantine peer leads about its share of the periods, not all of them. `excluding`: who
+        would lead without them."""
+        pool = [p for p in self.peers() if not self.is_suspect(p) and p not in excluding and p != self.peer_id]
+        pool.append(self.peer_id)
+        slow = self.slow_flagged()
+        candidates = [p for p in pool if p not in slow] or pool
         if self.leader_period_s is None:
             return min(candidates)
         period = int(self.leader_clock() // self.leader_period_s).to_bytes(8, "little")

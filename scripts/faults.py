@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 import sys
 import tempfile
@@ -21,6 +22,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "faults"))
 
 from fault_lab import missing_requirements, sweep_stale  # noqa: E402
+from fault_swarm import PEER_DEBUG_ENV  # noqa: E402
 from fault_table import BY_KEY, CHECKS, failed_checks, format_rows, rows_json, run_scenario  # noqa: E402
 
 
@@ -29,7 +31,10 @@ def main() -> int:
     parser.add_argument("--scenario", default="all", help=f"comma-separated keys ({', '.join(BY_KEY)}) or all")
     parser.add_argument("--json", action="store_true", help="also print one JSON object per row")
     parser.add_argument("--workdir", type=Path, help="keep logs and checkpoints here (default: a temporary folder)")
+    parser.add_argument("--debug", action="store_true", help="peers log at debug level (matchmaking, rounds); use with --workdir")
     args = parser.parse_args()
+    if args.debug:
+        os.environ[PEER_DEBUG_ENV] = "1"
     keys = list(BY_KEY) if args.scenario == "all" else [k.strip() for k in args.scenario.split(",") if k.strip()]
     unknown = [k for k in keys if k not in BY_KEY]
     if unknown:

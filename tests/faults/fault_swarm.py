@@ -26,6 +26,7 @@ from fault_lab import Lab
 REPO = Path(__file__).resolve().parents[2]
 P2P_PORT, DIRECT_PORT, HTTP_PORT = 31337, 31338, 9100
 POLL_S = 1.0
+PEER_DEBUG_ENV = "PHALANX_FAULTS_DEBUG"  # set: the swarm's peers run with --debug (scripts/faults.py --debug)
 
 
 @dataclass(frozen=True)
@@ -171,7 +172,7 @@ class FaultSwarm:
         identity, _ = self.identity(name)
         host = self.lab[name]
         return [
-            "join", "--initial-peers", ",".join(initial_peers), "--host-maddrs", f"/ip4/{host.ip}/tcp/{P2P_PORT}",
+            *(["--debug"] if os.environ.get(PEER_DEBUG_ENV) else []), "join", "--initial-peers", ",".join(initial_peers), "--host-maddrs", f"/ip4/{host.ip}/tcp/{P2P_PORT}",
             "--direct-port", str(DIRECT_PORT), "--identity-path", str(identity), "--http-port", str(HTTP_PORT),
             "--task", "digits-mlp", "--checkpoint-dir", str(self.workdir / f"{name}.ckpt"), "--checkpoint-every", "10",
             "--checkpoint-keep", "100000", *self.join_args, *extra,

@@ -57,6 +57,7 @@ class Scenario:
     # Acceptance checks of the issue this code does not meet yet: measured and printed every run,
     # asserted once they hold. Each stays listed in docs/reliability.md with its measured number.
     open_goals: tuple[str, ...] = ()
+    victim_leads: bool = False  # the faulty trainer is the one with the lowest peer ID (the matchmaking leader)
 
     @property
     def held(self) -> tuple[str, ...]:
@@ -104,9 +105,10 @@ SCENARIOS: tuple[Scenario, ...] = (
              checks=("stall",)),
     Scenario("d-lasgd", "one trainer capped at 10 then 1 Mbit/s (lasgd)", (Fault("cap", 10, 15, 10), Fault("cap", 1, 15, 10)),
              mode="lasgd", checks=()),
-    Scenario("cd-k3", "20 % loss, then 1 Mbit/s, on one trainer with --sync-policy k:3",
+    Scenario("cd-k3", "20 % loss, then 1 Mbit/s, on the leading trainer with --sync-policy k:3",
              (Fault("loss", 20, 15, 10), Fault("cap", 1, 15, 10)), sync_policy="k:3", checks=("stall", "throughput"),
-             open_goals=("throughput",)),  # a lossy or slow *leader* still holds every group back (docs/reliability.md)
+             victim_leads=True,  # the worst case: every join and group reply crosses the bad link
+             open_goals=("throughput",)),  # a lossy leader is found and replaced, but not fast enough (docs/reliability.md)
     Scenario("e", "SIGSTOP of a trainer's processes 20 s, then SIGCONT", (Fault("stop", hold_s=20),),
              checks=("stall", "rounds", "ready_after", "one_swarm")),
     Scenario("f", "SIGKILL of a trainer's whole tree, then of another's main process only; both restarted",
@@ -243,6 +245,8 @@ class Runner:
         if fault.kind == "split":
             return trainers[2:], trainers[:2]
         victim = {"kill_tree": trainers[-2]}.get(fault.kind, trainers[-1])
+        if self.scenario.victim_leads:
+            victim = min(trainers, key=lambda name: self.swarm.identity(name)[1])
         return [victim], [t for t in trainers if t != victim]
 
     def apply(self, fault: Fault, faulty: list[str]) -> None:

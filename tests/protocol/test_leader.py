@@ -16,7 +16,7 @@ from phalanx.protocol.membership import Membership, PeerRecord
 from swarm_fixture import open_swarm
 
 PERIOD_S = 600.0
-PEERS = [f"12D3KooW{i:02d}" + "x" * 44 for i in range(8)]  # fixed IDs: the draw is deterministic
+PEERS = [f"12D3KooW{c}" + "x" * 45 for c in "ABCDEFGH"]  # fixed base58 IDs, in leading order: the draw is deterministic
 
 
 def _membership(me: str, period_s=None, clock=lambda: 0.0) -> Membership:
@@ -47,10 +47,53 @@ def test_each_period_every_peer_draws_the_same_leader_and_no_key_leads_every_per
 
 def test_a_suspected_leader_is_passed_over():
     now = [0.0]
-    membership = _membership(PEERS[0], PERIOD_S, lambda: now[0])
-    first = membership.leader()
+    first = _membership(PEERS[0], PERIOD_S, lambda: now[0]).leader()
+    membership = _membership(next(p for p in PEERS if p != first), PERIOD_S, lambda: now[0])  # (no peer suspects itself)
     membership.suspect(first, for_s=60)
     assert membership.leader() not in (first,) and membership.leader() in PEERS
+
+
+def _flag(membership: Membership, flaggers: list[str], slow: str) -> None:
+    far = get_dht_time() + 3600
+    for peer in flaggers:
+        membership._view[peer] = (PeerRecord(state="online", step=0, slow=[slow]), far)
+        if peer == membership.peer_id:  # its own marks count as they are now
+            membership.slow_marks = lambda: [slow]
+
+
+@pytest.mark.parametrize("me", PEERS)
+def test_a_leader_most_others_find_slow_stops_leading_in_every_view_its_own_included(me):
+    """A lossy leader held every group of a k:3 swarm back: the others' records name it, and every peer,
+    the slow one too, then agrees on the next one."""
+    membership = _membership(me)
+    _flag(membership, PEERS[1:4], PEERS[0])  # 3 of the 7 others: not a majority
+    assert membership.leader() == PEERS[0]
+    _flag(membership, PEERS[1:5], PEERS[0])  # 4 of 7
+    assert membership.leader() == PEERS[1]
+    far = get_dht_time() + 3600
+    for voter, names in {PEERS[4]: [PEERS[0], PEERS[7]], PEERS[0]: [PEERS[7]], PEERS[5]: [PEERS[7]], PEERS[6]: [PEERS[7]]}.items():
+        membership._view[voter] = (PeerRecord(state="online", step=0, slow=names), far)
+    assert membership.slow_flagged() == {PEERS[0]}  # 4 of 7 name PEERS[7], but one of them is the slow PEERS[0]
+
+
+def test_a_peer_naming_itself_steps_down():
+    membership = _membership(PEERS[5])
+    _flag(membership, [PEERS[0]], PEERS[0])
+    assert membership.slow_flagged() == {PEERS[0]} and membership.leader() == PEERS[1]
+
+
+def test_two_peers_naming_each_other_slow_cancel_out():
+    membership = _membership(PEERS[0])
+    membership._view = {p: membership._view[p] for p in PEERS[:2]}
+    far = get_dht_time() + 3600
+    _flag(membership, [PEERS[0]], PEERS[1])
+    membership._view[PEERS[1]] = (PeerRecord(state="online", step=0, slow=[PEERS[0]]), far)
+    assert membership.slow_flagged() == set() and membership.leader() == PEERS[0]
+
+
+def test_a_record_names_at_most_16_slow_peers():
+    with pytest.raises(ValueError):
+        PeerRecord(state="online", step=0, slow=PEERS * 3)
 
 
 @pytest.mark.integration

@@ -6,6 +6,7 @@ import asyncio
 import pytest
 from hivemind.utils import get_dht_time
 
+from phalanx.protocol import matchmaking
 from phalanx.protocol.config import MatchmakingConfig
 from phalanx.protocol.matchmaking import SLOW_WAIT_S, JoinRequest, Matchmaker, _Pending
 from phalanx.protocol.membership import Membership, PeerRecord
@@ -28,6 +29,17 @@ def _matchmaker(peers: list[str], policy: str, *, lockstep: bool = True) -> Matc
     membership._view = {p: (PeerRecord(state="online", step=0), far) for p in peers}
     config = MatchmakingConfig(matchmaking_timeout_s=3600.0, join_timeout_s=7200.0, lockstep=lockstep, min_group_size=2)
     return Matchmaker(_Transport(), membership, config, RUN, sync_policy=parse_sync_policy(policy))
+
+
+def _flag_slow(matchmaker: Matchmaker, peer: str) -> None:
+    """Most of the others name `peer` slow in their membership records (the swarm's word, not the leader's)."""
+    view = matchmaker.membership._view
+    others = [p for p in view if p != peer]
+    for other in others[: len(others) // 2 + 1]:
+        record, expires = view[other]
+        view[other] = (record.model_copy(update={"slow": [peer]}), expires)
+        if other == matchmaker.peer_id:  # its own marks count as they are now
+            matchmaker.membership.slow_marks = lambda: [peer]
 
 
 async def _join(matchmaker: Matchmaker, peer: str, step: int, version: bytes = b"", together=False) -> asyncio.Task:
@@ -121,12 +133,12 @@ def test_the_state_trained_together_leads_then_the_higher_step(joins, winner):
 
 
 def test_a_slow_member_waits_for_k_others_and_is_left_out_when_they_come():
-    """k:3 of 4, one peer marked slow (its parts came in far behind in an earlier round): the group does not
+    """k:3 of 4, one peer flagged slow (its parts came in far behind in earlier rounds): the group does not
     close on it with two others while the fourth is on its way; with the fourth in, it resyncs instead."""
 
     async def main():
         matchmaker = _matchmaker(PEERS[:4], "k:3")
-        matchmaker.note_slow([PEERS[3]])
+        _flag_slow(matchmaker, PEERS[3])
         joined = [await _join(matchmaker, p, step=5) for p in (PEERS[0], PEERS[1], PEERS[3])]
         assert not any(t.done() for t in joined)  # three at the step, one of them slow: not yet
         fourth = await _join(matchmaker, PEERS[2], step=5)
@@ -141,13 +153,59 @@ def test_a_slow_member_waits_for_k_others_and_is_left_out_when_they_come():
 def test_a_slow_member_counts_after_the_wait_when_no_one_else_comes():
     async def main():
         matchmaker = _matchmaker(PEERS[:4], "k:3")
-        matchmaker.note_slow([PEERS[3]])
+        _flag_slow(matchmaker, PEERS[3])
         loop = asyncio.get_running_loop()
         began = loop.time()
         joined = [await _join(matchmaker, p, step=5) for p in (PEERS[0], PEERS[1], PEERS[3])]
         replies = [await asyncio.wait_for(t, 5) for t in joined]
         assert loop.time() - began >= SLOW_WAIT_S
         assert [r.kind for r in replies] == ["group"] * 3 and len(replies[0].group.members) == 3
+        await matchmaker.aclose()
+
+    asyncio.run(main())
+
+
+def test_the_leaders_own_slow_marks_alone_do_not_make_a_member_wait(monkeypatch):
+    """A leader on a lossy link sees everyone's parts come in late and marks them at random; were its marks
+    enough, every group it formed would wait SLOW_WAIT_S (one round a second in a k:3 swarm). Here that wait
+    is an hour: the group closes at K all the same."""
+    monkeypatch.setattr(matchmaking, "SLOW_WAIT_S", 3600.0)
+
+    async def main():
+        matchmaker = _matchmaker(PEERS[:4], "k:3")
+        matchmaker.note_slow(PEERS[1:4])
+        assert sorted(matchmaker.slow_peers()) == PEERS[1:4]  # published in its record, one voice of three
+        joined = [await _join(matchmaker, p, step=5) for p in PEERS[:3]]
+        replies = [await asyncio.wait_for(t, 60) for t in joined]
+        assert [r.kind for r in replies] == ["group"] * 3
+        await matchmaker.aclose()
+
+    asyncio.run(main())
+
+
+def test_with_fewer_than_k_unflagged_peers_a_group_does_not_wait_and_drops_the_most_named(monkeypatch):
+    """Two of four flagged slow under k:3 (a lossy leader's late group replies made a healthy peer look slow
+    too): waiting for K unflagged joiners cannot help, so none is waited for (here the wait is an hour); of
+    four joiners the group leaves out one of them (the most named first)."""
+    monkeypatch.setattr(matchmaking, "SLOW_WAIT_S", 3600.0)
+
+    async def main():
+        matchmaker = _matchmaker(PEERS[:4], "k:3")
+        view, far = matchmaker.membership._view, get_dht_time() + 3600
+        matchmaker.membership.slow_marks = lambda: [PEERS[2], PEERS[3]]  # the leader's own
+        view[PEERS[1]] = (PeerRecord(state="online", step=0, slow=[PEERS[2], PEERS[3]]), far)
+        view[PEERS[2]] = (PeerRecord(state="online", step=0, slow=[PEERS[3]]), far)  # void: PEERS[2] is named itself
+        view[PEERS[3]] = (PeerRecord(state="online", step=0, slow=[PEERS[2]]), far)  # (the same)
+        assert matchmaker.membership.slow_votes() == {PEERS[2]: 2, PEERS[3]: 2}
+        joined = [await _join(matchmaker, p, step=5) for p in (PEERS[0], PEERS[2], PEERS[3])]
+        replies = [await asyncio.wait_for(t, 60) for t in joined]
+        assert [r.kind for r in replies] == ["group"] * 3
+        joined = [await _join(matchmaker, p, step=6) for p in PEERS[:2]]
+        joined += [asyncio.create_task(matchmaker._submit(p, JoinRequest(run=RUN, version=bytes([6]) * 32, step=6))) for p in PEERS[2:4]]
+        replies = dict(zip(PEERS[:4], [await asyncio.wait_for(t, 60) for t in joined]))
+        assert sorted(r.kind for r in replies.values()) == ["group"] * 3 + ["resync"]
+        left_out = next(p for p, r in replies.items() if r.kind == "resync")
+        assert left_out in PEERS[2:4] and sorted(replies[PEERS[0]].group.members) == sorted(set(PEERS[:4]) - {left_out})
         await matchmaker.aclose()
 
     asyncio.run(main())

@@ -1,0 +1,138 @@
+"""Peers that went silent (cut off, frozen) are found by probes, not waited for until their DHT record
+lapses: the leader probes expected peers that have not joined, and a joiner that would lead next probes
+the peers it would wait for. A fake transport answers for live peers and never for silent ones."""
+
+import asyncio
+
+import pytest
+from hivemind.utils import get_dht_time
+
+from phalanx.protocol import matchmaking
+from phalanx.protocol.channel import CallFailed
+from phalanx.protocol.config import MatchmakingConfig
+from phalanx.protocol.matchmaking import JoinRequest, Matchmaker, ProbeReply
+from phalanx.protocol.membership import Membership, PeerRecord
+from phalanx.security.wire import pack
+
+PEERS = [f"12D3KooW{c}" + "x" * 45 for c in "ABCDE"]  # base58, in leading order
+RUN = b"r" * 32
+
+
+class _Transport:
+    def __init__(self, peer_id: str, silent: set[str]) -> None:
+        self.peer_id, self.silent, self.calls = peer_id, silent, []
+
+    def register(self, *args, **kwargs) -> None:
+        pass
+
+    async def call(self, peer, method, header, payload=b"", *, max_reply_payload, timeout_s, **kwargs):
+        self.calls.append((peer, method))
+        if peer in self.silent or method == matchmaking.JOIN_METHOD:
+            await asyncio.sleep(timeout_s)  # no byte comes back (a join is held: the leader waits for others)
+            raise CallFailed(f"{method} to {peer[-8:]} timed out after {timeout_s} s")
+        return pack(ProbeReply(leading=False)), b""
+
+
+@pytest.fixture(autouse=True)
+def _quick_probes(monkeypatch):
+    monkeypatch.setattr(matchmaking, "LEADER_PROBE_S", 0.05)
+    monkeypatch.setattr(matchmaking, "LEADER_ALIVE_S", 0.2)
+
+
+def _matchmaker(me: str, silent: set[str]) -> Matchmaker:
+    membership = Membership(None, "k.peers", me)
+    far = get_dht_time() + 3600
+    membership._view = {p: (PeerRecord(state="online", step=0), far) for p in PEERS[:4]}
+    # no deadline in reach: only a probe can end the wait for a silent peer
+    config = MatchmakingConfig(matchmaking_timeout_s=3600.0, join_timeout_s=7200.0, lockstep=True, min_group_size=2)
+    return Matchmaker(_Transport(me, silent), membership, config, RUN)
+
+
+def _request(step: int = 5) -> JoinRequest:
+    return JoinRequest(run=RUN, version=bytes([step]) * 32, step=step)
+
+
+def test_the_leader_stops_waiting_for_an_expected_peer_that_does_not_answer_probes():
+    """Everyone expected (`full`): A leads, B and C join, D was cut off. Its record is valid for an hour, the
+    deadline too: the group closes because D's probe goes unanswered, and D is not expected next time."""
+
+    async def main():
+        leader = _matchmaker(PEERS[0], silent={PEERS[3]})
+        joins = [asyncio.create_task(leader._submit(p, _request())) for p in PEERS[:3]]
+        replies = await asyncio.wait_for(asyncio.gather(*joins), 30)
+        assert {r.kind for r in replies} == {"group"}
+        assert sorted(replies[0].group.members) == PEERS[:3]
+        assert leader.membership.is_suspect(PEERS[3]) and not leader.membership.is_suspect(PEERS[1])
+        assert (PEERS[3], matchmaking.PROBE_METHOD) in leader.transport.calls
+        await leader.aclose()
+
+    asyncio.run(main())
+
+
+def test_a_live_expected_peer_is_probed_but_still_waited_for():
+    async def main():
+        leader = _matchmaker(PEERS[0], silent=set())
+        joins = [asyncio.create_task(leader._submit(p, _request())) for p in PEERS[:3]]
+        while (PEERS[3], matchmaking.PROBE_METHOD) not in leader.transport.calls:
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(2 * matchmaking.LEADER_ALIVE_S)  # its probes are answered: no reason to give up on it
+        assert not any(t.done() for t in joins) and not leader.membership.is_suspect(PEERS[3])
+        last = asyncio.create_task(leader._submit(PEERS[3], _request()))
+        replies = await asyncio.wait_for(asyncio.gather(*joins, last), 30)
+        assert sorted(replies[0].group.members) == PEERS[:4]
+        await leader.aclose()
+
+    asyncio.run(main())
+
+
+def test_the_next_leader_probes_the_peers_it_would_wait_for_while_its_leader_is_silent():
+    """A split took A (the leader) and D away from B and C. B would lead next: while its join to A hangs it
+    probes C and D too, so when it gives up on A it already knows not to wait for D."""
+
+    async def main():
+        joiner = _matchmaker(PEERS[1], silent={PEERS[0], PEERS[3]})
+        with pytest.raises(CallFailed, match="does not answer probes"):
+            await joiner._join_remote(PEERS[0], _request())
+        await asyncio.gather(*joiner._probes.values(), return_exceptions=True)
+        assert joiner.membership.is_suspect(PEERS[3]) and not joiner.membership.is_suspect(PEERS[2])
+        await joiner.aclose()
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize(
+    "overheads, slow",
+    [
+        ([0.002] * 5 + [0.25, 0.6, 0.3], True),  # a lossy leader: retransmissions on 3 of 8 joins
+        ([0.002] * 6 + [0.25, 0.6], False),  # two late joins: not enough
+        ([0.3] * 5 + [0.4, 0.5, 0.45], False),  # a far leader (300 ms round trips): late against 0.2 s, not against its own
+        ([0.3] * 5 + [1.3, 1.5, 2.0], True),
+    ],
+)
+def test_a_joiner_marks_a_leader_whose_link_keeps_its_joins_long(overheads, slow):
+    """The time a join takes beyond what the leader held it (`held_ms`) is the leader's link; a joiner marks
+    the leader slow (and publishes it) when 3 of its last 8 joins took far longer than its typical one."""
+    joiner = _matchmaker(PEERS[1], silent=set())
+    for overhead in overheads:
+        joiner._note_join_overhead(PEERS[0], overhead)
+    assert (PEERS[0] in joiner.slow_peers()) is slow
+    joiner._note_join_overhead(PEERS[2], 5.0)  # another leader: its own count
+    assert PEERS[2] not in joiner.slow_peers()
+
+
+@pytest.mark.parametrize(
+    "reports, steps_down",
+    [
+        ([(1, 0.002), (2, 0.003), (3, 0.002), (1, 0.4), (2, 0.5), (3, 0.002), (1, 0.3), (2, 0.002)], True),
+        ([(1, 0.002), (2, 0.003), (3, 0.002), (1, 0.4), (2, 0.003), (3, 0.002), (1, 0.3), (1, 0.5)], False),  # one joiner
+        ([(1, 0.002), (2, 0.003), (3, 0.002), (1, 0.4), (2, 0.5), (3, 0.002), (2, 0.002), (1, 0.002)], False),  # two late
+    ],
+)
+def test_a_leader_steps_down_when_most_of_its_joiners_report_its_link_slow(reports, steps_down):
+    """Each join carries how long the joiner's previous one took beyond the leader's wait. The leader sees
+    them all: 3 late of its last 8, from most of its joiners, and it names itself slow (its record then
+    takes it out of the election for every peer, itself included)."""
+    leader = _matchmaker(PEERS[0], silent=set())
+    for joiner, overhead in reports:
+        leader._note_report(PEERS[joiner], overhead)
+    assert (PEERS[0] in leader.slow_peers()) is steps_down
