@@ -55,11 +55,12 @@ LEADER_RECHECK_S = 1.0  # a forming group checks this often that its former stil
 SLOW_FOR_S = 30.0
 SLOW_WAIT_S = 1.0
 # A leader is slow to its joiners when, of their last SLOW_JOINS_OF calls, SLOW_JOINS took more than
-# SLOW_JOIN_MIN_S (and SLOW_FACTOR times the typical one) beyond the time it held them: every join and
+# SLOW_JOIN_MIN_S (and SLOW_JOIN_FACTOR times the typical one) beyond the time it held them: every join and
 # group reply crosses the leader's link, and a lossy leader set the pace of every group of a k:3 swarm.
 SLOW_JOINS_OF, SLOW_JOINS = 8, 3
 SLOW_JOIN_MIN_S = 0.2
-SLOW_FACTOR = 4.0
+SLOW_JOIN_FACTOR = 4.0
+MAX_OVERHEAD_MS = 3_600_000
 
 
 class JoinRequest(WireModel):
@@ -69,7 +70,7 @@ class JoinRequest(WireModel):
     together: bool = False  # that state came out of a round with others (not trained alone, not a checkpoint)
     # how long the joiner's previous join to this leader took beyond what the leader held it (its link, see
     # Matchmaker._note_report); 0: none, or to another leader
-    overhead_ms: Annotated[int, Field(ge=0, le=3_600_000)] = 0
+    overhead_ms: Annotated[int, Field(ge=0, le=MAX_OVERHEAD_MS)] = 0
 
 
 class LeaderProbe(WireModel):
@@ -218,7 +219,7 @@ class Matchmaker:
         on it formed groups of one while it still formed theirs."""
         timeout_s = self.config.matchmaking_timeout_s * 2 + 5
         if self._last_overhead[0] == leader:
-            request = request.model_copy(update={"overhead_ms": min(int(self._last_overhead[1] * 1000), 3_600_000)})
+            request = request.model_copy(update={"overhead_ms": min(int(self._last_overhead[1] * 1000), MAX_OVERHEAD_MS)})
         began = time.monotonic()
         call = asyncio.create_task(
             self.transport.call(leader, JOIN_METHOD, pack(request), max_reply_payload=0, timeout_s=timeout_s),
@@ -320,9 +321,10 @@ class Matchmaker:
     def note_slow(self, peers: tuple[str, ...] | list[str]) -> None:
         """Mark peers whose parts came in far behind the others in a round of ours (see SLOW_FOR_S)."""
         now = time.monotonic()
-        new = [p for p in peers if p != self.peer_id and self._slow.get(p, 0.0) <= now]
+        new = False
         for peer in peers:
             if peer != self.peer_id:
+                new = new or self._slow.get(peer, 0.0) <= now
                 self._slow[peer] = now + SLOW_FOR_S
         if new:
             self.membership.announce_soon()  # the others count our mark at their next read, not 2 s later
@@ -336,11 +338,10 @@ class Matchmaker:
         self._overheads = [*self._overheads[1 - SLOW_JOINS_OF :], max(overhead_s, 0.0)]
         if len(self._overheads) < SLOW_JOINS_OF:
             return
-        typical = sorted(self._overheads)[len(self._overheads) // 2]
-        late = sum(o > max(SLOW_JOIN_MIN_S, SLOW_FACTOR * typical) for o in self._overheads)
-        if late >= SLOW_JOINS:
-            logger.info(f"leader {leader[-8:]} is slow: {late} of our last {SLOW_JOINS_OF} joins took over "
-                        f"{max(SLOW_JOIN_MIN_S, SLOW_FACTOR * typical):.2f} s beyond its wait")  # fmt: skip
+        late, limit = _late(self._overheads)
+        if sum(late) >= SLOW_JOINS:
+            logger.info(f"leader {leader[-8:]} is slow: {sum(late)} of our last {SLOW_JOINS_OF} joins took over "
+                        f"{limit:.2f} s beyond its wait")  # fmt: skip
             self.note_slow([leader])
             self._overheads = []
 
@@ -353,9 +354,8 @@ class Matchmaker:
         self._reports = [*self._reports[1 - SLOW_JOINS_OF :], (joiner, overhead_s)]
         if len(self._reports) < SLOW_JOINS_OF or self._stepping_down_until > time.monotonic():
             return
-        overheads = sorted(o for _, o in self._reports)
-        limit = max(SLOW_JOIN_MIN_S, SLOW_FACTOR * overheads[len(overheads) // 2])
-        late = [j for j, o in self._reports if o > limit]
+        flags, limit = _late([o for _, o in self._reports])
+        late = [j for (j, _), is_late in zip(self._reports, flags) if is_late]
         reporters, late_reporters = {j for j, _ in self._reports}, set(late)
         if len(late) >= SLOW_JOINS and len(late_reporters) >= 2 and 2 * len(late_reporters) > len(reporters):
             logger.info(
@@ -412,7 +412,7 @@ class Matchmaker:
                 and len(self._expected() - slow) >= k
                 and time.monotonic() < first_join + SLOW_WAIT_S
             )
-            if target is not None and self._at_leading_step(self._pending, skip_slow=patient) >= target:
+            if target is not None and self._at_leading_step(self._pending, skip=slow if patient else set()) >= target:
                 break
             if target is None and joined >= self._expected():  # (asynchronous modes too: no one left to wait for)
                 break
@@ -477,14 +477,12 @@ class Matchmaker:
             return max(counts, key=lambda sv: (counts[sv], sv[0], sv[1]))
         return max(counts, key=lambda sv: (sv in together, sv[0], counts[sv], sv[1]))
 
-    def _at_leading_step(self, pending: dict[str, _Pending], *, skip_slow: bool = False) -> int:
-        """How many joiners hold the leading state's step (asynchronous modes: every joiner), slow ones
-        left out with `skip_slow`."""
+    def _at_leading_step(self, pending: dict[str, _Pending], *, skip: frozenset[str] | set[str] = frozenset()) -> int:
+        """How many joiners hold the leading state's step (asynchronous modes: every joiner), not counting `skip`."""
         if not self.config.lockstep or not pending:
             return len(pending)
         step, _ = self._leading_state(pending)
-        slow = self.membership.slow_flagged() if skip_slow else set()
-        return sum(e.request.step == step and p not in slow for p, e in pending.items())
+        return sum(e.request.step == step and p not in skip for p, e in pending.items())
 
     def _in_sync(self, pending: dict[str, _Pending]) -> list[str]:
         """The joiners that contribute to the next group; in lockstep modes those holding the leading state."""
@@ -537,6 +535,13 @@ class Matchmaker:
                 if donor in members:
                     _resolve(pending[recipient].reply, JoinReply(kind="resync", group=group, donor=donor))
         return leftover
+
+
+def _late(overheads: list[float]) -> tuple[list[bool], float]:
+    """Which join overheads are late, and the bound: SLOW_JOIN_MIN_S, or SLOW_JOIN_FACTOR times the median
+    where that is more (a far leader's 300 ms round trips are its typical time, not lateness)."""
+    limit = max(SLOW_JOIN_MIN_S, SLOW_JOIN_FACTOR * sorted(overheads)[len(overheads) // 2])
+    return [o > limit for o in overheads], limit
 
 
 def _resolve(future: asyncio.Future, reply: JoinReply) -> None:

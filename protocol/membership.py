@@ -16,9 +16,7 @@ from typing import Callable, Literal, Optional
 
 from hivemind import DHT
 from hivemind.utils import get_dht_time
-from pydantic import ValidationError
-
-from pydantic import Field
+from pydantic import Field, ValidationError
 
 from phalanx.protocol.dht_calls import dht_get, dht_store
 from phalanx.security.wire import PeerIdStr, WireModel
@@ -37,8 +35,8 @@ class PeerRecord(WireModel):
     state: PeerState
     step: int  # training step of its parameters
     role: Literal["trainer"] = "trainer"
-    # peers whose parts reached this one's reducer far behind the others' lately (a lossy or thin link):
-    # a peer named by most of the others does not lead, see `Membership.slow_flagged`
+    # peers this one found slow lately (their parts reached its reducer far behind the others', or, as its
+    # leader, they kept its joins long; itself while it steps down): see `Membership.slow_votes`
     slow: list[PeerIdStr] = Field(default=[], max_length=MAX_SLOW_MARKS)
 
 
@@ -125,7 +123,7 @@ class Membership:
         self._reread_at = now
         try:
             await asyncio.wait_for(self._read(), timeout=timeout_s)
-        except (asyncio.TimeoutError, Exception) as e:
+        except Exception as e:  # (a timeout included)
             logger.debug(f"membership re-read failed: {e!r}")
 
     async def _read(self) -> None:
