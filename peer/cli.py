@@ -300,10 +300,12 @@ def admit(
 def _check_join_args(args: list[str]) -> None:
     """Validate `phalanx join` flags as the trainers will parse them, without starting anything."""
     command = typer.main.get_command(app).get_command(None, "join")  # type: ignore[union-attr]
+    with command.make_context("phalanx swarm", list(args)) as ctx:
+        settings = join.settings(**ctx.params)  # type: ignore[attr-defined]
+    settings.round_config(*settings.aggregator_spec())  # the round's mistakes before the plan imports torch
     from phalanx.peer.plan import make_plan
 
-    with command.make_context("phalanx swarm", list(args)) as ctx:
-        make_plan(join.settings(**ctx.params))  # type: ignore[attr-defined]
+    make_plan(settings)
 
 
 def main(argv: Optional[list[str]] = None) -> None:

@@ -32,6 +32,7 @@ print(json.dumps(sorted(m for m in {heavy} if m in sys.modules)), file=sys.__std
         ["bench", "--help"],
         ["join", "--stesp", "3"],
         ["join", "--steps", "zero"],
+        ["swarm", "--peers", "6", "--byzantine", "2", "--aggregator", "centered_clip", "--verify"],  # no --tau
     ],
 )
 def test_help_and_flag_mistakes_import_nothing_heavy(argv):
