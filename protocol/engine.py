@@ -128,6 +128,7 @@ class RoundEngine:
             majority_state=config.verify is not None,
         )  # fmt: skip
         membership.slow_marks = self.matchmaker.slow_peers  # published, so that a slow peer stops leading
+        membership.on_probation = self.matchmaker.on_probation
         self.allreduce = AllReduceService(
             transport, registration_wait_s=config.matchmaking.join_timeout_s, part_idle_timeout_s=config.part_idle_timeout_s
         )
@@ -249,7 +250,7 @@ class RoundEngine:
         # on the lossy sender is late, and suspecting them all left this peer training in a group of one.
         for peer in (*result.idle_senders, *result.unreachable):
             self.membership.suspect(peer, for_s=self.membership.ttl_s)
-        self.matchmaker.note_slow(result.slow_senders)
+        self.matchmaker.note_round(group.members, result.slow_senders)
         self.stats.last_group_size = len(group.members)
         self.stats.last_round_s = time.monotonic() - started
         return Averaged(group, result, verdict)

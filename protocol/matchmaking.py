@@ -54,10 +54,12 @@ LEADER_RECHECK_S = 1.0  # a forming group checks this often that its former stil
 # K others are in sync, so one bad link does not set the pace of every round it gets into (nor leads).
 SLOW_FOR_S = 30.0
 SLOW_WAIT_S = 1.0
+SLOW_ROUNDS_OF, SLOW_ROUNDS = 8, 3  # a member is slow when its parts were late in this many of its last rounds with us
 # A leader is slow to its joiners when, of their last SLOW_JOINS_OF calls, SLOW_JOINS took more than
 # SLOW_JOIN_MIN_S (and SLOW_JOIN_FACTOR times the typical one) beyond the time it held them: every join and
 # group reply crosses the leader's link, and a lossy leader set the pace of every group of a k:3 swarm.
 SLOW_JOINS_OF, SLOW_JOINS = 8, 3
+SLOW_JOINS_TOTAL_S = 1.0  # ... or two took this much beyond the bound together (a lossy link's joins take seconds)
 SLOW_JOIN_MIN_S = 0.2
 SLOW_JOIN_FACTOR = 4.0
 MAX_OVERHEAD_MS = 3_600_000
@@ -103,6 +105,10 @@ class JoinReply(WireModel):
     donor: Optional[PeerIdStr] = None  # for "resync"
     leader: Optional[PeerIdStr] = None  # for "redirect"
     held_ms: Annotated[int, Field(ge=0)] = 0  # how long the leader held the join: the rest of the call is its link
+    # "redirect" from a leader stepping down (see Matchmaker._note_report): for how much longer. Its record says
+    # so too, but a record stored over the very link that made it step down reaches the others seconds late,
+    # and meanwhile they kept sending their joins back to it
+    stepping_down_ms: Annotated[int, Field(ge=0, le=int(SLOW_FOR_S * 1000))] = 0
 
 
 @dataclass
@@ -147,11 +153,13 @@ class Matchmaker:
     _rng: random.Random = field(default_factory=lambda: random.Random(secrets.randbits(64)))
     _started: float = field(default_factory=time.monotonic)
     _slow: dict[str, float] = field(default_factory=dict)  # peer -> time.monotonic() its mark ends
+    _late_parts: dict[str, list[bool]] = field(default_factory=dict)  # member -> were its parts late, last rounds
     _overheads_of: Optional[str] = None  # the leader our last joins went to ...
     _overheads: list[float] = field(default_factory=list)  # ... and how long each took beyond its wait
     _last_overhead: tuple[Optional[str], float] = (None, 0.0)  # (leader, seconds) of our last join, reported in the next
     _reports: list[tuple[str, float]] = field(default_factory=list)  # leader: (joiner, overhead) of the last joins served
-    _stepping_down_until: float = 0.0  # leader: named slow by itself until then (see _note_report)
+    _stepping_down_until: float = 0.0  # leader: named slow by itself until then (see _note_report) ...
+    _probation_until: float = 0.0  # ... then back in groups, but leading none until then (see on_probation)
 
     def __post_init__(self) -> None:
         self._arrived = asyncio.Event()
@@ -194,6 +202,8 @@ class Matchmaker:
                     logger.info(f"leader {leader[-8:]} failed ({e}); choosing another")
                     self.membership.suspect(leader, for_s=self.membership.ttl_s * 2)
                     continue
+            if reply.kind == "redirect" and reply.stepping_down_ms and leader != self.peer_id:
+                self.membership.note_stepping_down(leader, reply.stepping_down_ms / 1000)
             if reply.kind == "redirect" and reply.leader is not None:
                 self.stats.redirects += 1
                 redirects += 1
@@ -232,6 +242,7 @@ class Matchmaker:
                     header, _ = call.result()
                     reply = unpack(header, JoinReply, peer=leader)
                     overhead = max(time.monotonic() - began - reply.held_ms / 1000, 0.0)
+                    logger.debug(f"join to {leader[-8:]}: {reply.kind} after {time.monotonic() - began:.3f} s (held {reply.held_ms} ms)")
                     self._note_join_overhead(leader, overhead)
                     self._last_overhead = (leader, overhead)
                     return reply
@@ -297,8 +308,11 @@ class Matchmaker:
         self._note_report(peer, request.overhead_ms / 1000)
         began = time.monotonic()
         reply = await self._submit(peer, request)
-        reply = reply.model_copy(update={"held_ms": int((time.monotonic() - began) * 1000)})
-        return pack(reply), b""
+        update = {"held_ms": int((time.monotonic() - began) * 1000)}
+        stepping_down_s = self._stepping_down_until - time.monotonic()
+        if reply.kind == "redirect" and stepping_down_s > 0:
+            update["stepping_down_ms"] = min(int(stepping_down_s * 1000), int(SLOW_FOR_S * 1000))
+        return pack(reply.model_copy(update=update)), b""
 
     async def _submit(self, peer: str, request: JoinRequest) -> JoinReply:
         leader = self.membership.leader()
@@ -318,8 +332,28 @@ class Matchmaker:
             self._former = asyncio.create_task(self._form_group(), name="form-group")
         return await future
 
+    def note_round(self, members: list[str], slow_senders: tuple[str, ...] | list[str]) -> None:
+        """After a round of ours: mark members whose parts came in far behind the others' in SLOW_ROUNDS of
+        their last SLOW_ROUNDS_OF rounds with us (a thin link is late every round, a descheduled process once)."""
+        slow = set(slow_senders)
+        marked = []
+        for peer in members:
+            if peer == self.peer_id:
+                continue
+            history = [*self._late_parts.get(peer, [])[1 - SLOW_ROUNDS_OF :], peer in slow]
+            if sum(history) >= SLOW_ROUNDS:
+                marked.append(peer)
+                history = []
+            self._late_parts[peer] = history
+        view = self.membership.peers()
+        for peer in [p for p in self._late_parts if p not in members and p not in view]:
+            del self._late_parts[peer]  # gone from the swarm
+        if marked:
+            self.note_slow(marked)
+
     def note_slow(self, peers: tuple[str, ...] | list[str]) -> None:
-        """Mark peers whose parts came in far behind the others in a round of ours (see SLOW_FOR_S)."""
+        """Mark peers slow for SLOW_FOR_S: their parts kept coming in late (note_round), or their link kept our
+        joins long (_note_join_overhead)."""
         now = time.monotonic()
         new = False
         for peer in peers:
@@ -332,18 +366,24 @@ class Matchmaker:
             del self._slow[peer]
 
     def _note_join_overhead(self, leader: str, overhead_s: float) -> None:
-        """Mark the leader slow when its link, not its waiting for others, keeps our joins long."""
+        """Mark the leader slow when its link, not its waiting for others, keeps our joins long; while this peer
+        steps down or is on probation after that, late joins to the next leader say its own link still is slow."""
         if self._overheads_of != leader:
             self._overheads_of, self._overheads = leader, []
         self._overheads = [*self._overheads[1 - SLOW_JOINS_OF :], max(overhead_s, 0.0)]
         if len(self._overheads) < SLOW_JOINS_OF:
             return
         late, limit = _late(self._overheads)
-        if sum(late) >= SLOW_JOINS:
-            logger.info(f"leader {leader[-8:]} is slow: {sum(late)} of our last {SLOW_JOINS_OF} joins took over "
-                        f"{limit:.2f} s beyond its wait")  # fmt: skip
-            self.note_slow([leader])
-            self._overheads = []
+        if not _too_late(self._overheads, late, limit):
+            return
+        self._overheads = []
+        if self._probation_until > time.monotonic():  # we stepped down lately: it is our link that is slow
+            logger.info(f"stepping down (again): {sum(late)} of our last {SLOW_JOINS_OF} joins took over {limit:.2f} s")
+            self._step_down()
+            return
+        logger.info(f"leader {leader[-8:]} is slow: {sum(late)} of our last {SLOW_JOINS_OF} joins took over "
+                    f"{limit:.2f} s beyond its wait")  # fmt: skip
+        self.note_slow([leader])
 
     def _note_report(self, joiner: str, overhead_s: float) -> None:
         """Leader: step down (name itself slow) when its joiners' reports say its link keeps their joins long.
@@ -357,14 +397,24 @@ class Matchmaker:
         flags, limit = _late([o for _, o in self._reports])
         late = [j for (j, _), is_late in zip(self._reports, flags) if is_late]
         reporters, late_reporters = {j for j, _ in self._reports}, set(late)
-        if len(late) >= SLOW_JOINS and len(late_reporters) >= 2 and 2 * len(late_reporters) > len(reporters):
+        slow = _too_late([o for _, o in self._reports], flags, limit)
+        if slow and len(late_reporters) >= 2 and 2 * len(late_reporters) > len(reporters):
             logger.info(
                 f"stepping down as leader: {len(late)} of the last {SLOW_JOINS_OF} joins took over {limit:.2f} s "
                 f"beyond our wait, for {len(late_reporters)} of {len(reporters)} joiners"
             )
-            self._stepping_down_until = time.monotonic() + SLOW_FOR_S
+            self._step_down()
             self._reports = []
-            self.membership.announce_soon()
+
+    def _step_down(self) -> None:
+        now = time.monotonic()
+        self._stepping_down_until, self._probation_until = now + SLOW_FOR_S, now + 2 * SLOW_FOR_S
+        self.membership.announce_soon()
+
+    def on_probation(self) -> bool:
+        """After stepping down: back in groups (where slow parts get it marked again), not leading yet. A link that
+        was slow when it stepped down often still is when that ends, and a leader's link costs every group."""
+        return self._stepping_down_until <= time.monotonic() < self._probation_until
 
     def slow_peers(self) -> list[str]:
         """The peers marked slow now, this one too while it steps down (published in its membership record)."""
@@ -508,7 +558,10 @@ class Matchmaker:
         leftover: list[str] = []
         if len(chunks) > 1 and len(chunks[-1]) < max(self.config.min_group_size, size if not self.config.lockstep else 0):
             leftover = chunks.pop()  # groups keep their size; the rest wait for the next ones
-        donations = {peer: in_sync[i % len(in_sync)] for i, peer in enumerate(behind)}
+        # donors: members the swarm does not find slow where there are any (a state from a lossy peer comes late)
+        slow = self.membership.slow_flagged()
+        donors = [p for p in in_sync if p not in slow] or in_sync
+        donations = {peer: donors[i % len(donors)] for i, peer in enumerate(behind)}
         self._expected_next = set(pending)
         for members in chunks:
             round_id = self.new_round_id()
@@ -542,6 +595,13 @@ def _late(overheads: list[float]) -> tuple[list[bool], float]:
     where that is more (a far leader's 300 ms round trips are its typical time, not lateness)."""
     limit = max(SLOW_JOIN_MIN_S, SLOW_JOIN_FACTOR * sorted(overheads)[len(overheads) // 2])
     return [o > limit for o in overheads], limit
+
+
+def _too_late(overheads: list[float], late: list[bool], limit: float) -> bool:
+    """SLOW_JOINS late joins, or two or more that add up to SLOW_JOINS_TOTAL_S beyond the bound: each join
+    under a lossy leader can take a second, and waiting for a third costs the swarm another."""
+    beyond = sum(o - limit for o, is_late in zip(overheads, late) if is_late)
+    return sum(late) >= SLOW_JOINS or (sum(late) >= 2 and beyond >= SLOW_JOINS_TOTAL_S)
 
 
 def _resolve(future: asyncio.Future, reply: JoinReply) -> None:

@@ -38,6 +38,8 @@ class PeerRecord(WireModel):
     # peers this one found slow lately (their parts reached its reducer far behind the others', or, as its
     # leader, they kept its joins long; itself while it steps down): see `Membership.slow_votes`
     slow: list[PeerIdStr] = Field(default=[], max_length=MAX_SLOW_MARKS)
+    # it stepped down lately and is back in groups, but does not lead yet (Matchmaker.on_probation)
+    probation: bool = False
 
 
 @dataclass
@@ -66,11 +68,13 @@ class Membership:
     _refreshed: Optional[asyncio.Event] = None
     _soon: Optional[asyncio.Event] = None  # wakes the refresh loop early (see announce_soon)
     _reread_at: float = float("-inf")
+    _stepping_down: dict[str, float] = field(default_factory=dict)  # peer -> time.monotonic() it leads again
     admitted: Optional[Callable[[str], bool]] = None  # private swarms: peers without a certificate are invisible
     # verified runs: the leader is drawn anew each period (see `leader`); None: the lowest peer ID leads
     leader_period_s: Optional[float] = None
     leader_clock: Callable[[], float] = get_dht_time  # numbers the periods (every peer's clock is the DHT's)
     slow_marks: Callable[[], list[str]] = lambda: []  # the peers this one finds slow, published in its record
+    on_probation: Callable[[], bool] = lambda: False  # published too: it leads no group while true
 
     async def start(self) -> None:
         self._refreshed, self._soon = asyncio.Event(), asyncio.Event()
@@ -145,7 +149,9 @@ class Membership:
             self._refreshed.set()
 
     async def _announce(self, expire_in_s: float) -> None:
-        record = PeerRecord(state=self.state, step=self.step, slow=sorted(self.slow_marks())[:MAX_SLOW_MARKS])
+        record = PeerRecord(
+            state=self.state, step=self.step, slow=sorted(self.slow_marks())[:MAX_SLOW_MARKS], probation=self.on_probation()
+        )
         await dht_store(self.dht, self.key, record.model_dump(), get_dht_time() + expire_in_s, subkey=self.peer_id)
 
     def peers(self, *, states: tuple[PeerState, ...] = ("joining", "online")) -> dict[str, PeerRecord]:
@@ -173,21 +179,29 @@ class Membership:
             return False
         return True
 
+    def note_stepping_down(self, peer: str, for_s: float) -> None:
+        """`peer` told us itself (a join it redirected) that it steps down: as if its record named it, until then."""
+        self._stepping_down[peer] = time.monotonic() + for_s
+
     def slow_votes(self) -> dict[str, int]:
         """Peers that more than half of the others in view name as slow in their records, with how many name
         them. Every peer reads the same records, the slow one included, so all agree it should not lead:
         every join and group reply crosses the leader's link, and a lossy leader held every group of a
         `k:<K>` swarm back. A peer so named has no vote itself (it still counts among the others): on a
         lossy link it sees everyone's parts come in late and names them at random. A peer that names
-        itself steps down (Matchmaker._note_report) and counts as named by all."""
+        itself steps down (Matchmaker._note_report) and counts as named by all, from when it says so in a
+        join reply (`note_stepping_down`) too."""
         records = self.peers()
+        now = time.monotonic()
+        stepping_down = {p for p, until in self._stepping_down.items() if until > now}
+        self._stepping_down = {p: self._stepping_down[p] for p in stepping_down}
         if self.peer_id in records:  # our own marks as they are now, not as last published (a leader stepping down)
             records[self.peer_id] = records[self.peer_id].model_copy(update={"slow": sorted(self.slow_marks())[:MAX_SLOW_MARKS]})
 
         def named(void: set[str]) -> dict[str, int]:
             votes = {}
             for peer in records:
-                if peer in records[peer].slow:  # it names itself: it steps down (a leader its joiners found slow)
+                if peer in records[peer].slow or peer in stepping_down:  # it steps down (its joiners found it slow)
                     votes[peer] = len(records) - 1
                     continue
                 count = sum(peer in rec.slow for other, rec in records.items() if other != peer and other not in void)
@@ -200,17 +214,22 @@ class Membership:
     def slow_flagged(self) -> set[str]:
         return set(self.slow_votes())
 
+    def stepping_aside(self) -> set[str]:
+        """Peers on probation (they stepped down lately): in groups, leading none; this one by its fresh state."""
+        aside = {p for p, record in self.peers().items() if record.probation and p != self.peer_id}
+        return aside | {self.peer_id} if self.on_probation() else aside
+
     def leader(self, *, excluding: frozenset[str] = frozenset()) -> str:
         """Every peer computes the same answer from the same view (disagreement only costs a redirect or a
         resync): among announced, unsuspected peers and ourselves, not flagged slow (unless all are), the
-        lowest peer ID, or with `leader_period_s` the lowest hash of (period number, peer ID). The leader
+        lowest peer ID (not on probation either, if any other is not), or with `leader_period_s` the lowest hash of (period number, peer ID). The leader
         forms the groups, and anyone can make a key with a low peer ID; no key has a low hash in every
         period, so a Byzantine peer leads about its share of the periods, not all of them. `excluding`: who
         would lead without them."""
         pool = [p for p in self.peers() if not self.is_suspect(p) and p not in excluding and p != self.peer_id]
         pool.append(self.peer_id)
-        slow = self.slow_flagged()
-        candidates = [p for p in pool if p not in slow] or pool
+        slow, aside = self.slow_flagged(), self.stepping_aside()
+        candidates = [p for p in pool if p not in slow | aside] or [p for p in pool if p not in slow] or pool
         if self.leader_period_s is None:
             return min(candidates)
         period = int(self.leader_clock() // self.leader_period_s).to_bytes(8, "little")

@@ -17,7 +17,7 @@ from phalanx.protocol.round_spec import PartGuard, Reducer, RoundSpec
 
 logger = logging.getLogger(__name__)
 
-SLOW_MIN_S = 0.5
+SLOW_MIN_S = 0.1
 SLOW_FACTOR = 4.0
 
 
@@ -52,7 +52,8 @@ class Reduction:
 
     def slow(self, started: float) -> list[int]:
         """Senders whose part came in SLOW_MIN_S, and SLOW_FACTOR times the fastest other sender's time,
-        after that fastest one: a lossy or thin link, not a busy machine's few milliseconds."""
+        after that fastest one: a lossy or thin link, or a descheduled process (one round says little: the
+        matchmaker marks a sender slow in several of its last rounds, Matchmaker.note_round)."""
         others = {i: at - started for i, at in self.arrived_at.items() if i != self.my_index}
         if len(others) < 2:
             return []  # one other sender: nobody to be slow against

@@ -26,7 +26,7 @@ from fault_lab import Lab
 REPO = Path(__file__).resolve().parents[2]
 P2P_PORT, DIRECT_PORT, HTTP_PORT = 31337, 31338, 9100
 POLL_S = 1.0
-PEER_DEBUG_ENV = "PHALANX_FAULTS_DEBUG"  # set: the swarm's peers run with --debug (scripts/faults.py --debug)
+PEER_DEBUG_ENV = "FAULT_TABLE_DEBUG"  # set: the swarm's peers run with --debug (scripts/faults.py --debug)
 
 
 @dataclass(frozen=True)

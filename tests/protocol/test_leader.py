@@ -82,6 +82,18 @@ def test_a_peer_naming_itself_steps_down():
     assert membership.slow_flagged() == {PEERS[0]} and membership.leader() == PEERS[1]
 
 
+def test_a_peer_on_probation_is_in_groups_but_does_not_lead():
+    membership = _membership(PEERS[5])
+    membership._view[PEERS[0]] = (PeerRecord(state="online", step=0, probation=True), get_dht_time() + 3600)
+    assert membership.leader() == PEERS[1] and membership.slow_flagged() == set()
+    assert membership.leader(excluding=frozenset(PEERS[1:5] + PEERS[6:])) == PEERS[5]
+    for peer in PEERS:
+        membership._view[peer] = (PeerRecord(state="online", step=0, probation=True), get_dht_time() + 3600)
+    assert membership.leader() == PEERS[5]  # its own state counts as it is now, not as last published
+    membership.on_probation = lambda: True
+    assert membership.leader() == PEERS[0]  # everyone on probation: someone still leads
+
+
 def test_two_peers_naming_each_other_slow_cancel_out():
     membership = _membership(PEERS[0])
     membership._view = {p: membership._view[p] for p in PEERS[:2]}

@@ -104,7 +104,8 @@ def test_the_next_leader_probes_the_peers_it_would_wait_for_while_its_leader_is_
     "overheads, slow",
     [
         ([0.002] * 5 + [0.25, 0.6, 0.3], True),  # a lossy leader: retransmissions on 3 of 8 joins
-        ([0.002] * 6 + [0.25, 0.6], False),  # two late joins: not enough
+        ([0.002] * 6 + [0.25, 0.6], False),  # two late joins: not enough ...
+        ([0.002] * 6 + [1.3, 0.5], True),  # ... unless they took a second beyond the bound together
         ([0.3] * 5 + [0.4, 0.5, 0.45], False),  # a far leader (300 ms round trips): late against 0.2 s, not against its own
         ([0.3] * 5 + [1.3, 1.5, 2.0], True),
     ],
@@ -136,3 +137,83 @@ def test_a_leader_steps_down_when_most_of_its_joiners_report_its_link_slow(repor
     for joiner, overhead in reports:
         leader._note_report(PEERS[joiner], overhead)
     assert (PEERS[0] in leader.slow_peers()) is steps_down
+
+
+class _Swarm:
+    """Routes each call to the matchmaker of the peer called, as the transport would."""
+
+    def __init__(self) -> None:
+        self.by_peer: dict[str, Matchmaker] = {}
+
+    def transport(self, me: str):
+        swarm = self
+
+        class Routed(_Transport):
+            async def call(self, peer, method, header, payload=b"", *, max_reply_payload, timeout_s, **kwargs):
+                serve = swarm.by_peer[peer]._serve_join if method == matchmaking.JOIN_METHOD else swarm.by_peer[peer]._serve_probe
+                return await serve(me, header, bytearray())
+
+        return Routed(me, set())
+
+
+def test_a_leader_stepping_down_says_so_in_its_redirects_and_its_joiners_regroup_at_once():
+    """A stepped down (its joiners found its link slow), but its record, stored over that link, has not reached
+    the others: they still see it lead. Its redirects carry how long it steps down, so B, C and D regroup around
+    B at their next join instead of bouncing between A and B until A's record lands."""
+
+    async def main():
+        swarm = _Swarm()
+        for me in PEERS[:4]:
+            mm = _matchmaker(me, silent=set())
+            mm.transport = swarm.transport(me)
+            mm.membership.slow_marks = mm.slow_peers  # as the engine wires them
+            swarm.by_peer[me] = mm
+        a = swarm.by_peer[PEERS[0]]
+        a._stepping_down_until = asyncio.get_running_loop().time() + 30  # (time.monotonic's clock)
+        assert all(swarm.by_peer[p].membership.leader() == PEERS[0] for p in PEERS[1:4])
+        joins = [swarm.by_peer[p].join(version=bytes([5]) * 32, step=5) for p in PEERS[:4]]
+        replies = await asyncio.wait_for(asyncio.gather(*joins), 30)
+        assert {r.kind for r in replies} == {"group"} and sorted(replies[0].group.members) == PEERS[:4]
+        assert {swarm.by_peer[p].last_leader for p in PEERS[:4]} == {PEERS[1]}
+        assert all(swarm.by_peer[p].membership.leader() == PEERS[1] for p in PEERS[1:4])
+        assert 25 < swarm.by_peer[PEERS[2]].membership._stepping_down[PEERS[0]] - asyncio.get_running_loop().time() <= 30
+        for mm in swarm.by_peer.values():
+            await mm.aclose()
+
+    asyncio.run(main())
+
+
+def test_a_stepped_down_leader_is_on_probation_and_late_joins_then_step_it_down_again(monkeypatch):
+    """Stepping down ends in probation: back in groups, leading none. Its link is measured by its joins to the
+    next leader meanwhile: late ones step it down again, and mark nobody (they say nothing about that leader)."""
+    clock = [1000.0]
+    monkeypatch.setattr(matchmaking.time, "monotonic", lambda: clock[0])
+    peer = _matchmaker(PEERS[0], silent=set())
+    peer.membership.on_probation = peer.on_probation
+    peer._step_down()
+    assert peer.slow_peers() == [PEERS[0]] and not peer.on_probation()
+    clock[0] += matchmaking.SLOW_FOR_S + 1
+    assert peer.slow_peers() == [] and peer.on_probation()
+    assert peer.membership.leader() == PEERS[1]  # in its own view too
+    for overhead in [0.002] * 5 + [0.3, 0.5, 0.4]:
+        peer._note_join_overhead(PEERS[1], overhead)
+    assert peer.slow_peers() == [PEERS[0]] and not peer.on_probation()
+    clock[0] += 2 * matchmaking.SLOW_FOR_S + 1
+    assert peer.slow_peers() == [] and not peer.on_probation() and peer.membership.leader() == PEERS[0]
+
+
+@pytest.mark.parametrize(
+    "late_rounds, slow",
+    [
+        ([False] * 6 + [True, True], False),  # a descheduled process now and then
+        ([False] * 5 + [True, False, True, True], True),  # a thin link: late round after round
+        ([True, True] + [False] * 7 + [True], False),  # three, but not within its last eight rounds
+    ],
+)
+def test_a_member_is_marked_slow_when_its_parts_were_late_in_several_of_its_last_rounds(late_rounds, slow):
+    peer = _matchmaker(PEERS[0], silent=set())
+    members = PEERS[:3]
+    for late in late_rounds:
+        peer.note_round(members, [PEERS[2]] if late else [])
+    assert (PEERS[2] in peer.slow_peers()) is slow
+    assert PEERS[1] not in peer.slow_peers() and PEERS[0] not in peer.slow_peers()
