@@ -48,6 +48,7 @@ LEADER_PROBE_S = 1.0  # a joiner probes the leader holding its join this often .
 LEADER_ALIVE_S = 4.0  # ... and gives up on it when a probe is not answered within this (a live one answers in ms)
 MAX_REDIRECTS = 3
 LEADER_RECHECK_S = 1.0  # a forming group checks this often that its former still leads
+RECHECK_LEADER_S = 1.0  # a joiner probes the leader it suspects at most this often (see Matchmaker._recheck_leader)
 # Sync policies (K of N): a member whose parts came in far behind the others' (a lossy or thin link) is
 # marked "slow" for SLOW_FOR_S by the reducers that saw it; once most of the others name it in their
 # membership records, a forming group does not count it towards K for SLOW_WAIT_S, and leaves it out when
@@ -150,6 +151,7 @@ class Matchmaker:
     _arrived: Optional[asyncio.Event] = None
     _former: Optional[asyncio.Task] = None
     _probes: dict[str, asyncio.Task] = field(default_factory=dict)  # probes of the peer that would lead next
+    _rechecked_at: dict[str, float] = field(default_factory=dict)  # suspected leader -> when we last probed it
     _rng: random.Random = field(default_factory=lambda: random.Random(secrets.randbits(64)))
     _started: float = field(default_factory=time.monotonic)
     _slow: dict[str, float] = field(default_factory=dict)  # peer -> time.monotonic() its mark ends
@@ -190,6 +192,7 @@ class Matchmaker:
         target: Optional[str] = None
         redirects = 0
         while time.monotonic() < deadline:
+            self._recheck_leader()
             leader = target or self.membership.leader()
             target = None
             if leader == self.peer_id:
@@ -274,17 +277,33 @@ class Matchmaker:
         request = pack(LeaderProbe(run=self.run_hash))
         return await self.transport.call(peer, PROBE_METHOD, request, max_reply_payload=0, timeout_s=LEADER_ALIVE_S)
 
+    def _recheck_leader(self) -> None:
+        """Probe the peer that would lead but for our suspicion: one that answers is trusted again. A leader
+        whose probe failed just before a partition healed was passed over for the suspicion's whole 16 s,
+        while the peers that had not suspected it joined it: two groups, each waiting for the other."""
+        trusted = self.membership.leader(trusting=True)
+        now = time.monotonic()
+        if not self.membership.is_suspect(trusted) or trusted in self._probes:
+            return
+        if now - self._rechecked_at.get(trusted, float("-inf")) < RECHECK_LEADER_S:
+            return
+        self._rechecked_at = {trusted: now}
+        self._probes[trusted] = asyncio.create_task(self._probe_watched(trusted, trust=True), name="recheck-probe")
+
     def _watch(self, peers: set[str]) -> None:
         """Probe each of `peers` (one probe in flight per peer) and suspect those that leave it unanswered."""
         for peer in peers - {self.peer_id} - set(self._probes):
             self._probes[peer] = asyncio.create_task(self._probe_watched(peer), name="watch-probe")
 
-    async def _probe_watched(self, peer: str) -> None:
+    async def _probe_watched(self, peer: str, *, trust: bool = False) -> None:
         try:
             header, _ = await self._probe(peer)
             unpack(header, ProbeReply, peer=peer)
+            if trust:
+                logger.info(f"peer {peer[-8:]} answers again; no longer suspected")
+                self.membership.clear_suspicion(peer)
         except (CallFailed, PeerProtocolError) as e:
-            logger.info(f"peer {peer[-8:]} does not answer probes ({e}); not waiting for it")
+            (logger.debug if trust else logger.info)(f"peer {peer[-8:]} does not answer probes ({e}); not waiting for it")
             self.membership.suspect(peer, for_s=self.membership.ttl_s * 2)
             self._arrived.set()  # a forming group re-counts whom it waits for
         finally:
@@ -349,6 +368,10 @@ class Matchmaker:
         for peer in [p for p in self._late_parts if p not in members and p not in view]:
             del self._late_parts[peer]  # gone from the swarm
         if marked:
+            now = time.monotonic()
+            fresh = [p[-8:] for p in marked if self._slow.get(p, 0.0) <= now]
+            if fresh:
+                logger.info(f"member(s) {fresh} slow: their parts came late in {SLOW_ROUNDS} of their last {SLOW_ROUNDS_OF} rounds with us")
             self.note_slow(marked)
 
     def note_slow(self, peers: tuple[str, ...] | list[str]) -> None:
@@ -445,6 +468,7 @@ class Matchmaker:
         timed_out = False
         while True:
             self._arrived.clear()
+            self._recheck_leader()
             if self.membership.leader() != self.peer_id:
                 self._release_all(JoinReply(kind="redirect", leader=self.membership.leader()))
                 return

@@ -219,14 +219,14 @@ class Membership:
         aside = {p for p, record in self.peers().items() if record.probation and p != self.peer_id}
         return aside | {self.peer_id} if self.on_probation() else aside
 
-    def leader(self, *, excluding: frozenset[str] = frozenset()) -> str:
+    def leader(self, *, excluding: frozenset[str] = frozenset(), trusting: bool = False) -> str:
         """Every peer computes the same answer from the same view (disagreement only costs a redirect or a
         resync): among announced, unsuspected peers and ourselves, not flagged slow (unless all are), the
         lowest peer ID (not on probation either, if any other is not), or with `leader_period_s` the lowest hash of (period number, peer ID). The leader
         forms the groups, and anyone can make a key with a low peer ID; no key has a low hash in every
         period, so a Byzantine peer leads about its share of the periods, not all of them. `excluding`: who
-        would lead without them."""
-        pool = [p for p in self.peers() if not self.is_suspect(p) and p not in excluding and p != self.peer_id]
+        would lead without them; `trusting`: who would lead if no one were suspected."""
+        pool = [p for p in self.peers() if (trusting or not self.is_suspect(p)) and p not in excluding and p != self.peer_id]
         pool.append(self.peer_id)
         slow, aside = self.slow_flagged(), self.stepping_aside()
         candidates = [p for p in pool if p not in slow | aside] or [p for p in pool if p not in slow] or pool

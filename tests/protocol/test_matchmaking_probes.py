@@ -217,3 +217,25 @@ def test_a_member_is_marked_slow_when_its_parts_were_late_in_several_of_its_last
         peer.note_round(members, [PEERS[2]] if late else [])
     assert (PEERS[2] in peer.slow_peers()) is slow
     assert PEERS[1] not in peer.slow_peers() and PEERS[0] not in peer.slow_peers()
+
+
+def test_a_suspected_leader_that_answers_again_is_trusted_again(monkeypatch):
+    """A's probe failed just before a partition healed: B suspects it (for 2 × ttl_s) while C, which did
+    not, still joins A. B probes the peer that would lead but for its suspicion, and follows it again as
+    soon as it answers, instead of leading a group of its own that waits for C."""
+    monkeypatch.setattr(matchmaking, "RECHECK_LEADER_S", 0.05)
+
+    async def main():
+        joiner = _matchmaker(PEERS[1], silent={PEERS[0]})
+        joiner.membership.suspect(PEERS[0], for_s=3600)
+        joiner._recheck_leader()
+        await asyncio.gather(*joiner._probes.values(), return_exceptions=True)
+        assert joiner.membership.leader() == PEERS[1]  # still silent: still suspected
+        joiner.transport.silent = set()  # healed
+        await asyncio.sleep(0.1)
+        joiner._recheck_leader()
+        await asyncio.gather(*joiner._probes.values(), return_exceptions=True)
+        assert joiner.membership.leader() == PEERS[0]
+        await joiner.aclose()
+
+    asyncio.run(main())
