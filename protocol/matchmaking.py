@@ -151,7 +151,7 @@ class Matchmaker:
     _arrived: Optional[asyncio.Event] = None
     _former: Optional[asyncio.Task] = None
     _probes: dict[str, asyncio.Task] = field(default_factory=dict)  # probes of the peer that would lead next
-    _rechecked_at: dict[str, float] = field(default_factory=dict)  # suspected leader -> when we last probed it
+    _rechecked_at: float = float("-inf")  # when we last probed a leader we suspect
     _rng: random.Random = field(default_factory=lambda: random.Random(secrets.randbits(64)))
     _started: float = field(default_factory=time.monotonic)
     _slow: dict[str, float] = field(default_factory=dict)  # peer -> time.monotonic() its mark ends
@@ -205,7 +205,7 @@ class Matchmaker:
                     logger.info(f"leader {leader[-8:]} failed ({e}); choosing another")
                     self.membership.suspect(leader, for_s=self.membership.ttl_s * 2)
                     continue
-            if reply.kind == "redirect" and reply.stepping_down_ms and leader != self.peer_id:
+            if reply.kind == "redirect" and reply.stepping_down_ms:  # (only remote replies carry it)
                 self.membership.note_stepping_down(leader, reply.stepping_down_ms / 1000)
             if reply.kind == "redirect" and reply.leader is not None:
                 self.stats.redirects += 1
@@ -281,13 +281,13 @@ class Matchmaker:
         """Probe the peer that would lead but for our suspicion: one that answers is trusted again. A leader
         whose probe failed just before a partition healed was passed over for the suspicion's whole 16 s,
         while the peers that had not suspected it joined it: two groups, each waiting for the other."""
-        trusted = self.membership.leader(trusting=True)
         now = time.monotonic()
+        if now - self._rechecked_at < RECHECK_LEADER_S:  # (every join passes here: the view is read once a second)
+            return
+        self._rechecked_at = now
+        trusted = self.membership.leader(trusting=True)
         if not self.membership.is_suspect(trusted) or trusted in self._probes:
             return
-        if now - self._rechecked_at.get(trusted, float("-inf")) < RECHECK_LEADER_S:
-            return
-        self._rechecked_at = {trusted: now}
         self._probes[trusted] = asyncio.create_task(self._probe_watched(trusted, trust=True), name="recheck-probe")
 
     def _watch(self, peers: set[str]) -> None:
@@ -364,9 +364,11 @@ class Matchmaker:
                 marked.append(peer)
                 history = []
             self._late_parts[peer] = history
-        view = self.membership.peers()
-        for peer in [p for p in self._late_parts if p not in members and p not in view]:
-            del self._late_parts[peer]  # gone from the swarm
+        absent = [p for p in self._late_parts if p not in members]
+        if absent:
+            view = self.membership.peers()
+            for peer in [p for p in absent if p not in view]:
+                del self._late_parts[peer]  # gone from the swarm
         if marked:
             now = time.monotonic()
             fresh = [p[-8:] for p in marked if self._slow.get(p, 0.0) <= now]
@@ -417,10 +419,11 @@ class Matchmaker:
         self._reports = [*self._reports[1 - SLOW_JOINS_OF :], (joiner, overhead_s)]
         if len(self._reports) < SLOW_JOINS_OF or self._stepping_down_until > time.monotonic():
             return
-        flags, limit = _late([o for _, o in self._reports])
+        overheads = [o for _, o in self._reports]
+        flags, limit = _late(overheads)
         late = [j for (j, _), is_late in zip(self._reports, flags) if is_late]
         reporters, late_reporters = {j for j, _ in self._reports}, set(late)
-        slow = _too_late([o for _, o in self._reports], flags, limit)
+        slow = _too_late(overheads, flags, limit)
         if slow and len(late_reporters) >= 2 and 2 * len(late_reporters) > len(reporters):
             logger.info(
                 f"stepping down as leader: {len(late)} of the last {SLOW_JOINS_OF} joins took over {limit:.2f} s "

@@ -221,8 +221,9 @@ class Membership:
 
     def leader(self, *, excluding: frozenset[str] = frozenset(), trusting: bool = False) -> str:
         """Every peer computes the same answer from the same view (disagreement only costs a redirect or a
-        resync): among announced, unsuspected peers and ourselves, not flagged slow (unless all are), the
-        lowest peer ID (not on probation either, if any other is not), or with `leader_period_s` the lowest hash of (period number, peer ID). The leader
+        resync): among announced, unsuspected peers and ourselves, not flagged slow (unless all are) nor on
+        probation (unless all others are), the lowest peer ID, or with `leader_period_s` the lowest hash of
+        (period number, peer ID). The leader
         forms the groups, and anyone can make a key with a low peer ID; no key has a low hash in every
         period, so a Byzantine peer leads about its share of the periods, not all of them. `excluding`: who
         would lead without them; `trusting`: who would lead if no one were suspected."""
