@@ -281,13 +281,12 @@ class FaultSwarm:
             hashes[step] = h.hexdigest()[:16]
         return hashes
 
-    def same_model(self, names: list[str], since_wall: float) -> tuple[int, int]:
-        """(steps at which every one of `names` checkpointed the same parameters, steps all of them
-        checkpointed), over checkpoints written after `since_wall`."""
+    def same_model(self, names: list[str], since_wall: float) -> tuple[int, list[int]]:
+        """(steps all of `names` checkpointed, in order; those at which their parameters differed), over
+        checkpoints written after `since_wall`."""
         tables = [self.checkpoint_hashes(n, since_wall) for n in names]
-        common = set.intersection(*(set(t) for t in tables)) if tables else set()
-        same = sum(1 for step in common if len({t[step] for t in tables}) == 1)
-        return same, len(common)
+        common = sorted(set.intersection(*(set(t) for t in tables))) if tables else []
+        return common, [step for step in common if len({t[step] for t in tables}) > 1]
 
     # ---- teardown ---------------------------------------------------------------------------
 

@@ -2,7 +2,19 @@
 
 import pytest
 from fault_swarm import Sample
-from fault_table import BY_KEY, SCENARIOS, Row, Scenario, delta, failed_checks, format_rows, longest_stall, rate, value_at
+from fault_table import (
+    BY_KEY,
+    SCENARIOS,
+    Row,
+    Scenario,
+    checkpoint_spans,
+    delta,
+    failed_checks,
+    format_rows,
+    longest_stall,
+    rate,
+    value_at,
+)
 
 
 def polls(*pairs):
@@ -31,23 +43,37 @@ def test_delta_and_rate_take_the_last_answered_poll_at_each_end():
 
 def test_a_row_that_meets_acceptance_passes_and_one_that_does_not_names_each_check():
     good = Row("a", "cut 30 s", stall_s=4.0, rounds_during=12, ready_while_faulty="0/20", ready_after_s=3.0,
-               one_swarm_s=6.0, same_model="5/5")  # fmt: skip
+               one_swarm_s=6.0, same_model="5/5", same_at_ends=True)  # fmt: skip
     assert failed_checks(BY_KEY["a"], [good]) == []
     bad = Row("a", "cut 30 s", stall_s=41.0, rounds_during=0, ready_while_faulty="20/20", ready_after_s=0.7,
-              one_swarm_s=None, same_model="0/44")  # fmt: skip
+              one_swarm_s=None, same_model="0/44", same_at_ends=False)  # fmt: skip
     assert failed_checks(BY_KEY["a"], [bad]) == [
         "(a) cut 30 s: healthy peers' longest stall ≤ 10 s",
         "(a) cut 30 s: rounds keep completing during the fault",
         "(a) cut 30 s: /readyz 503 while cut off (after the grace)",
-        "(a) cut 30 s: one swarm within 30 s of healing, same model at every common checkpoint after",
+        "(a) cut 30 s: one swarm within 30 s of healing, same model at the first common checkpoint after and at the last",
     ]
 
 
 def test_same_model_needs_at_least_one_common_checkpoint():
-    row = Row("h", "split 30 s", stall_s=1.0, ready_while_faulty="0/5", one_swarm_s=3.0, same_model="0/0")
+    row = Row("h", "split 30 s", stall_s=1.0, ready_while_faulty="0/5", one_swarm_s=3.0, same_model="0/0", same_at_ends=False)
     assert failed_checks(BY_KEY["h"], [row]) == [
-        "(h) split 30 s: one swarm within 30 s of healing, same model at every common checkpoint after"
+        "(h) split 30 s: one swarm within 30 s of healing, same model at the first common checkpoint after and at the last"
     ]
+
+
+def test_members_apart_for_a_while_pass_only_when_together_at_both_ends():
+    """A partial round under load leaves members apart until the version check resyncs them; a split
+    that never re-merged differs at the last common checkpoint too."""
+    row = Row("h", "split 30 s", stall_s=1.0, ready_while_faulty="0/5", one_swarm_s=3.0, same_model="40/44", same_at_ends=True)
+    assert failed_checks(BY_KEY["h"], [row]) == []
+    row.same_at_ends = False
+    assert len(failed_checks(BY_KEY["h"], [row])) == 1
+
+
+def test_spans_join_consecutive_checkpoint_steps():
+    assert checkpoint_spans([120, 130, 140, 150, 300]) == "120–150, 300"
+    assert checkpoint_spans([7]) == "7"
 
 
 def test_every_scenario_of_the_issue_is_in_the_table_with_known_checks():
@@ -62,7 +88,7 @@ def test_every_scenario_of_the_issue_is_in_the_table_with_known_checks():
 def test_an_open_goal_is_reported_but_not_among_the_held_checks():
     scenario = Scenario("a", "cut", checks=BY_KEY["a"].checks, open_goals=("stall",))
     row = Row("a", "cut 30 s", stall_s=15.0, rounds_during=3, rounds_failed=0, ready_while_faulty="0/20",
-              ready_after_s=5.0, one_swarm_s=5.0, same_model="10/10")
+              ready_after_s=5.0, one_swarm_s=5.0, same_model="10/10", same_at_ends=True)
     assert failed_checks(scenario, [row], scenario.held) == []
     assert failed_checks(scenario, [row], scenario.open_goals) == ["(a) cut 30 s: healthy peers' longest stall ≤ 10 s"]
 

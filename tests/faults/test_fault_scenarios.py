@@ -1,21 +1,27 @@
 """Issue 16's fault scenarios on separate network hosts, one test per row of fault_table.SCENARIOS.
 
 Each asserts the acceptance numbers of its row; `python scripts/faults.py --scenario <key>` prints
-the same numbers without asserting.
+the same numbers without asserting. A row that fails only checks of time and rate (fault_table.LOAD_BOUND:
+this machine is shared and has 2 cores) runs once more, and the first run's table is printed as a
+warning; it must pass the second time. Failures of the other checks are never retried.
 """
 
 import warnings
 
 import pytest
-from fault_table import SCENARIOS, failed_checks, format_rows, run_scenario
+from fault_table import SCENARIOS, failed_checks, format_rows, only_load_bound, run_scenario
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]  # (g) restarts a trainer 20 times
 
 
 @pytest.mark.parametrize("scenario", SCENARIOS, ids=[s.key for s in SCENARIOS])
 def test_fault_scenario(scenario, lab_machine, tmp_path):
-    rows = run_scenario(scenario, tmp_path)
+    rows = run_scenario(scenario, tmp_path / "first")
     failed = failed_checks(scenario, rows, scenario.held)
+    if failed and only_load_bound(scenario, rows, scenario.held):
+        warnings.warn(f"RETRIED ({scenario.key}): its first run failed " + "; ".join(failed) + "\n" + format_rows(rows), stacklevel=1)
+        rows = run_scenario(scenario, tmp_path / "second")
+        failed = failed_checks(scenario, rows, scenario.held)
     assert not failed, "\n".join(failed) + "\n\n" + format_rows(rows)
     still_open = failed_checks(scenario, rows, scenario.open_goals)
     if still_open:  # not met yet (docs/reliability.md): said loudly, not asserted
