@@ -48,6 +48,10 @@ LEADER_PROBE_S = 1.0  # a joiner probes the leader holding its join this often .
 LEADER_ALIVE_S = 4.0  # ... and gives up on it when a probe is not answered within this (a live one answers in ms)
 MAX_REDIRECTS = 3
 LEADER_RECHECK_S = 1.0  # a forming group checks this often that its former still leads
+# A joiner held by a forming group probes its leader every LEADER_PROBE_S; one not heard from for this long
+# (a join that arrived just before a cut) is left out of the group: its members would wait out the
+# all-reduce's idle timeout for its parts (5 s more after the 4 s spent finding out who else was cut off).
+JOINER_SILENT_S = 3.0
 RECHECK_LEADER_S = 1.0  # a joiner probes the leader it suspects at most this often (see Matchmaker._recheck_leader)
 # Sync policies (K of N): a member whose parts came in far behind the others' (a lossy or thin link) is
 # marked "slow" for SLOW_FOR_S by the reducers that saw it; once most of the others name it in their
@@ -151,6 +155,7 @@ class Matchmaker:
     _arrived: Optional[asyncio.Event] = None
     _former: Optional[asyncio.Task] = None
     _probes: dict[str, asyncio.Task] = field(default_factory=dict)  # probes of the peer that would lead next
+    _heard: dict[str, float] = field(default_factory=dict)  # joiner -> when its join or last probe came in
     _rechecked_at: float = float("-inf")  # when we last probed a leader we suspect
     _rng: random.Random = field(default_factory=lambda: random.Random(secrets.randbits(64)))
     _started: float = field(default_factory=time.monotonic)
@@ -315,6 +320,8 @@ class Matchmaker:
         request = unpack(header, LeaderProbe, peer=peer)
         if request.run != self.run_hash:
             raise PeerProtocolError("probe for a different run configuration", peer=peer)
+        if peer in self._pending:
+            self._heard[peer] = time.monotonic()
         return pack(ProbeReply(leading=self.membership.leader() == self.peer_id)), b""
 
     async def _serve_join(self, peer: str, header: bytes, payload: bytearray) -> tuple[bytes, bytes]:
@@ -345,6 +352,7 @@ class Matchmaker:
             previous.reply.set_result(JoinReply(kind="retry"))  # a re-join replaces a stale one
         future = asyncio.get_running_loop().create_future()
         self._pending[peer] = _Pending(request, future)
+        self._heard[peer] = time.monotonic()
         self.membership.clear_suspicion(peer)
         self._arrived.set()
         if self._former is None or self._former.done():
@@ -469,8 +477,13 @@ class Matchmaker:
         limits = [x for x in (self.config.target_group_size, k) if x]
         target = max(min(limits), self.config.min_group_size) if limits else None
         timed_out = False
+        ticked = first_join
         while True:
             self._arrived.clear()
+            now = time.monotonic()
+            if now - ticked < LEADER_RECHECK_S + 0.5:  # (not when this loop itself stalled: their probes may be queued)
+                self._leave_out_silent(now)
+            ticked = now
             self._recheck_leader()
             if self.membership.leader() != self.peer_id:
                 self._release_all(JoinReply(kind="redirect", leader=self.membership.leader()))
@@ -535,8 +548,19 @@ class Matchmaker:
         size = self.config.target_group_size if self.config.lockstep else target
         for peer in self._announce_groups(pending, k or 0, size):  # joiners that fit no group wait for the next one
             self._pending[peer] = pending[peer]
+        self._heard = {p: t for p, t in self._heard.items() if p in self._pending}
         if self._pending:
             self._former = asyncio.create_task(self._form_group(), name="form-group")
+
+    def _leave_out_silent(self, now: float) -> None:
+        """Answer "retry" to remote joiners silent for JOINER_SILENT_S, and suspect them: cut off or frozen
+        since they joined. A live one rejoins at once (its join clears the suspicion)."""
+        silent = [p for p in self._pending if p != self.peer_id and now - self._heard.get(p, now) > JOINER_SILENT_S]
+        for peer in silent:
+            _resolve(self._pending.pop(peer).reply, JoinReply(kind="retry"))
+            self.membership.suspect(peer, for_s=self.membership.ttl_s)
+        if silent:
+            logger.info(f"left out joiner(s) silent for over {JOINER_SILENT_S:g} s: {sorted(p[-8:] for p in silent)}")
 
     def _release_all(self, reply: JoinReply) -> None:
         pending, self._pending = self._pending, {}

@@ -239,3 +239,29 @@ def test_a_suspected_leader_that_answers_again_is_trusted_again(monkeypatch):
         await joiner.aclose()
 
     asyncio.run(main())
+
+
+def test_a_joiner_silent_since_its_join_is_left_out_of_the_group(monkeypatch):
+    """B joined, then was cut off (no probes of the leader since); C keeps probing; D is expected but cut off
+    before joining. Once D's probe fails the group closes with A and C only: B's parts would have held
+    the round up to the all-reduce's idle timeout. B is suspected, and answered "retry"."""
+    monkeypatch.setattr(matchmaking, "JOINER_SILENT_S", 0.15)  # D is given up on after 0.25 s
+
+    async def main():
+        leader = _matchmaker(PEERS[0], silent={PEERS[1], PEERS[3]})
+        joins = {p: asyncio.create_task(leader._submit(p, _request())) for p in PEERS[:3]}
+
+        async def keep_probing(peer):
+            while not joins[peer].done():
+                await leader._serve_probe(peer, pack(matchmaking.LeaderProbe(run=RUN)), bytearray())
+                await asyncio.sleep(matchmaking.LEADER_PROBE_S)
+
+        prober = asyncio.create_task(keep_probing(PEERS[2]))
+        replies = await asyncio.wait_for(asyncio.gather(*joins.values()), 30)
+        await prober
+        assert replies[1].kind == "retry" and leader.membership.is_suspect(PEERS[1])
+        assert replies[0].kind == replies[2].kind == "group"
+        assert sorted(replies[0].group.members) == [PEERS[0], PEERS[2]]
+        await leader.aclose()
+
+    asyncio.run(main())
