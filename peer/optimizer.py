@@ -307,6 +307,11 @@ class Optimizer(torch.optim.Optimizer):
         )
 
     def state_dict(self) -> dict[str, Any]:
+        """diloco lands a round still in flight first (waiting for it): that round writes θ, v and the
+        global step from the swarm's thread, so a checkpoint read meanwhile mixed two outer steps. Landing
+        moves the parameters in place, so a model state_dict() taken just before holds them too."""
+        if self._outer is not None and self._in_flight is not None:
+            self._land_outer()
         state = {"optimizer": self.inner.state_dict(), "global_step": self.global_step}
         if self._outer is not None:  # θ_t and v; the parameters (x) are the model's to save
             state["outer_momentum"] = self._outer.momentum.detach().cpu().clone()

@@ -50,13 +50,14 @@ with opt:
         opt.step()
         opt.zero_grad()
         step += 1
+    params = torch.nn.utils.parameters_to_vector(model.parameters()).tolist()  # x, before a checkpoint lands a round
     state = opt.state_dict()
     result = {
         **vars(opt.statistics()),
         "local_steps": step,
         "validation_loss": plain_loop.validation_loss(model, valid),
     }
-    result["params"] = torch.nn.utils.parameters_to_vector(model.parameters()).tolist()
+    result["params"] = params
     result["outer_momentum"] = state["outer_momentum"].tolist()
     result["outer_anchor"] = state["outer_anchor"].tolist()
 args.out.write_text(json.dumps(result))

@@ -339,3 +339,25 @@ def test_verified_through_the_library_a_peer_that_changes_its_gradient_is_banned
         assert set(results[n]["banned"]) == {cheater}, results[n]["banned"]  # no honest peer banned
         assert results[n]["params"] == results["honest-0"]["params"]
     assert "the swarm banned this peer" in logs[3].read_text()
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(300)
+def test_alone_in_diloco_with_overlap_a_checkpoint_lands_the_round_in_flight_first():
+    """The round in flight writes θ, v and the global step from the swarm's thread: a checkpoint taken
+    meanwhile mixed outer steps t and t+1 (a CI run saw θ_{t+1} saved with step t). It is landed first."""
+    import phalanx
+
+    model, inner = _model_and_adamw()
+    settings = {"run_id": "alone-diloco", "batch_size_per_step": 2, "mode": "diloco", "inner_steps": 2,
+                "overlap": "on", "host_maddrs": [LOOPBACK]}  # fmt: skip
+    with phalanx.Optimizer(inner, **settings) as opt:
+        for boundary in range(1, 4):
+            for _ in range(2):
+                F.mse_loss(model(torch.randn(2, 4)), torch.randn(2, 2)).backward()
+                opt.step()  # the second starts outer round `boundary` and returns while it runs
+                opt.zero_grad()
+            state = opt.state_dict()
+            assert state["global_step"] == boundary == opt.statistics().rounds_ok
+            flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+            assert torch.equal(flat, state["outer_anchor"])  # no inner step since: x is θ_{t+1} exactly
