@@ -52,6 +52,7 @@ LEADER_RECHECK_S = 1.0  # a forming group checks this often that its former stil
 # (a join that arrived just before a cut) is left out of the group: its members would wait out the
 # all-reduce's idle timeout for its parts (5 s more after the 4 s spent finding out who else was cut off).
 JOINER_SILENT_S = 3.0
+FORMER_STALLED_S = LEADER_RECHECK_S + 0.5  # a forming group's passes this far apart: its loop stalled (probes queued)
 RECHECK_LEADER_S = 1.0  # a joiner probes the leader it suspects at most this often (see Matchmaker._recheck_leader)
 # Sync policies (K of N): a member whose parts came in far behind the others' (a lossy or thin link) is
 # marked "slow" for SLOW_FOR_S by the reducers that saw it; once most of the others name it in their
@@ -481,7 +482,7 @@ class Matchmaker:
         while True:
             self._arrived.clear()
             now = time.monotonic()
-            if now - ticked < LEADER_RECHECK_S + 0.5:  # (not when this loop itself stalled: their probes may be queued)
+            if now - ticked < FORMER_STALLED_S:
                 self._leave_out_silent(now)
             ticked = now
             self._recheck_leader()
