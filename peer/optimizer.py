@@ -19,7 +19,8 @@ parameters (`load_state_from_peers`, or automatically at its first round).
 With mode="lasgd" (or "gossip") every `step()` is a step of the wrapped optimizer that never waits:
 every `sync_every` steps an exchange of the progress since the last average starts in the background
 and is merged at a later `step()` (peer/local_exchange.py, the same as `phalanx join --mode lasgd`).
-mode="diloco" takes `inner_steps` steps, then an outer step (peer/outer_step.py).
+mode="diloco" takes `inner_steps` steps, then an outer step (peer/outer_step.py); verified, its
+validators replay a member's phase (peer/phase_replay.py).
 
 The node (DHT, transport, rounds) lives on an event loop in a thread of its own; `step()` blocks
 the caller's thread only while a round runs.
@@ -52,7 +53,8 @@ from phalanx.peer.health import PeerMetrics, open_node_health
 from phalanx.peer.local_exchange import LocalExchange
 from phalanx.peer.model import Trainable
 from phalanx.peer.node import DHT_DIED, Node, open_node, quiet_p2p_daemon_noise, wait_for_trainers
-from phalanx.peer.outer_step import OuterStep
+from phalanx.peer.outer_step import OuterStep, write_flat
+from phalanx.peer.phase_replay import PhaseReplay
 from phalanx.peer.plan import PeerPlan, make_plan
 from phalanx.protocol.engine import ROUND_FAILURES, Averaged, Resync, initial_version
 
@@ -157,11 +159,6 @@ class Optimizer(torch.optim.Optimizer):
             raise ConfigError(f"phalanx.Optimizer(mode={mode!r}): no such mode; use one of {', '.join(API_MODES)}")
         if mode in LOCAL_MODES:
             _check_local_settings(mode, target_batch_size, settings)
-        if verify and mode == "diloco":
-            raise ConfigError(
-                "phalanx.Optimizer(verify=True, mode='diloco'): the library verifies sync rounds only so far "
-                "(validators would replay your H inner steps); use mode='sync', or `phalanx join --mode diloco --verify` with a task"
-            )
         if verify:
             given = (("model", model), ("batch_fn", batch_fn), ("loss_fn", loss_fn))
             missing = [name for name, value in given if value is None]
@@ -189,6 +186,8 @@ class Optimizer(torch.optim.Optimizer):
                     "phalanx.Optimizer(verify=True, model=...): the model must hold every parameter the optimizer steps"
                 )
         self.plan = _plan(inner, run_id, mode, batch_size_per_step, target_batch_size, seed, verify, settings)
+        # verified diloco: validators replay a member's H inner steps (peer/phase_replay.py)
+        self._replay = PhaseReplay(model, inner, batch_fn, loss_fn, seed) if verify and mode == "diloco" else None
         self.scheduler = scheduler(inner) if callable(scheduler) and not hasattr(scheduler, "step") else scheduler
         self._scheduled = 0  # global steps the scheduler has taken
         self._last_loss: Optional[float] = None
@@ -227,6 +226,10 @@ class Optimizer(torch.optim.Optimizer):
         if self._local is not None:  # lasgd/gossip: a local step; an exchange starts or lands around it
             self._local_step()
         elif self._outer is not None:  # diloco: the inner optimizer steps on this batch's gradient, here
+            if self._replay is not None:  # verified: a phase starts fresh, and its steps are recorded for replays
+                if self._outer.inner == 0:
+                    self._replay.phase_starts()
+                self._replay.record(self._outer.position)
             self.inner.step()
             self._outer.inner_step_done()
             self._outer_boundary()
@@ -265,12 +268,14 @@ class Optimizer(torch.optim.Optimizer):
         return True
 
     def public_batch(self) -> Any:
-        """With verify: this peer's batch of the current global step, `batch_fn(seed, peer_id, step)`.
-        Compute the loss on exactly this (and nothing else changes the gradient, no clipping): the
-        validators recompute it and the swarm bans a peer whose gradient differs."""
+        """With verify: this peer's batch of the current global step, `batch_fn(seed, peer_id, step)`
+        (diloco: of the current inner step, H per outer step). Compute the loss on exactly this (and
+        nothing else changes the gradient, no clipping): the validators recompute it (diloco: replay the
+        phase) and the swarm bans a peer whose contribution differs."""
         if self.batch_fn is None:
             raise ConfigError("phalanx.Optimizer.public_batch() needs batch_fn= (verified runs)")
-        return self.batch_fn(self.seed, self.node.peer_id, self.global_step)
+        step = self.global_step if self._outer is None else self._outer.position
+        return self.batch_fn(self.seed, self.node.peer_id, step)
 
     # ---- what users asked for ----------------------------------------------------------------
 
@@ -350,6 +355,8 @@ class Optimizer(torch.optim.Optimizer):
                 )
             # θ_t itself when saved (the parameters hold x, which may have moved on from it)
             self._outer.restore(state_dict["outer_momentum"], state_dict.get("outer_anchor"), step)
+            if self._replay is not None:  # a verified phase starts at θ_t: its steps are replayed from there
+                write_flat(self._outer.params, self._outer.anchor)
         version = initial_version(self.plan.run_hash, self._steps.state_tensors(), step)
         self.node.engine.set_state(version, step)
         self._follow_schedule()
@@ -389,7 +396,7 @@ class Optimizer(torch.optim.Optimizer):
                 self._outer = self._steps = OuterStep(
                     node, self.trainable.params, inner_steps=outer.inner_steps, outer_lr=outer.outer_lr,
                     outer_momentum=outer.outer_momentum, in_thread=in_thread, overlap=outer.overlap == "on",
-                    topk_fraction=outer.topk_fraction,
+                    topk_fraction=outer.topk_fraction, recompute=self._replay_phase if self._replay is not None else None,
                 )  # fmt: skip
             else:
                 self._steps = GlobalStep(
@@ -565,6 +572,16 @@ class Optimizer(torch.optim.Optimizer):
             ).cpu()
 
         return await asyncio.get_running_loop().run_in_executor(None, run)
+
+    async def _replay_phase(self, peer_id: str) -> torch.Tensor:
+        """A validator's replay of `peer_id`'s inner steps of this round's phase, from θ_t (the caller's
+        thread waits for the round: strict diloco, so the model holds still)."""
+        outer, replay = self._outer, self._replay
+        assert outer is not None and replay is not None
+        first = outer.step * outer.inner_steps
+        return await asyncio.get_running_loop().run_in_executor(
+            None, replay.delta, peer_id, first, outer.inner_steps, outer.anchor, outer.params
+        )
 
     def _check_node(self) -> None:
         node = self.node

@@ -1,9 +1,10 @@
 """A user's script on `phalanx.Optimizer(verify=True)`: digits, AdamW, CenteredClip, public batches.
 
-    api_verified_peer.py OUT_JSON --initial-peers … --peers N [--cheat]
+    api_verified_peer.py OUT_JSON --initial-peers … --peers N [--cheat] [--mode diloco --inner-steps H]
 
 A cheater flips and scales its gradient after backward(); the validators' recomputation of its
-public batch gives another one, so the swarm bans it. Exit 0 after --global-steps, 3 when banned.
+public batch (diloco: their replay of its H inner steps) gives another one, so the swarm bans it.
+Exit 0 after --global-steps (diloco: outer steps), 3 when banned.
 """
 
 import argparse
@@ -29,6 +30,8 @@ parser.add_argument("--initial-peers", nargs="+", required=True)
 parser.add_argument("--peers", type=int, required=True)
 parser.add_argument("--global-steps", type=int, default=40)
 parser.add_argument("--cheat", action="store_true")
+parser.add_argument("--mode", default="sync", choices=("sync", "diloco"))
+parser.add_argument("--inner-steps", type=int, default=4)
 args = parser.parse_args()
 
 train, valid = plain_loop.digits()
@@ -44,8 +47,10 @@ def loss_fn(model: torch.nn.Module, batch) -> torch.Tensor:
 
 
 model = plain_loop.make_model()
+diloco = {"inner_steps": args.inner_steps, "outer_lr": 0.7, "outer_momentum": 0.5} if args.mode == "diloco" else {}
 opt = phalanx.Optimizer(
-    torch.optim.AdamW(model.parameters(), lr=3e-3), run_id="api-verified", initial_peers=args.initial_peers,
+    torch.optim.AdamW(model.parameters(), lr=3e-3), run_id=f"api-verified-{args.mode}", mode=args.mode, **diloco,
+    initial_peers=args.initial_peers,
     host_maddrs=["/ip4/127.0.0.1/tcp/0"], batch_size_per_step=16, wait_for_peers=args.peers,
     verify=True, model=model, batch_fn=batch_fn, loss_fn=loss_fn, aggregator="centered_clip", tau=1.0,
     validators=2, phase_timeout_s=3.0,

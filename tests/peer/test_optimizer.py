@@ -179,8 +179,8 @@ def _model_and_adamw(model=None):
             "phalanx.Optimizer: verify= runs BTARD-SGD and needs mode= sync or diloco",
         ),
         (
-            {"verify": True, "mode": "diloco"},
-            "phalanx.Optimizer(verify=True, mode='diloco'): the library verifies sync rounds only so far",
+            {"verify": True, "mode": "diloco", "overlap": "on", "model": MODEL, "batch_fn": print, "loss_fn": print},
+            "phalanx.Optimizer: verify= with mode= diloco needs overlap= off: validators recompute a peer's H inner steps",
         ),
         ({"batch_size_per_step": 0}, "phalanx.Optimizer(batch_size_per_step=0): give the samples of one step, ≥ 1"),
         (
@@ -301,7 +301,9 @@ def test_alone_in_lasgd_it_exchanges_every_sync_every_steps_and_round_trips_its_
 
 @pytest.mark.integration
 @pytest.mark.timeout(900)
-def test_verified_through_the_library_a_peer_that_changes_its_gradient_is_banned_and_no_honest_one(bootstrap, tmp_path):
+@pytest.mark.parametrize("mode", ["sync", "diloco"])
+def test_verified_through_the_library_a_peer_that_changes_its_gradient_is_banned_and_no_honest_one(bootstrap, tmp_path, mode):
+    """diloco: the cheater's Δ comes from H altered steps; validators replay its phase (peer/phase_replay.py)."""
     script = str(Path(__file__).parent / "api_verified_peer.py")
     names = ["honest-0", "honest-1", "honest-2", "cheater"]
     logs = [tmp_path / f"{n}.log" for n in names]
@@ -315,6 +317,7 @@ def test_verified_through_the_library_a_peer_that_changes_its_gradient_is_banned
                 "--peers",
                 "4",
                 *(["--cheat"] if n == "cheater" else []),
+                *(["--mode", "diloco", "--inner-steps", "4", "--global-steps", "12"] if mode == "diloco" else []),
             ],
             log,
         )

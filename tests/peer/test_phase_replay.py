@@ -1,0 +1,95 @@
+"""A validator's replay of a DiLoCo phase through the library (peer/phase_replay.py), without a swarm."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from phalanx.aggregation.errors import ConfigError, PhalanxError
+from phalanx.peer.outer_step import write_flat
+from phalanx.peer.phase_replay import PhaseReplay
+from phalanx.tasks import batch_generator
+
+H = 6
+
+
+def batch_fn(seed: int, peer_id: str, step: int):
+    g = batch_generator(seed, peer_id, step)
+    return torch.randn(8, 5, generator=g), torch.randint(3, (8,), generator=g)
+
+
+def loss_fn(model: torch.nn.Module, batch) -> torch.Tensor:
+    return F.cross_entropy(model(batch[0]), batch[1])
+
+
+def flat(params) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in params])
+
+
+def take_phase(model, optimizer, scheduler, replay, peer_id: str, first: int) -> torch.Tensor:
+    """What a verified peer's loop does for one phase (as phalanx.Optimizer.step() drives it); its Δ."""
+    params = list(model.parameters())
+    anchor = flat(params)
+    for step in range(first, first + H):
+        if step == first:
+            replay.phase_starts()
+        replay.record(step)
+        loss_fn(model, batch_fn(7, peer_id, step)).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        scheduler.step()
+    return anchor - flat(params)
+
+
+OPTIMIZERS = {
+    "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1),
+    "sgd-dampened": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, dampening=0.1, nesterov=False),
+}
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_the_replay_of_a_phase_is_bit_identical_and_another_peers_is_not(name):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(5, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
+    optimizer = OPTIMIZERS[name](model.parameters())
+    warmup = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 4))  # changes lr every step
+    replay = PhaseReplay(model, optimizer, batch_fn, loss_fn, seed=7)
+    params = list(model.parameters())
+    take_phase(model, optimizer, warmup, replay, "me", first=0)  # the first phase warms the optimizer state up
+    theta = flat(params)  # θ_1: in a swarm, the outer step's; here, where the second phase starts
+    delta = take_phase(model, optimizer, warmup, replay, "me", first=H)
+    x = flat(params)
+    assert torch.equal(replay.delta("me", H, H, theta, params), delta)  # fresh state, recorded lrs: exact
+    assert torch.equal(flat(params), x)  # the replay ran on a copy
+    other = replay.delta("someone-else", H, H, theta, params)
+    assert not torch.allclose(other, delta)
+    # without the fresh start the state of the first phase carries over, and the replay no longer matches
+    write_flat(params, theta)
+    for step in range(H, 2 * H):
+        loss_fn(model, batch_fn(7, "me", step)).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    assert not torch.equal(theta - flat(params), delta)
+
+
+def test_a_phase_this_peer_did_not_take_cannot_be_replayed():
+    model = torch.nn.Linear(5, 3)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    replay = PhaseReplay(model, optimizer, batch_fn, loss_fn, seed=7)
+    replay.phase_starts()
+    replay.record(0)
+    with pytest.raises(PhalanxError, match="did not take steps 1"):
+        replay.delta("me", 0, 2, flat(model.parameters()), list(model.parameters()))
+
+
+class Opaque(torch.optim.SGD):
+    """An optimizer whose constructor cannot take param groups and its own defaults."""
+
+    def __init__(self, model_params, secret):
+        super().__init__(model_params, lr=0.1)
+        del secret
+
+
+def test_an_optimizer_that_cannot_be_rebuilt_is_refused_with_one_line():
+    model = torch.nn.Linear(5, 3)
+    with pytest.raises(ConfigError, match=r"rebuild your optimizer as Opaque\(param_groups\)"):
+        PhaseReplay(model, Opaque(model.parameters(), secret=1), batch_fn, loss_fn, seed=7)
