@@ -245,6 +245,10 @@ class VerifiedRound(RoundState):
         await asyncio.gather(self.relay.close(), self.reporter.close(), *tasks, return_exceptions=True)
         if not self._verifying:  # the data phase failed: nobody will judge this round
             self.service.release(self.round_id)
+        # The data phase keeps this object as its part guard for a few seconds more (late parts), into the
+        # next round: a validator's recomputation (a whole vector, its parts viewed here) must not stay
+        # with it. What judges may still ask for is held by the service (hold_target), not by this name.
+        self.validator.target_parts = {}
 
     # ---- phase 6: verify and judge ------------------------------------------------------------
 

@@ -110,3 +110,47 @@ def test_with_a_validator_per_member_a_cover_up_is_caught_in_its_first_round():
                 assert outcome.verdict.bad_parts == {at}
 
     asyncio.run(main())
+
+
+def test_a_validators_recomputation_is_freed_with_its_round(monkeypatch):
+    """The data phase keeps the round as its part guard a few seconds longer (late parts), into the next
+    round; the validator's recomputation (a whole vector) must not stay with it: at 100M values it was
+    a copy of the vector more per peer, every round this peer validated."""
+    import gc
+
+    from phalanx.protocol.btard.validator import Validator
+
+    async def main():
+        async with open_swarm(4, CONFIG) as peers:
+            ids = [p.peer_id for p in peers]
+            monkeypatch.setattr(Validator, "pairs", lambda self, seed: [(ids[0], ids[1])])
+            xs = inputs(4)
+            made = []
+
+            async def recompute(peer):
+                value = xs[ids.index(peer)].clone()  # bit-identical: its parts are kept as views of it
+                made.append(peer)
+                return value
+
+            def copies_of(x):
+                """Storages alive elsewhere (through any view of them) that hold x's values whole."""
+                gc.collect()
+                found = {}
+                for o in gc.get_objects():
+                    if isinstance(o, torch.Tensor) and o.device.type == "cpu":
+                        storage = o.untyped_storage()
+                        if storage.nbytes() == x.numel() * 4 and storage.data_ptr() != x.untyped_storage().data_ptr():
+                            whole = torch.empty(0).set_(storage, 0, (x.numel(),))
+                            if torch.equal(whole, x):
+                                found[storage.data_ptr()] = o.shape
+                return found
+
+            for peer in peers:
+                peer.engine.set_state(b"v0", 0)
+            outcomes = await asyncio.gather(*[p.engine.run_round(x, recompute=recompute) for p, x in zip(peers, xs)])
+            assert all(o.verdict.clean for o in outcomes), [o.verdict for o in outcomes]
+            assert made == [ids[1]]
+            assert peers[0].engine.allreduce.has_round(outcomes[0].group.round_id)  # the guard is still held
+            assert not copies_of(xs[1]), "the validator's recomputation outlived its round"
+
+    asyncio.run(main())
