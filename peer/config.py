@@ -115,6 +115,7 @@ class PeerConfig(NetworkSettings):
     outer_lr: float = Field(0.7, gt=0, le=10, description="diloco: the outer Nesterov step's learning rate (η).")
     outer_momentum: float = Field(0.9, ge=0, lt=1, description="diloco: the outer Nesterov step's momentum (μ).")
     overlap: Literal["on", "off"] = Field("off", description="diloco: run an outer step's round while the next inner steps train (on; off: wait for it).")
+    phase_warmup: int = Field(10, ge=0, le=100_000, description="diloco with --verify: every phase starts from a fresh inner optimizer state, and its learning rate ramps up linearly again over this many inner steps (0: no ramp).")
     sync_policy: str = Field("full", description="How many peers a round waits for: full, k:<K>, hybrid:<linear|exp>:<T>, adasync:<K0>:<T0>.")
     async_window_s: float = Field(0.3, gt=0, description="lasgd/gossip: how long a forming group waits for more peers after the first one is ready.")
     slowdown: Optional[str] = Field(None, description="Delay each local step (a straggler for demos and tests): const:S, exp:M, shifted-exp:S:M, pareto:S:A.")

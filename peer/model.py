@@ -38,17 +38,19 @@ class Trainable:
     ) -> None:
         self.module, self.optimizer, self.lr_factor = module, optimizer, lr_factor
         self.base_lrs = [g["lr"] for g in optimizer.param_groups]
+        self._scaled = False  # the last step's learning rate was scaled (lr_scale): the next one sets it again
         self.params = [p for p in params if p.requires_grad]
         self.numel = sum(p.numel() for p in self.params)
         materialize_optimizer_state(optimizer, self.params)
 
-    def apply(self, aggregate: torch.Tensor, step: int) -> None:
+    def apply(self, aggregate: torch.Tensor, step: int, lr_scale: float = 1.0) -> None:
         """Use the group's aggregate (numel,) as the gradient of `step` (the step it leads to the state of,
-        counted from 0), at the learning rate the schedule gives that step."""
-        if self.lr_factor is not None:
-            factor = self.lr_factor(step)
+        counted from 0), at the learning rate the schedule gives that step, times `lr_scale`."""
+        if self.lr_factor is not None or lr_scale != 1.0 or self._scaled:
+            factor = (1.0 if self.lr_factor is None else self.lr_factor(step)) * lr_scale
             for group, base in zip(self.optimizer.param_groups, self.base_lrs, strict=True):
                 group["lr"] = base * factor
+            self._scaled = lr_scale != 1.0
         aggregate = aggregate.to(self.params[0].device, non_blocking=True)
         offset = 0
         for p in self.params:

@@ -226,11 +226,10 @@ class Optimizer(torch.optim.Optimizer):
         if self._local is not None:  # lasgd/gossip: a local step; an exchange starts or lands around it
             self._local_step()
         elif self._outer is not None:  # diloco: the inner optimizer steps on this batch's gradient, here
-            if self._replay is not None:  # verified: a phase starts fresh, and its steps are recorded for replays
-                if self._outer.inner == 0:
-                    self._replay.phase_starts()
-                self._replay.record(self._outer.position)
-            self.inner.step()
+            if self._replay is not None:
+                self._verified_inner_step()
+            else:
+                self.inner.step()
             self._outer.inner_step_done()
             self._outer_boundary()
         else:
@@ -242,6 +241,26 @@ class Optimizer(torch.optim.Optimizer):
                 self._global_step()
         self._follow_schedule()
         return loss
+
+    def _verified_inner_step(self) -> None:
+        """A phase starts from a fresh inner state, its first steps at a learning rate ramping up over
+        phase_warmup steps (what the schedule gives, scaled for this step only), and each step's
+        hyperparameters are recorded for validators' replays of other members' phases."""
+        outer, replay = self._outer, self._replay
+        assert outer is not None and replay is not None
+        if outer.inner == 0:
+            replay.phase_starts()
+        warmup = self.plan.outer.phase_warmup
+        scale = min(1.0, (outer.inner + 1) / warmup) if warmup else 1.0
+        scheduled = [g["lr"] for g in self.inner.param_groups]
+        for group in self.inner.param_groups:
+            group["lr"] = group["lr"] * scale
+        try:
+            replay.record(outer.position)
+            self.inner.step()
+        finally:
+            for group, lr in zip(self.inner.param_groups, scheduled, strict=True):
+                group["lr"] = lr
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.inner.zero_grad(set_to_none=set_to_none)

@@ -106,6 +106,9 @@ class OuterConfig:
     """"on": the round of outer step t runs while the inner steps of t+1 train; "off": they wait for it."""
     topk_fraction: Optional[float]
     """--compression topk:<fraction>: the share of Δ's entries sent, the rest kept as error feedback."""
+    phase_warmup: int
+    """Verified runs: inner steps over which each phase's learning rate ramps up again after the fresh
+    inner state (a fresh AdamW takes steps of about lr in every coordinate at first)."""
 
 
 @dataclass(frozen=True)
@@ -217,7 +220,7 @@ def run_hash(
         "sync_policy": sync_policy.spec,
         "average_optimizer_state": exchange.average_optimizer_state,
         "exchanges": [exchange.sync_every, exchange.staleness, exchange.dana] if not MODES[training.mode].lockstep else None,
-        "outer": [outer.inner_steps, outer.outer_lr, outer.outer_momentum, outer.overlap, outer.topk_fraction] if training.mode == "diloco" else None,
+        "outer": [outer.inner_steps, outer.outer_lr, outer.outer_momentum, outer.overlap, outer.topk_fraction, outer.phase_warmup] if training.mode == "diloco" else None,
         # peers of different private swarms (different owners) never meet
         "owner": hashlib.sha256(private.owner_key.read_bytes()).hexdigest() if private else None,
     }

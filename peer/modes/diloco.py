@@ -13,7 +13,8 @@ iterate. The last boundary before --steps runs strictly, so a peer stops on θ o
 
 With --verify (and --overlap off), every phase starts from a fresh inner optimizer state, so a peer's
 Δ follows from θ_t and its public batches (seed, peer, step) alone, and a validator replays a
-member's H inner steps to check it (H steps of compute per validation).
+member's H inner steps to check it (H steps of compute per validation). The fresh state's first
+steps run at a learning rate ramping up over --phase-warmup steps.
 
 An attacker (--attack) takes honest inner steps (label_flip: on flipped labels) and attacks the
 pseudo-gradient it sends: ALIE's and the others' statistics are those of honest Δs it recomputes
@@ -106,7 +107,7 @@ class DilocoMode:
         loss, grad = await runtime.in_thread(
             lambda: runtime.gradient(runtime.model.module, runtime.node.peer_id, step, flip_labels=flip)
         )
-        await runtime.in_thread(runtime.model.apply, grad, step)
+        await runtime.in_thread(runtime.model.apply, grad, step, self._lr_scale(outer.inner))
         outer.inner_step_done()
         await runtime.step_done(
             self.step, loss, f"inner {outer.inner}/{outer.inner_steps}", group=runtime.report.group_size
@@ -157,6 +158,12 @@ class DilocoMode:
         )  # fmt: skip
         runtime.emit("outer", step=self.step, outer_step=outer.step, group=members, round_s=round(outcome.result.duration_s, 4))
         logger.info(f"outer step {outer.step}: group {members}, sent {outcome.result.bytes_sent / 1e6:.2f} MB")
+
+    def _lr_scale(self, inner: int) -> float:
+        """Verified runs: the phase's fresh inner state takes its first steps at a learning rate ramping
+        up over --phase-warmup steps (a function of the public step number, so replays follow it)."""
+        warmup = self.runtime.plan.outer.phase_warmup
+        return min(1.0, (inner + 1) / warmup) if self.verified and warmup else 1.0
 
     def _checkpoint_state(self) -> dict:
         """θ_t, v and the outer step (training thread); the model in the checkpoint is this peer's x."""
@@ -217,5 +224,5 @@ class DilocoMode:
         first = outer.step * outer.inner_steps
         for step in range(first, first + outer.inner_steps):
             _, grad = runtime.gradient(replica.module, batch_key, step)
-            replica.apply(grad, step)
+            replica.apply(grad, step, self._lr_scale(step - first))
         return outer.anchor - torch.cat([p.detach().reshape(-1).to(torch.float32) for p in replica.params])

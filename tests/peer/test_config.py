@@ -105,6 +105,7 @@ HASHED = {
     "outer_lr": (DILOCO, {**DILOCO, "outer_lr": 1.0}),
     "outer_momentum": (DILOCO, {**DILOCO, "outer_momentum": 0.5}),
     "overlap": (DILOCO, {**DILOCO, "overlap": "on"}),
+    "phase_warmup": (DILOCO, {**DILOCO, "phase_warmup": 5}),
     "run_id": ({}, {"run_id": "other"}),
     "task": ({}, {"task": "mnist-cnn"}),
     "task_options": ({}, {"task_options": "hidden=32"}),

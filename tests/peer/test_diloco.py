@@ -258,9 +258,10 @@ def test_a_validator_replays_a_verified_peers_pseudo_gradient_bit_for_bit(fresh_
     def phase(t: int) -> torch.Tensor:  # an honest peer's H inner steps of phase t, as DilocoMode takes them
         for step in range(t * 3, t * 3 + 3):
             _, grad = runtime.gradient(model.module, peer, step)
-            model.apply(grad, step)
+            model.apply(grad, step, mode._lr_scale(step - t * 3))
         return outer.anchor - outer._flat()
 
+    assert [mode._lr_scale(i) for i in range(3)] == [0.1, 0.2, 0.3]  # --phase-warmup 10: the phase's ramp
     zero_optimizer_state(model.optimizer)
     assert torch.equal(phase(0), mode._replay(peer))
     outer.anchor = outer._flat()  # the next θ (any outer step: the replay starts from θ_t, whatever it is)
