@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import time
 from collections.abc import Awaitable, Callable
 from typing import Optional
@@ -34,7 +33,7 @@ logger = logging.getLogger(__name__)
 
 PART_METHOD = "part"
 ALIVE_METHOD = "alive"
-REDUCER_PROBE_S = 1.0  # a reducer whose reply has not come is probed this often ...
+REDUCER_PROBE_S = 1.0  # once our part is reduced, a reducer whose reply has not come is probed this often ...
 REDUCER_ALIVE_S = 4.0  # ... and given up on when a probe is not answered within this (cut off, frozen)
 MAX_WAITING_CALLS = 256  # calls for rounds we have not registered yet, held at most this many
 
@@ -367,28 +366,24 @@ async def _await_calls(
     already dropped it as a sender: its bytes to us stopped or its connection broke) whose call has
     moved no byte for `idle_s` is dead, frozen or cut off for certain: a live one, however slow, keeps
     sending us its part. Its call is cancelled at once, not waited for twice `idle_s` more.
-    A reducer whose reply is still missing REDUCER_PROBE_S into the wait is probed (`probe(j)`) every
-    REDUCER_PROBE_S, while our own part may still be waiting too (a live reducer answers probes, whatever
-    it waits for); one that leaves a probe unanswered for REDUCER_ALIVE_S is cut off or frozen, and its
-    call is cancelled then. (Probing only once our part was reduced made a split that cut off one member
-    whose part we had and one whose part we waited for cost both waits in a row: 5 s, then 5 s.)
+    A reducer whose reply is still missing REDUCER_PROBE_S after that is probed (`probe(j)`) every
+    REDUCER_PROBE_S; one that leaves a probe unanswered for REDUCER_ALIVE_S is cut off or frozen, and
+    its call is cancelled then: a live reducer waiting on a slow sender answers its probes.
     """
     pending = set(calls.values())
     stalled: list[int] = []
     unreachable: list[int] = []
     probes: dict[int, asyncio.Task] = {}
     try:
-        if idle_s is None:  # verified rounds: late reducers' aggregates are relayed (see _reply_or_relayed)
-            await asyncio.gather(*pending, return_exceptions=True)
-            pending = set()
-        since: Optional[float] = None  # when our own part was reduced
-        limit_s = 2 * (idle_s or 0.0)
-        next_probe = time.monotonic() + REDUCER_PROBE_S
+        while pending and (idle_s is None or not reduced.done()):
+            waiters = pending if idle_s is None else pending | {reduced}
+            await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+            pending = {c for c in pending if not c.done()}
+        since, limit_s = time.monotonic(), 2 * (idle_s or 0.0)
+        next_probe = since + REDUCER_PROBE_S
         while pending:
-            wait = math.inf
+            wait = limit_s
             now = time.monotonic()
-            if since is None and reduced.done():
-                since = now
             for j, call in calls.items():
                 if call not in pending:
                     continue
@@ -401,26 +396,22 @@ async def _await_calls(
                         stalled.append(j)
                         unreachable.append(j)
                         continue
-                if since is not None:
-                    # silent reducers: counted from the call's last byte, not from our part's reduction
-                    idle = activities[j].idle_s() if j in silent else activities[j].idle_s(since)
-                    limit_j = idle_s if j in silent else limit_s
-                    if idle >= limit_j:
-                        call.cancel()
-                        pending.discard(call)
-                        stalled.append(j)
-                        continue
+                # silent reducers: counted from the call's last byte, not from our part's reduction
+                idle = activities[j].idle_s() if j in silent else activities[j].idle_s(since)
+                limit_j = idle_s if j in silent else limit_s
+                if idle >= limit_j:
+                    call.cancel()
+                    pending.discard(call)
+                    stalled.append(j)
+                else:
                     wait = min(wait, limit_j - idle)
-                if probe is not None and j not in probes and now >= next_probe:
-                    probes[j] = asyncio.ensure_future(probe(j))
+                    if probe is not None and j not in probes and now >= next_probe:
+                        probes[j] = asyncio.ensure_future(probe(j))
             if probe is not None and now >= next_probe:
                 next_probe = now + REDUCER_PROBE_S
             if pending:
-                if probe is not None:
-                    wait = min(wait, max(next_probe - now, 0.01))
-                waiters = pending | set(probes.values()) | ({reduced} if since is None else set())
-                timeout = None if math.isinf(wait) else max(wait, 0.01)
-                await asyncio.wait(waiters, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+                wait = min(wait, max(next_probe - now, 0.01)) if probe is not None else wait
+                await asyncio.wait(pending | set(probes.values()), timeout=max(wait, 0.01), return_when=asyncio.FIRST_COMPLETED)
                 pending = {c for c in pending if not c.done()}
         await asyncio.gather(*(calls[j] for j in stalled), return_exceptions=True)
     except BaseException:
