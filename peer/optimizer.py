@@ -53,7 +53,7 @@ from phalanx.peer.health import PeerMetrics, open_node_health
 from phalanx.peer.local_exchange import LocalExchange
 from phalanx.peer.model import Trainable
 from phalanx.peer.node import DHT_DIED, Node, open_node, quiet_p2p_daemon_noise, wait_for_trainers
-from phalanx.peer.outer_step import OuterStep, write_flat
+from phalanx.peer.outer_step import OuterStep, phase_lr_scale, write_flat
 from phalanx.peer.phase_replay import PhaseReplay
 from phalanx.peer.plan import PeerPlan, make_plan
 from phalanx.protocol.engine import ROUND_FAILURES, Averaged, Resync, initial_version
@@ -250,8 +250,7 @@ class Optimizer(torch.optim.Optimizer):
         assert outer is not None and replay is not None
         if outer.inner == 0:
             replay.phase_starts()
-        warmup = self.plan.outer.phase_warmup
-        scale = min(1.0, (outer.inner + 1) / warmup) if warmup else 1.0
+        scale = phase_lr_scale(outer.inner, self.plan.outer.phase_warmup)
         scheduled = [g["lr"] for g in self.inner.param_groups]
         for group in self.inner.param_groups:
             group["lr"] = group["lr"] * scale

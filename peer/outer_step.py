@@ -61,6 +61,12 @@ def write_flat(params: list[torch.Tensor], flat: torch.Tensor) -> None:
             offset += p.numel()
 
 
+def phase_lr_scale(inner: int, warmup: int) -> float:
+    """Verified runs: a phase's fresh inner state takes its first steps at a learning rate ramping up
+    linearly over `warmup` steps, (i + 1)/W at the phase's step i (public, so replays apply it alike)."""
+    return min(1.0, (inner + 1) / warmup) if warmup else 1.0
+
+
 def backoff_s(failures: int) -> float:
     """The wait before retrying after `failures` failed rounds in a row: 0.2 s, doubling, at most 5 s."""
     return min(BACKOFF_MAX_S, 0.1 * 2 ** min(failures, 6))

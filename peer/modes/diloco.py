@@ -31,7 +31,7 @@ from typing import Optional, Union
 import torch
 
 from phalanx.peer.model import Model, zero_optimizer_state
-from phalanx.peer.outer_step import OuterStep, write_flat
+from phalanx.peer.outer_step import OuterStep, phase_lr_scale, write_flat
 from phalanx.peer.runtime import Runtime
 from phalanx.protocol.engine import ROUND_FAILURES, Averaged, Resync, initial_version
 
@@ -162,8 +162,7 @@ class DilocoMode:
     def _lr_scale(self, inner: int) -> float:
         """Verified runs: the phase's fresh inner state takes its first steps at a learning rate ramping
         up over --phase-warmup steps (a function of the public step number, so replays follow it)."""
-        warmup = self.runtime.plan.outer.phase_warmup
-        return min(1.0, (inner + 1) / warmup) if self.verified and warmup else 1.0
+        return phase_lr_scale(inner, self.runtime.plan.outer.phase_warmup) if self.verified else 1.0
 
     def _checkpoint_state(self) -> dict:
         """θ_t, v and the outer step (training thread); the model in the checkpoint is this peer's x."""
