@@ -100,6 +100,8 @@ class OuterStep:
         self._boundary_x: Optional[torch.Tensor] = None
         self._landed: Union[Averaged, Resync, None] = None  # finished, waiting for `rebase`
         self._retry_at = 0.0
+        self._phase_started = time.monotonic()
+        self.replay_s = 0.0  # this peer's last phase, H inner steps: what a validator's replay of one takes
 
     @property
     def step(self) -> int:
@@ -142,6 +144,7 @@ class OuterStep:
         self.anchor = self._flat()
         self.inner, self.in_flight, self._landed, self._start = 0, False, None, None
         self.counted = self.engine.step
+        self._phase_started = time.monotonic()
 
     def restore(self, momentum: torch.Tensor, anchor: Optional[torch.Tensor], step: int) -> None:
         """A checkpoint's v and θ_t (None: the parameters as they are) at outer step `step`; the
@@ -149,11 +152,14 @@ class OuterStep:
         self.momentum.copy_(momentum)
         self.anchor = self._flat() if anchor is None else anchor.to(self.anchor.device, torch.float32).clone()
         self.inner, self.in_flight, self._landed, self._start, self.counted = 0, False, None, None, step
+        self._phase_started = time.monotonic()
 
     # ---- a boundary: begin (training thread), round and finish (loop), rebase (training thread) --
 
     def begin(self) -> torch.Tensor:
         """This boundary's contribution: Δ = θ_t − x (or an attacker's version of it)."""
+        if self.inner:
+            self.replay_s = (time.monotonic() - self._phase_started) * self.inner_steps / self.inner
         x = self._flat()
         delta = self.anchor - x
         if self.contribute is not None:
@@ -175,7 +181,7 @@ class OuterStep:
 
     async def round(self, delta: torch.Tensor) -> Union[Averaged, Resync]:
         """All-reduce `delta`; may be cancelled. Failures raise (ROUND_FAILURES): call `failed`."""
-        return await self.engine.run_round(delta, weight=1.0, recompute=self.recompute)
+        return await self.engine.run_round(delta, weight=1.0, recompute=self.recompute, recompute_s=self.replay_s)
 
     async def finish(self, outcome: Union[Averaged, Resync]) -> Union[Averaged, Resync, None]:
         """Averaged: the outer step is applied to θ and v and published. Resync: the swarm's θ and v
@@ -226,6 +232,7 @@ class OuterStep:
         else:
             self._write(self._flat().sub_(start).add_(self.anchor))
         self.in_flight, self._start, self._landed, self._boundary_x, self.failures = False, None, None, None, 0
+        self._phase_started = time.monotonic()
 
     def _outer_step(self, delta: torch.Tensor) -> None:
         nesterov_outer_step(

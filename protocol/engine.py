@@ -181,6 +181,7 @@ class RoundEngine:
         *,
         weight: float = 1.0,
         recompute: Optional[Recompute] = None,
+        recompute_s: float = 0.0,
         prepare: Optional[Prepare] = None,
     ) -> Union[Averaged, Resync]:
         """Form a group and all-reduce `vector` (numel,) with it, or learn that we must resync.
@@ -188,15 +189,16 @@ class RoundEngine:
         The averaged vector lives in a buffer that the next call overwrites (fresh 40 MB buffers
         cost page faults every round): apply or copy it before the next round. Instead of a vector,
         `prepare(group)` may return (vector, weight) once the group is known (asynchronous modes
-        correct stale contributions with what the group says). A round that raises one of
+        correct stale contributions with what the group says). `recompute_s`: how long one `recompute`
+        takes here, which verified rounds wait for validators beyond their phase timeout. A round that raises one of
         ROUND_FAILURES counts as failed; a cancelled one counts nowhere."""
         try:
-            return await self._run_round(vector, weight, recompute, prepare)
+            return await self._run_round(vector, weight, recompute, recompute_s, prepare)
         except ROUND_FAILURES:
             self.stats.rounds_failed += 1
             raise
 
-    async def _run_round(self, vector, weight: float, recompute, prepare) -> Union[Averaged, Resync]:
+    async def _run_round(self, vector, weight: float, recompute, recompute_s: float, prepare) -> Union[Averaged, Resync]:
         started = time.monotonic()
         reply = await self.matchmaker.join(version=self.version, step=self.step, together=self.together)
         if reply.kind == "resync":
@@ -210,12 +212,12 @@ class RoundEngine:
         self.state.joined(group.round_id)
         with self.transport.round_with(group.members):
             try:
-                return await self._run_group(group, started, vector, weight, recompute, prepare)
+                return await self._run_group(group, started, vector, weight, recompute, recompute_s, prepare)
             except BaseException:  # failed or cancelled: peers told to resync from us must not wait for it
                 self.state.abandon(group.round_id)
                 raise
 
-    async def _run_group(self, group: GroupSpec, started: float, vector, weight: float, recompute, prepare):
+    async def _run_group(self, group: GroupSpec, started: float, vector, weight: float, recompute, recompute_s: float, prepare):
         if prepare is not None:
             vector, weight = await prepare(group)
         spec = RoundSpec(
@@ -235,7 +237,7 @@ class RoundEngine:
         else:
             if weight != 1.0:  # the fixed-point check and the reports assume every member counts once
                 raise ValueError("verified rounds weight every member 1 (BTARD-SGD); got a weighted contribution")
-            result, verdict = await self._verified_round(group, spec, vector, recompute)
+            result, verdict = await self._verified_round(group, spec, vector, recompute, recompute_s)
         if result.missing_parts or result.dropped_senders:
             self.stats.rounds_partial += 1
         else:
@@ -255,7 +257,7 @@ class RoundEngine:
         self.stats.last_round_s = time.monotonic() - started
         return Averaged(group, result, verdict)
 
-    async def _verified_round(self, group: GroupSpec, spec: RoundSpec, vector: torch.Tensor, recompute):
+    async def _verified_round(self, group: GroupSpec, spec: RoundSpec, vector: torch.Tensor, recompute, recompute_s: float):
         """Phases 2–6 with BTARD: commit, data with signed statements, verify, judge, ban."""
         statement = self._check_group(group)
         if self.behavior.silent:
@@ -276,6 +278,7 @@ class RoundEngine:
                 behavior=self.behavior,
                 vector=vector,
                 recompute=recompute,
+                recompute_s=recompute_s,
             )
             t0 = time.monotonic()
             await vr.commit([encode(vector[a:b], spec.codec) for a, b in spec.bounds])

@@ -115,7 +115,7 @@ def identity_row(settings: PeerConfig) -> Row:
         return failed(check, f"{str(path)!r} is a directory", "--identity-path names a key file (created if missing)")
     if not path.exists():
         if not path.parent.is_dir():
-            return failed(check, f"directory {str(path.parent)!r} does not exist", f"create it, or point --identity-path elsewhere")
+            return failed(check, f"directory {str(path.parent)!r} does not exist", "create it, or point --identity-path elsewhere")
         if not os.access(path.parent, os.W_OK):
             return failed(check, f"cannot create {str(path)!r}: {str(path.parent)!r} is not writable", "point --identity-path at a writable folder")
         return ok(check, f"{str(path)!r} will be created at the first start")

@@ -47,6 +47,7 @@ class Judge:
         self.guilty: dict[str, tuple[Offense, list[Signed]]] = {}
         # (peer, part) -> the true report, where the accused's was false
         self.corrected: dict[tuple[str, int], tuple[float, float]] = {}
+        self.recomputations = 0  # contributions this judge recomputed: every judge did, so votes come that late
 
     def convict(self, peer: str, offense: Offense, evidence: list[Signed]) -> None:
         if peer != self.vr.identity.peer_id and peer not in self.guilty:
@@ -136,7 +137,9 @@ class Judge:
             elif acc.offense is Offense.BAD_CONTRIBUTION:
                 if (accuser, acc.accused) not in self.validator.pairs(self.seed) or vr.recompute is None:
                     self._convict_accuser(accuser)
-                elif await self.validator.contribution_holds(acc.accused, vr.recompute):
+                    continue
+                self.recomputations += 1
+                if await self.validator.contribution_holds(acc.accused, vr.recompute):
                     self._convict_accuser(accuser)
                 else:
                     self.convict(acc.accused, Offense.BAD_CONTRIBUTION, [vr.group_statement])
@@ -239,8 +242,8 @@ class Judge:
         same parts."""
         vr = self.vr
         received = await vr.service.exchange.all_to_all(
-            vr.round_id, RoundPhase.VOTE, pack(VoteList(votes=votes, disputes=disputes)), deadline=vr.next_deadline(),
-            expect=vr.committed,
+            vr.round_id, RoundPhase.VOTE, pack(VoteList(votes=votes, disputes=disputes)),
+            deadline=vr.next_deadline(vr.recompute_allowance_s(self.recomputations)), expect=vr.committed,
         )  # fmt: skip
         disputed = set(disputed)
         valid: list[Vote] = []
@@ -278,14 +281,15 @@ async def exchange_accusations(
     """Exchange accusations, with an echo of every report judged by: a member that sent different
     reports to different members (to get an honest reducer convicted by those that got the false one)
     is proven to, and its reports count for nobody. Returns each member's accusations, and whether
-    anyone saw something wrong (then every member votes)."""
+    anyone saw something wrong (then every member votes). Validators send theirs after recomputing their
+    target's contribution, so the phase waits that much longer."""
     for accused, (offense, evidence) in vr.proofs.items():
         vr.accusations.append(Accusation(accused=accused, offense=offense, part=-1, evidence=evidence))
     echo = [signed for signed, _ in reports.values()]
     body = AccuseBody(accusations=vr.accusations, suspects=suspects, reports=echo)
     mine = sign_statement(vr.identity, RoundPhase.ACCUSE, vr.round_id, body)
     received = await vr.service.exchange.all_to_all(
-        vr.round_id, RoundPhase.ACCUSE, pack(mine), deadline=vr.next_deadline(), expect=vr.committed,
+        vr.round_id, RoundPhase.ACCUSE, pack(mine), deadline=vr.next_deadline(vr.recompute_allowance_s()), expect=vr.committed,
         send=vr.behavior.speaks(RoundPhase.ACCUSE),
     )  # fmt: skip
     out: dict[str, list[Accusation]] = {}

@@ -23,6 +23,10 @@ from phalanx.security.evidence import Offense, check_self_contained
 from phalanx.security.projection import direction, report
 from phalanx.security.statements import Signed
 
+# A member waits this many times its own recomputation's duration for another's: a validator or judge on
+# slower hardware (or sharing its machine) replays the same steps more slowly.
+RECOMPUTE_MARGIN = 2.0
+
 
 class RoundState:
     """One member's view of one verified round: its members and parts, what it committed and received,
@@ -41,9 +45,13 @@ class RoundState:
         behavior: Behavior,
         vector: torch.Tensor,
         recompute: Optional[Recompute] = None,
+        recompute_s: float = 0.0,
     ) -> None:
         self.service, self.identity = service, service.identity
         self.recompute = recompute  # a validator's recomputation of another member's contribution
+        # how long one recomputation takes here (diloco: a phase of H inner steps, far longer than a phase
+        # timeout): the phases that wait for validators' and judges' recomputations wait that much longer
+        self.recompute_s = recompute_s
         self.vector = vector  # this member's committed contribution (flat, CPU float32)
         self.round_id, self.members, self.group_statement = round_id, members, group_statement
         self.bounds, self.codec, self.config, self.behavior = bounds, codec, config, behavior
@@ -75,13 +83,18 @@ class RoundState:
     def missing_parts(self) -> set[int]:
         return (self.expected or set()) - self.landed_parts - {self.me}
 
-    def next_deadline(self) -> float:
-        """The next phase's deadline: a phase timeout after the previous phase's, or after now once that
-        passed. A member may wait out a whole phase for a message kept from it alone (a withheld report)
-        and start the next phase a phase timeout after the others; counted from the previous deadline,
-        they still wait for what it sends there."""
-        self._deadline = max(time.monotonic(), self._deadline) + self.config.phase_timeout_s
+    def next_deadline(self, extra_s: float = 0.0) -> float:
+        """The next phase's deadline: a phase timeout (plus `extra_s`) after the previous phase's, or after
+        now once that passed. A member may wait out a whole phase for a message kept from it alone (a
+        withheld report) and start the next phase a phase timeout after the others; counted from the
+        previous deadline, they still wait for what it sends there."""
+        self._deadline = max(time.monotonic(), self._deadline) + self.config.phase_timeout_s + extra_s
         return self._deadline
+
+    def recompute_allowance_s(self, recomputations: int = 1) -> float:
+        """How much longer than a phase timeout to wait for members that first recompute `recomputations`
+        contributions (none without validators)."""
+        return RECOMPUTE_MARGIN * self.recompute_s * recomputations if self.config.validators else 0.0
 
     def prove(self, accused: str, offense: Offense, evidence: list[Signed]) -> None:
         if accused != self.identity.peer_id and check_self_contained(offense, accused, self.round_id, evidence):

@@ -154,3 +154,39 @@ def test_a_validators_recomputation_is_freed_with_its_round(monkeypatch):
             assert not copies_of(xs[1]), "the validator's recomputation outlived its round"
 
     asyncio.run(main())
+
+
+def test_a_validator_whose_recomputation_outlasts_the_phase_timeouts_is_waited_for(monkeypatch):
+    """A diloco validator replays H inner steps: minutes at real sizes, against a phase timeout of
+    seconds. Members wait for accusations (and for the judges' own replays before the votes) as long
+    as their own recomputation takes, twice over; without that the others gave up on the validator,
+    judged without its accusation, and a peer that sent a flipped contribution was never banned (this
+    test with `recompute_s` 0: peers 1 and 2 banned nobody)."""
+    from phalanx.protocol.btard.validator import Validator
+
+    config = dataclasses.replace(CONFIG, verify=dataclasses.replace(CONFIG.verify, phase_timeout_s=0.3))
+    recompute_s = 1.0  # the recomputation below sleeps 1.5 s: beyond the two 0.3 s phases, within 2 × 1.0 s more
+
+    async def main():
+        async with open_swarm(4, config) as peers:
+            ids = [p.peer_id for p in peers]
+            monkeypatch.setattr(Validator, "pairs", lambda self, seed: [(ids[0], ids[3])])
+            xs = inputs(4)
+            honest = dict(zip(ids, xs))
+
+            async def recompute(peer):
+                await asyncio.sleep(1.5)
+                return honest[peer]
+
+            for peer in peers:
+                peer.engine.set_state(b"v0", 0)
+            sent = xs[:3] + [-xs[3]]  # peer 3 commits to and sends a flipped contribution
+            outcomes = await asyncio.gather(*[
+                p.engine.run_round(x, recompute=recompute, recompute_s=recompute_s)
+                for p, x in zip(peers, sent)
+            ], return_exceptions=True)  # fmt: skip
+            return ids, outcomes
+
+    ids, outcomes = asyncio.run(main())
+    banned = [o.verdict.banned if not isinstance(o, BaseException) else o for o in outcomes[:3]]
+    assert banned == [{ids[3]}] * 3, banned
