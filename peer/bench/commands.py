@@ -14,6 +14,10 @@ bench_app = typer.Typer(
 )
 
 
+# `phalanx bench diloco --cases`: sync, diloco, with overlap, + int8, + verify, + verify without replays
+DILOCO_CASES = ("sync", "diloco", "overlap", "int8", "verify", "verify-no-validators")
+
+
 @bench_app.command("aggregate")
 def bench_aggregate(
     n: str = typer.Option("8,16,32", "--n", help="Comma-separated numbers of rows (peers)."),
@@ -143,29 +147,41 @@ def bench_diloco(
     inner_steps: int = typer.Option(50, "--inner-steps", min=1, help="DiLoCo's H."),
     upload_mbps: float = typer.Option(100.0, "--upload-mbps", min=0.0, help="Upload cap per peer (0: uncapped)."),
     repeats: int = typer.Option(1, "--repeats", min=1, help="Runs per case (median reported)."),
+    cases: str = typer.Option(
+        ",".join(DILOCO_CASES), "--cases", help=f"Comma-separated cases to run, in this order: {', '.join(DILOCO_CASES)}."
+    ),
 ) -> None:
     """To the same target under an upload cap: sync, diloco without and with overlap, diloco with
-    int8 pseudo-gradients, and that verified (wall time, bytes sent per peer, rounds).
+    int8 pseudo-gradients, that verified, and verified without validators (the protocol's own cost,
+    no replays): wall time, bytes sent per peer, rounds.
 
     [bold]Examples[/bold]
 
       phalanx bench diloco --peers 4 --upload-mbps 100
 
       phalanx bench diloco --task tiny-gpt --peers 4 --inner-steps 20
+
+      phalanx bench diloco --task tiny-gpt --cases int8,verify,verify-no-validators --repeats 3
     """
     from phalanx.peer.bench.swarm import Goal, print_diloco_goals, run_diloco_bench
 
+    chosen = str_list(cases)
+    if not chosen or any(c not in DILOCO_CASES for c in chosen):
+        raise ConfigError(f"--cases {cases}: choose from {', '.join(DILOCO_CASES)}")
     goal = Goal.for_task("diloco", task, task_options, target_accuracy, target_loss)
     diloco = ["--mode", "diloco", "--inner-steps", str(inner_steps)]
-    cases = [
-        ("sync", ["--mode", "sync"]),
-        (f"diloco H={inner_steps}", diloco),
-        (f"diloco H={inner_steps}, overlap on", [*diloco, "--overlap", "on"]),
-        (f"diloco H={inner_steps} + int8", [*diloco, "--compression", "int8"]),
-        (f"diloco H={inner_steps} + int8 + verify", [*diloco, "--compression", "int8", "--verify"]),
-    ]
-    rows = {r["impl"]: r for r in run_diloco_bench(peers, goal, cases, upload_mbps=upload_mbps, repeats=repeats)}
-    print_diloco_goals(rows["sync"], rows[cases[3][0]], rows[cases[4][0]], upload_mbps)
+    int8 = [*diloco, "--compression", "int8"]
+    every = {
+        "sync": ("sync", ["--mode", "sync"]),
+        "diloco": (f"diloco H={inner_steps}", diloco),
+        "overlap": (f"diloco H={inner_steps}, overlap on", [*diloco, "--overlap", "on"]),
+        "int8": (f"diloco H={inner_steps} + int8", int8),
+        "verify": (f"diloco H={inner_steps} + int8 + verify", [*int8, "--verify"]),
+        "verify-no-validators": (f"diloco H={inner_steps} + int8 + verify, no validators", [*int8, "--verify", "--validators", "0"]),
+    }  # fmt: skip
+    runs = [every[c] for c in dict.fromkeys(chosen)]
+    rows = {r["impl"]: r for r in run_diloco_bench(peers, goal, runs, upload_mbps=upload_mbps, repeats=repeats)}
+    print_diloco_goals(*(rows.get(every[c][0]) for c in ("sync", "int8", "verify")), upload_mbps)
 
 
 @bench_app.command("replay")

@@ -212,10 +212,20 @@ def test_cli_names_valid_inner_rules_in_one_line():
 
 
 def test_every_command_has_help_with_examples():
-    for command in (["bootstrap"], ["join"], ["swarm"], ["bench", "aggregate"], ["bench", "allreduce"], ["bench", "swarm"]):
+    for command in (["bootstrap"], ["join"], ["swarm"], ["bench", "aggregate"], ["bench", "allreduce"], ["bench", "swarm"], ["bench", "diloco"]):
         result = subprocess.run(
             [sys.executable, "-m", "phalanx", *command, "--help"], capture_output=True, text=True, timeout=120,
             env={"COLUMNS": "200", "PATH": "/usr/bin:/bin"},
         )
         assert result.returncode == 0, result.stderr
         assert "Examples" in result.stdout and "phalanx " + " ".join(command) in result.stdout, command
+
+
+def test_bench_diloco_names_its_cases_in_a_one_line_error():
+    result = subprocess.run(
+        [sys.executable, "-m", "phalanx", "bench", "diloco", "--cases", "int8,verfy"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 2
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "--cases int8,verfy: choose from sync, diloco, overlap, int8, verify" in lines[0], lines
