@@ -146,7 +146,7 @@ class PeerConfig(NetworkSettings):
     events: bool = Field(False, description="Print one JSON progress event per line on stdout (used by `phalanx swarm`).")
     verify: bool = Field(False, description="Byzantine-tolerant rounds (BTARD): commitments, MPRNG, projection checks, validators, bans. Needs --mode sync or diloco, --aggregator centered_clip or mean, and --compression none, fp16 or int8.")
     validators: int = Field(1, ge=0, le=8, description="With --verify: members per round that each recompute another member's gradient (one training step each, diloco: H; no two check the same member).")
-    phase_timeout_s: float = Field(10.0, gt=0, description="With --verify: how long each verification phase waits for the others.")
+    phase_timeout_s: float = Field(10.0, gt=0, description="With --verify: how long each verification phase waits for the others (the phases after validators' and judges' recomputations wait twice this peer's own step, diloco: phase, longer).")
     admission: Optional[Path] = Field(None, description="Private swarm: the owner's public key (from `phalanx keygen --owner`); peers without a valid certificate are refused.")
     certificate: Optional[Path] = Field(None, description="Private swarm: this peer's certificate (from `phalanx admit`).")
     attack: Optional[str] = Field(None, description="Make this peer an attacker (tests and demos): sign_flip, random_direction, label_flip, delayed, ipm, alie, nan, wrong_aggregate, equivocate, false_report, false_accusation, withhold_reveal, bad_commitment, silent, inflate_weight, withhold_aggregate, false_dispute, leave_out, deflate_weight, cover_up, equivocate_report, withhold_report, poison_state.")
