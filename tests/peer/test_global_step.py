@@ -15,7 +15,8 @@ class _Engine:
     def __init__(self) -> None:
         self.rounds = []
 
-    async def run_round(self, vector, *, weight, recompute=None):
+    async def run_round(self, vector, *, weight, recompute=None, recompute_s=0.0):
+        assert recompute is not None or recompute_s == 0.0  # only validators' recomputations are waited for
         self.rounds.append((vector.clone(), weight))
         raise asyncio.CancelledError  # the test looks at what was sent only
 
