@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-import time
 from collections.abc import Awaitable, Callable
 from typing import Any, Optional, Union
 
@@ -54,7 +53,6 @@ class GlobalStep:
         self.share = self.next_share()
         self._sum: Optional[torch.Tensor] = None  # (numel,) Σ gradient × local steps, when more than one
         self._single: Optional[torch.Tensor] = None  # the one gradient of a single local step (no copy)
-        self._since = time.monotonic()  # the last round's end: what came since is this step's compute
 
     @property
     def step(self) -> int:
@@ -107,15 +105,7 @@ class GlobalStep:
         cancelled. Round failures raise (ROUND_FAILURES) and keep the gradient for another try."""
         steps = self.samples // self.batch_size_per_step
         vector = self._single if self._single is not None else self._sum / steps
-        # a validator's recomputation of a member's step takes about as long as our own step took (the
-        # time since the last round ended: the step, and after a failed round its back-off)
-        recompute_s = time.monotonic() - self._since if self.recompute is not None else 0.0
-        try:
-            return await self.engine.run_round(
-                vector.to("cpu", torch.float32), weight=self.weight, recompute=self.recompute, recompute_s=recompute_s
-            )
-        finally:
-            self._since = time.monotonic()
+        return await self.engine.run_round(vector.to("cpu", torch.float32), weight=self.weight, recompute=self.recompute)
 
     @property
     def weight(self) -> float:

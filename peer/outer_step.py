@@ -100,8 +100,9 @@ class OuterStep:
         self._boundary_x: Optional[torch.Tensor] = None
         self._landed: Union[Averaged, Resync, None] = None  # finished, waiting for `rebase`
         self._retry_at = 0.0
-        self._phase_started = time.monotonic()
-        self.replay_s = 0.0  # this peer's last phase, H inner steps: what a validator's replay of one takes
+        self._last_step_at: Optional[float] = None  # when the last inner step ended (None: none this phase)
+        self._step_times: list[float] = []  # this phase's gaps between inner steps (not the wait before the first)
+        self.replay_s = 0.0  # H of this peer's inner steps: about what a validator's replay of a phase takes
 
     @property
     def step(self) -> int:
@@ -125,6 +126,10 @@ class OuterStep:
 
     def inner_step_done(self) -> None:
         self.inner += 1
+        now = time.monotonic()
+        if self._last_step_at is not None:
+            self._step_times.append(now - self._last_step_at)
+        self._last_step_at = now
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
         """The shared state: θ_t and v (the inner optimizer's state, and x, are each peer's own)."""
@@ -144,7 +149,6 @@ class OuterStep:
         self.anchor = self._flat()
         self.inner, self.in_flight, self._landed, self._start = 0, False, None, None
         self.counted = self.engine.step
-        self._phase_started = time.monotonic()
 
     def restore(self, momentum: torch.Tensor, anchor: Optional[torch.Tensor], step: int) -> None:
         """A checkpoint's v and θ_t (None: the parameters as they are) at outer step `step`; the
@@ -152,14 +156,14 @@ class OuterStep:
         self.momentum.copy_(momentum)
         self.anchor = self._flat() if anchor is None else anchor.to(self.anchor.device, torch.float32).clone()
         self.inner, self.in_flight, self._landed, self._start, self.counted = 0, False, None, None, step
-        self._phase_started = time.monotonic()
 
     # ---- a boundary: begin (training thread), round and finish (loop), rebase (training thread) --
 
     def begin(self) -> torch.Tensor:
         """This boundary's contribution: Δ = θ_t − x (or an attacker's version of it)."""
-        if self.inner:
-            self.replay_s = (time.monotonic() - self._phase_started) * self.inner_steps / self.inner
+        if self._step_times:
+            self.replay_s = self.inner_steps * sum(self._step_times) / len(self._step_times)
+        self._last_step_at, self._step_times = None, []
         x = self._flat()
         delta = self.anchor - x
         if self.contribute is not None:
@@ -232,7 +236,6 @@ class OuterStep:
         else:
             self._write(self._flat().sub_(start).add_(self.anchor))
         self.in_flight, self._start, self._landed, self._boundary_x, self.failures = False, None, None, None, 0
-        self._phase_started = time.monotonic()
 
     def _outer_step(self, delta: torch.Tensor) -> None:
         nesterov_outer_step(
