@@ -101,7 +101,7 @@ class OuterStep:
         self._landed: Union[Averaged, Resync, None] = None  # finished, waiting for `rebase`
         self._retry_at = 0.0
         self._last_step_at: Optional[float] = None  # when the last inner step ended (None: none this phase)
-        self._step_times: list[float] = []  # this phase's gaps between inner steps (not the wait before the first)
+        self._gaps_s, self._gaps = 0.0, 0  # this phase's time between inner steps (not the wait before the first)
         self.replay_s = 0.0  # H of this peer's inner steps: about what a validator's replay of a phase takes
 
     @property
@@ -128,7 +128,7 @@ class OuterStep:
         self.inner += 1
         now = time.monotonic()
         if self._last_step_at is not None:
-            self._step_times.append(now - self._last_step_at)
+            self._gaps_s, self._gaps = self._gaps_s + now - self._last_step_at, self._gaps + 1
         self._last_step_at = now
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
@@ -161,9 +161,9 @@ class OuterStep:
 
     def begin(self) -> torch.Tensor:
         """This boundary's contribution: Δ = θ_t − x (or an attacker's version of it)."""
-        if self._step_times:
-            self.replay_s = self.inner_steps * sum(self._step_times) / len(self._step_times)
-        self._last_step_at, self._step_times = None, []
+        if self._gaps:
+            self.replay_s = self.inner_steps * self._gaps_s / self._gaps
+        self._last_step_at, self._gaps_s, self._gaps = None, 0.0, 0
         x = self._flat()
         delta = self.anchor - x
         if self.contribute is not None:
