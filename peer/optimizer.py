@@ -33,12 +33,12 @@ import atexit
 import concurrent.futures
 import copy
 import hashlib
+import inspect
 import json
 import logging
 import math
 import re
 import threading
-import time
 from collections.abc import Callable, Coroutine, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Optional, TypeVar, Union
@@ -90,6 +90,25 @@ class Statistics:
     """The last staleness correction's factor; None in sync mode, where nothing is stale."""
     banned: list[str] = field(default_factory=list)
     """Peers the swarm banned, as this peer knows."""
+
+
+class Interrupted(PhalanxError):
+    """`step()` (or the constructor's wait) gave up because `interrupt()` was called."""
+
+
+@dataclass
+class JoinHooks:
+    """What `phalanx join`'s loop adds to the optimizer (library users leave it empty)."""
+
+    opened: Callable[[Optimizer], Any] = lambda optimizer: None
+    """Called (on the node's loop; it may return an awaitable) once the node is up and holds the state
+    it starts from, before waiting for the other trainers."""
+    contribute: Optional[Callable[[int, torch.Tensor], torch.Tensor]] = None
+    """diloco: (outer step, honest Δ) → what this peer sends instead (`--attack`)."""
+    event: Callable[..., None] = lambda name, **fields: None
+    """Called with "resynced" (donor=) and "penalty" (gap=, method=, divisor=), as they happen."""
+    metrics: Optional[PeerMetrics] = None
+    """The health server's metrics, when the caller shows them too."""
 
 
 class _SwarmThread:
@@ -172,20 +191,62 @@ class Optimizer(torch.optim.Optimizer):
                     "phalanx.Optimizer(verify=True, target_batch_size=...): validators recompute one public batch "
                     "per global step; drop target_batch_size (or make the batch bigger)"
                 )
+        plan = _plan(inner, run_id, mode, batch_size_per_step, target_batch_size, seed, verify, settings)
+        trainable = Trainable([p for g in inner.param_groups for p in g["params"]], inner)
+        self._start(plan, trainable, batch_size_per_step, target_batch_size, model, batch_fn, loss_fn, scheduler, JoinHooks())
+
+    @classmethod
+    def for_plan(
+        cls,
+        plan: PeerPlan,
+        trainable: Trainable,
+        *,
+        model: torch.nn.Module,
+        batch_fn: Callable[[int, str, int], Any],
+        loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor],
+        batch_size_per_step: int,
+        scheduler: Optional[Scheduler] = None,
+        hooks: Optional[JoinHooks] = None,
+        state: Optional[dict[str, Any]] = None,
+    ) -> Optimizer:
+        """`phalanx join`'s door: a plan its flags made (checked there, so settings the library refuses
+        for a loop it cannot see into, DANA's look-ahead and averaged momentum, pass), a task's model and
+        optimizer as `trainable` (its buffers travel with the state), the loop's hooks, and the
+        `state_dict()` of a checkpoint to start from (loaded before the node announces its step)."""
+        self = cls.__new__(cls)
+        self._initial_state = state
+        self._start(plan, trainable, batch_size_per_step, None, model, batch_fn, loss_fn, scheduler, hooks or JoinHooks())
+        return self
+
+    def _start(
+        self,
+        plan: PeerPlan,
+        trainable: Trainable,
+        batch_size_per_step: int,
+        target_batch_size: Optional[int],
+        model: Optional[torch.nn.Module],
+        batch_fn: Optional[Callable[[int, str, int], Any]],
+        loss_fn: Optional[Callable[[torch.nn.Module, Any], torch.Tensor]],
+        scheduler: Optional[Scheduler],
+        hooks: JoinHooks,
+    ) -> None:
+        inner, training = trainable.optimizer, plan.training
+        mode, verify, seed = training.mode, plan.round.verify is not None, training.seed
         self.model, self.batch_fn, self.loss_fn, self.seed = model, batch_fn, loss_fn, seed
         self._validator_model: Optional[torch.nn.Module] = None
-        super().__init__([p for g in inner.param_groups for p in g["params"]], inner.defaults)
+        self.inner = None  # add_param_group, which torch's __init__ calls, tells the first call by it
+        super().__init__(list(trainable.params), inner.defaults)
         self.param_groups, self.state = inner.param_groups, inner.state  # one set: schedulers and users see the inner's
         self.inner = inner
         self.batch_size_per_step, self.target_batch_size = batch_size_per_step, target_batch_size
-        self.trainable = Trainable([p for g in inner.param_groups for p in g["params"]], inner)
+        self.trainable, self.plan, self.hooks = trainable, plan, hooks
         if verify:
+            assert model is not None
             self._model_index = {id(p): i for i, p in enumerate(model.parameters())}
             if any(id(p) not in self._model_index for p in self.trainable.params):
                 raise ConfigError(
                     "phalanx.Optimizer(verify=True, model=...): the model must hold every parameter the optimizer steps"
                 )
-        self.plan = _plan(inner, run_id, mode, batch_size_per_step, target_batch_size, seed, verify, settings)
         # verified diloco: validators replay a member's H inner steps (peer/phase_replay.py)
         self._replay = PhaseReplay(model, inner, batch_fn, loss_fn, seed) if verify and mode == "diloco" else None
         self.scheduler = scheduler(inner) if callable(scheduler) and not hasattr(scheduler, "step") else scheduler
@@ -193,7 +254,7 @@ class Optimizer(torch.optim.Optimizer):
         self._last_loss: Optional[float] = None
         self._last_round: Optional[str] = None
         self._peers_last_round = 0
-        self._metrics = PeerMetrics(role="trainer")
+        self.metrics = hooks.metrics or PeerMetrics(role="trainer")  # what the health server shows
         self._health = None
         self._outer: Optional[OuterStep] = None  # diloco's outer step
         self._local: Optional[LocalExchange] = None  # lasgd/gossip's exchange; else self._steps is a GlobalStep
@@ -201,7 +262,10 @@ class Optimizer(torch.optim.Optimizer):
         self._local_steps = 0  # lasgd/gossip: local steps taken (the schedule follows them)
         self._since_exchange = 0
         self._lr_max = max(g.get("initial_lr", g["lr"]) for g in inner.param_groups)
+        self._initial_state: Optional[dict[str, Any]] = getattr(self, "_initial_state", None)
         self._closed = False
+        self._interrupted = threading.Event()
+        self._stop: Optional[asyncio.Event] = None  # the same, on the swarm's loop (set there by interrupt())
         self._swarm = _SwarmThread()
         try:
             self.node: Node = self._swarm.call(self._open())
@@ -217,6 +281,8 @@ class Optimizer(torch.optim.Optimizer):
         """A local step: add this batch's gradients; when this peer's share is in, a global step."""
         if self._closed:
             raise PhalanxError("phalanx.Optimizer.step() after close(): make a new optimizer to rejoin")
+        if self._interrupted.is_set():
+            raise Interrupted("phalanx.Optimizer.step() after interrupt()")
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -301,6 +367,41 @@ class Optimizer(torch.optim.Optimizer):
     def global_step(self) -> int:
         return self.node.engine.step
 
+    @property
+    def position(self) -> int:
+        """Steps of this peer's schedule (what LR schedulers follow): global steps in sync mode, inner
+        steps in diloco (H per outer step begun, plus those since), local steps in lasgd and gossip."""
+        if self._local is not None:
+            return self._local_steps
+        return self.global_step if self._outer is None else self._outer.position
+
+    @property
+    def outer(self) -> Optional[OuterStep]:
+        """diloco's outer state (θ_t as `outer.anchor`, v as `outer.momentum`); None in other modes."""
+        return self._outer
+
+    @property
+    def swarm_loop(self) -> asyncio.AbstractEventLoop:
+        """The event loop (on a thread of its own) the node runs on."""
+        return self._swarm.loop
+
+    @property
+    def round_in_flight(self) -> bool:
+        """diloco, lasgd, gossip: a round started at a boundary runs in the background."""
+        return self._in_flight is not None
+
+    def flush(self) -> None:
+        """diloco: wait for the round in flight and apply it (the end of a run); a no-op otherwise."""
+        if self._outer is not None and self._in_flight is not None:
+            self._land_outer()
+
+    def interrupt(self) -> None:
+        """From any thread (a signal handler): a `step()` waiting for a round, or a back-off, raises
+        Interrupted soon after; rounds in the background are left. Steps after it raise too."""
+        self._interrupted.set()
+        if self._stop is not None:
+            self._swarm.loop.call_soon_threadsafe(self._stop.set)
+
     def statistics(self) -> Statistics:
         engine, transport = self.node.engine, self.node.transport
         s = engine.stats
@@ -334,11 +435,15 @@ class Optimizer(torch.optim.Optimizer):
         global step from the swarm's thread, so a checkpoint read meanwhile mixed two outer steps. Landing
         moves the parameters in place, so a model state_dict() taken just before holds them too."""
         if self._outer is not None and self._in_flight is not None:
-            self._land_outer()
+            try:
+                self._land_outer()
+            except Interrupted:  # left as a failed round: its inner steps are in x, counted again
+                pass
         state = {"optimizer": self.inner.state_dict(), "global_step": self.global_step}
         if self._outer is not None:  # θ_t and v; the parameters (x) are the model's to save
             state["outer_momentum"] = self._outer.momentum.detach().cpu().clone()
             state["outer_anchor"] = self._outer.anchor.detach().cpu().clone()
+            state["inner_steps_taken"] = self._outer.inner  # since θ_t (x holds them)
         if self._local is not None:  # the base the next exchange measures progress from, and its version
             state["local_base"] = self._local.state.base.clone()
             state["local_steps"] = self._local_steps
@@ -351,21 +456,17 @@ class Optimizer(torch.optim.Optimizer):
         hold the same version and train on together, the others resync at their first round."""
         if not isinstance(state_dict, dict) or "optimizer" not in state_dict or "global_step" not in state_dict:
             raise ConfigError("phalanx.Optimizer.load_state_dict: give what phalanx.Optimizer.state_dict() returned")
+        self._swarm.call(self._load_state(state_dict))
+
+    async def _load_state(self, state_dict: dict[str, Any]) -> None:
+        """load_state_dict's work, on the node's loop while the caller's thread waits (the parameters hold still)."""
+        step = int(state_dict["global_step"])
         self.inner.load_state_dict(state_dict["optimizer"])
         if self._local is not None:
             if "local_base" not in state_dict:
                 raise ConfigError(f"phalanx.Optimizer.load_state_dict: a {self.plan.training.mode} checkpoint has local_base; this one has none")
-            self._local.restore(state_dict["local_base"], int(state_dict["global_step"]))
+            self._local.restore(state_dict["local_base"], step)
             self._local_steps = int(state_dict.get("local_steps", 0))
-        if self.scheduler is not None and "scheduler" in state_dict:
-            self.scheduler.load_state_dict(state_dict["scheduler"])
-            inner_steps = self._outer.inner_steps if self._outer is not None else 1
-            self._scheduled = self._local_steps if self._local is not None else int(state_dict["global_step"]) * inner_steps
-        step = int(state_dict["global_step"])
-        if self._local is not None:
-            self._swarm.call(self._local.publish())
-            self._follow_schedule()
-            return
         if self._outer is not None:
             if "outer_momentum" not in state_dict:
                 raise ConfigError(
@@ -375,8 +476,15 @@ class Optimizer(torch.optim.Optimizer):
             self._outer.restore(state_dict["outer_momentum"], state_dict.get("outer_anchor"), step)
             if self._replay is not None:  # a verified phase starts at θ_t: its steps are replayed from there
                 write_flat(self._outer.params, self._outer.anchor)
-        version = initial_version(self.plan.run_hash, self._steps.state_tensors(), step)
-        self.node.engine.set_state(version, step)
+            else:
+                self._outer.inner = int(state_dict.get("inner_steps_taken", 0))
+        if self._local is not None:
+            await self._local.publish()
+        else:
+            self.node.engine.set_state(initial_version(self.plan.run_hash, self._steps.state_tensors(), step), step)
+        if self.scheduler is not None and "scheduler" in state_dict:
+            self.scheduler.load_state_dict(state_dict["scheduler"])
+            self._scheduled = self.position
         self._follow_schedule()
 
     def close(self) -> None:
@@ -401,7 +509,8 @@ class Optimizer(torch.optim.Optimizer):
     # ---- inside ------------------------------------------------------------------------------
 
     async def _open(self) -> Node:
-        node = await open_node(self.plan, loss=lambda: self._last_loss)
+        self._stop = asyncio.Event()
+        node = self.node = await open_node(self.plan, loss=lambda: self._last_loss)
         try:
             in_thread = lambda fn, *args: asyncio.get_running_loop().run_in_executor(None, fn, *args)  # noqa: E731
             if self.plan.training.mode in LOCAL_MODES:
@@ -415,6 +524,7 @@ class Optimizer(torch.optim.Optimizer):
                     node, self.trainable.params, inner_steps=outer.inner_steps, outer_lr=outer.outer_lr,
                     outer_momentum=outer.outer_momentum, in_thread=in_thread, overlap=outer.overlap == "on",
                     topk_fraction=outer.topk_fraction, recompute=self._replay_phase if self._replay is not None else None,
+                    contribute=self.hooks.contribute,
                 )  # fmt: skip
             else:
                 self._steps = GlobalStep(
@@ -424,8 +534,15 @@ class Optimizer(torch.optim.Optimizer):
                 )  # fmt: skip
             if self._local is None:
                 node.engine.set_state(initial_version(self.plan.run_hash, self._steps.state_tensors(), 0), 0)
-            self._health = await open_node_health(node, self.plan, self._metrics)
-            await wait_for_trainers(node, self.plan.training.wait_for_peers)
+            self._health = await open_node_health(node, self.plan, self.metrics)
+            if self._initial_state is not None:
+                await self._load_state(self._initial_state)
+            opened = self.hooks.opened(self)
+            if inspect.isawaitable(opened):
+                await opened
+            await wait_for_trainers(node, self.plan.training.wait_for_peers, self._stop)
+            if self._stop.is_set():
+                raise Interrupted("interrupted while waiting for the other trainers")
             if self._local is not None:  # like phalanx join: a newcomer starts from the swarm's model
                 await self._join_late(node)
             elif self._outer is None:
@@ -474,15 +591,25 @@ class Optimizer(torch.optim.Optimizer):
         try:
             outcome = future.result()
         except ROUND_FAILURES as e:
-            self._metrics.round_failed()
+            self.metrics.round_failed()
             self._last_round = "failed"
-            logger.warning(f"exchange at version {local.version} failed: {e}; the next one starts in sync_every steps")
+            logger.info(f"exchange at version {local.version} failed: {e}; the next one starts in sync_every steps")
             return
         if not isinstance(outcome, Averaged):
             return
         part = local.last
-        if part is not None and part.reset_to is not None:
+        if part is not None and part.reset_to is not None:  # too far behind: our progress is dropped
             logger.info(f"{part.penalty.gap_versions} versions behind (> max_gap): took the swarm's model")
+            self.trainable.load_flat_params(part.reset_to)
+            local.state.snapshot = part.reset_to.clone()
+        elif part is not None and part.penalty.gap_versions > 0:
+            penalty = part.penalty
+            logger.info(
+                f"stale contribution ({penalty.gap_versions} versions behind): "
+                f"{penalty.method} divided it by {penalty.mean_divisor:.2f} on average"
+            )
+            self.metrics.staleness_penalty = penalty.mean_divisor
+            self.hooks.event("penalty", gap=penalty.gap_versions, method=penalty.method, divisor=penalty.mean_divisor)
         local.merge(outcome)
         self._swarm.call(local.publish())
         self._landed(outcome, self.plan.exchange.sync_every * self.batch_size_per_step)
@@ -493,12 +620,17 @@ class Optimizer(torch.optim.Optimizer):
         local = self._local
         assert local is not None
         peers = {p: r.step for p, r in node.membership.peers().items() if p != node.peer_id}
-        found = await local.download(peers)
+        try:
+            found = await local.download(peers)
+        except (PhalanxError, ValueError) as e:
+            logger.warning(f"could not download the swarm's model: {e}; starting fresh")
+            found = None
         if found is not None:
             snapshot, donor = found
             await asyncio.get_running_loop().run_in_executor(None, local.adopt, snapshot)
             logger.info(f"joined a running swarm: model of version {snapshot.step} from {donor[-8:]}")
             self._last_round = "resynced"
+            self.hooks.event("resynced", donor=donor)
         await local.publish()
         return found is not None
 
@@ -511,8 +643,8 @@ class Optimizer(torch.optim.Optimizer):
         if self._in_flight is not None and (self._in_flight.done() or outer.inner >= outer.inner_steps):
             self._land_outer()
         while outer.inner >= outer.inner_steps and self._in_flight is None:
-            if not outer.ready:  # a back-off after a failed round: wait it out, as the strict version does
-                time.sleep(outer.retry_in_s)
+            if not outer.ready and self._interrupted.wait(outer.retry_in_s):  # a back-off after a failed round
+                raise Interrupted("interrupted during the back-off after a failed outer round")
             self._check_node()
             delta = outer.begin()
             self._in_flight = self._swarm.submit(self._outer_round(delta))
@@ -521,14 +653,19 @@ class Optimizer(torch.optim.Optimizer):
             self._land_outer()
 
     def _land_outer(self) -> None:
+        """Apply the round in flight (waiting for it). One an interrupt left counts as failed (its inner
+        steps go into the next Δ), and Interrupted raises."""
         outer, future = self._outer, self._in_flight
         assert outer is not None and future is not None
         self._in_flight = None
         try:
             outcome = future.result()
+        except Interrupted:
+            outer.failed()
+            raise
         except ROUND_FAILURES as e:
             outer.failed()
-            self._metrics.round_failed()
+            self.metrics.round_failed()
             self._last_round = "failed"
             logger.warning(f"outer round at global step {self.global_step} failed: {e}; retrying")
             return
@@ -541,19 +678,22 @@ class Optimizer(torch.optim.Optimizer):
     async def _outer_round(self, delta: torch.Tensor) -> Union[Averaged, Resync, None]:
         outer = self._outer
         assert outer is not None
-        outcome = await outer.round(delta)
-        return await asyncio.shield(outer.finish(outcome))
+        outcome = await self._unless_interrupted(outer.round(delta))
+        return await asyncio.shield(outer.finish(outcome))  # θ and v change all at once or not at all
 
     def _landed(self, outcome: Union[Averaged, Resync], samples: int) -> None:
         if isinstance(outcome, Averaged):
             self._last_round = "partial" if outcome.result.missing_parts else "ok"
             self._peers_last_round = len(outcome.group.members)
-            self._metrics.round_done(
-                step=self.global_step, loss=self._last_loss if self._last_loss is not None else math.nan,
+            self.metrics.round_done(
+                step=self.position, loss=self._last_loss if self._last_loss is not None else math.nan,
                 samples=samples, averaged=outcome, duration_s=self.node.engine.stats.last_round_s,
             )  # fmt: skip
         else:
             self._last_round = "resynced"
+            self.metrics.resync_started(outcome)
+            self.metrics.resynced(self.position)
+            self.hooks.event("resynced", donor=outcome.donor)
 
     async def _round(self) -> Union[Averaged, Resync]:
         """The round of this global step, retried (backing off) until one completes."""
@@ -561,16 +701,32 @@ class Optimizer(torch.optim.Optimizer):
         while True:
             self._check_node()
             try:
-                outcome = await self._steps.attempt()
+                outcome = await self._unless_interrupted(self._steps.round())
+                outcome = await asyncio.shield(self._steps.finish(outcome))  # never cancelled halfway
             except ROUND_FAILURES as e:
                 failures += 1
-                self._metrics.round_failed()
+                self.metrics.round_failed()
                 self._last_round = "failed"
                 logger.warning(f"round at global step {self.global_step} failed: {e}; retrying")
-                await asyncio.sleep(min(5.0, 0.1 * 2 ** min(failures, 6)))
+                await self._unless_interrupted(asyncio.sleep(min(5.0, 0.1 * 2 ** min(failures, 6))))
                 continue
             if outcome is not None:
                 return outcome
+
+    async def _unless_interrupted(self, coro: Coroutine[Any, Any, T]) -> T:
+        """`coro`'s result; cancelled, raising Interrupted, if `interrupt()` comes first."""
+        assert self._stop is not None
+        task = asyncio.ensure_future(coro)
+        stop = asyncio.ensure_future(self._stop.wait())
+        try:
+            await asyncio.wait({task, stop}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stop.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            raise Interrupted("interrupted while a round ran")
+        return task.result()
 
     async def _recompute(self, peer_id: str) -> torch.Tensor:
         """A validator's honest recomputation of `peer_id`'s gradient at this round's parameters, on a
@@ -613,10 +769,7 @@ class Optimizer(torch.optim.Optimizer):
         newcomer's catches up with the swarm's."""
         if self.scheduler is None:
             return
-        if self._local is not None:
-            position = self._local_steps
-        else:
-            position = self.global_step if self._outer is None else self._outer.position
+        position = self.position
         while self._scheduled < position:
             self.scheduler.step()
             self._scheduled += 1

@@ -41,9 +41,7 @@ PRELOAD = (
     "phalanx.peer.cli",
     "phalanx.peer.trainer",
     "phalanx.peer.node",
-    "phalanx.peer.modes.sync",
-    "phalanx.peer.modes.local",
-    "phalanx.peer.modes.diloco",
+    "phalanx.peer.optimizer",
     "phalanx.tasks",
 )
 MAX_REQUEST = 1 << 20  # bytes of one request (argv, environment, log path)

@@ -27,7 +27,7 @@ def _replay(task: str, options: str, inner_steps: int, threads: int, out: Path) 
     from phalanx.peer.config import PeerConfig
     from phalanx.peer.model import Model, zero_optimizer_state
     from phalanx.peer.plan import make_plan
-    from phalanx.peer.runtime import task_options
+    from phalanx.peer.trainer import task_options
     from phalanx.tasks import compute_gradient, resolve_task
 
     torch.set_num_threads(threads)

@@ -184,34 +184,40 @@ def test_with_overlap_every_peer_holds_the_same_outer_state_and_trains(bootstrap
     assert results[0]["params"] != results[1]["params"]  # x: each peer's own inner steps since the boundary
 
 
-def _diloco_runtime(attack: Optional[str], inner_steps: int = 3, **settings):
-    """A diloco runtime on digits-mlp with a stand-in node (no swarm: the contribution's math only)."""
+def _diloco_trainer(attack: Optional[str], inner_steps: int = 3, **settings):
+    """`phalanx join`'s trainer on digits-mlp in diloco mode, with a stand-in node and optimizer (no
+    swarm: the contribution's math only); its outer step."""
     from types import SimpleNamespace
 
     from phalanx.peer.config import PeerConfig
-    from phalanx.peer.modes.diloco import DilocoMode
+    from phalanx.peer.outer_step import OuterStep
     from phalanx.peer.plan import make_plan
-    from phalanx.peer.runtime import Runtime
+    from phalanx.peer.trainer import Trainer
 
     plan = make_plan(
         PeerConfig(mode="diloco", inner_steps=inner_steps, attack=attack, device="cpu", overlap="off", **settings)
     )
-    runtime = Runtime(plan)
-    runtime._node = SimpleNamespace(engine=SimpleNamespace(step=0), peer_id="12D3KooWattacker")
-    return runtime, DilocoMode(runtime)
+    trainer = Trainer(plan)
+    node = SimpleNamespace(engine=SimpleNamespace(step=0), peer_id="12D3KooWattacker")
+    outer = OuterStep(
+        node, trainer.model.params, inner_steps=inner_steps, outer_lr=plan.outer.outer_lr,
+        outer_momentum=plan.outer.outer_momentum, in_thread=None, topk_fraction=plan.outer.topk_fraction,
+        contribute=trainer._attacked if trainer.attacks_delta else None,
+    )  # fmt: skip
+    trainer.opt = SimpleNamespace(outer=outer, node=node)
+    return trainer, outer
 
 
 @pytest.mark.parametrize("attack", ["sign_flip", "random_direction", "ipm", "alie", "nan", "delayed"])
 def test_an_attacker_in_diloco_attacks_its_pseudo_gradient(attack):
-    runtime, mode = _diloco_runtime(attack)
-    outer = mode.outer
+    trainer, outer = _diloco_trainer(attack)
     assert outer.contribute is not None
     deltas, sent = [], []
     for t in range(3):
-        runtime.node.engine.step = t
+        outer.engine.step = t
         for step in range(t * 3, t * 3 + 3):  # honest inner steps
-            _, grad = runtime.gradient(runtime.model.module, "12D3KooWattacker", step)
-            runtime.model.apply(grad, step)
+            _, grad = trainer._gradient(trainer.model.module, "12D3KooWattacker", step)
+            trainer.model.apply(grad, step)
             outer.inner_step_done()
         deltas.append(outer.anchor - outer._flat())
         sent.append(outer.begin())
@@ -229,48 +235,37 @@ def test_an_attacker_in_diloco_attacks_its_pseudo_gradient(attack):
 
 
 def test_an_alie_attacker_estimates_from_honest_deltas_of_h_inner_steps():
-    runtime, mode = _diloco_runtime("alie")
-    replica = mode._replay("12D3KooWattacker/extra1")
-    model = copy.deepcopy(runtime.model)
+    trainer, outer = _diloco_trainer("alie")
+    replica = trainer._replay("12D3KooWattacker/extra1")
+    model = copy.deepcopy(trainer.model)
     for step in range(3):
-        _, grad = runtime.gradient(model.module, "12D3KooWattacker/extra1", step)
+        _, grad = trainer._gradient(model.module, "12D3KooWattacker/extra1", step)
         model.apply(grad, step)
-    expected = mode.outer.anchor - torch.nn.utils.parameters_to_vector(model.params).detach()
+    expected = outer.anchor - torch.nn.utils.parameters_to_vector(model.params).detach()
     assert torch.equal(replica, expected)  # H = 3 honest steps from θ_t, on the copy; the model untouched
-    assert torch.equal(mode.outer._flat(), mode.outer.anchor)
-    for state in runtime.model.optimizer.state.values():  # and so is its optimizer's state
+    assert torch.equal(outer._flat(), outer.anchor)
+    for state in trainer.model.optimizer.state.values():  # and so is its optimizer's state
         assert all(not torch.is_tensor(v) or not v.any() for v in state.values())
 
 
 def test_label_flip_in_diloco_flips_the_inner_data_and_sends_delta_as_it_is():
-    runtime, mode = _diloco_runtime("label_flip")
-    assert mode.outer.contribute is None and runtime.attack.flips_labels
+    trainer, outer = _diloco_trainer("label_flip")
+    assert outer.contribute is None and trainer.attack.flips_labels
 
 
-@pytest.mark.parametrize("fresh_phase", [True, False])
-def test_a_validator_replays_a_verified_peers_pseudo_gradient_bit_for_bit(fresh_phase):
-    from phalanx.peer.model import zero_optimizer_state
-
-    runtime, mode = _diloco_runtime(None, verify=True, aggregator="mean")
-    outer, model, peer = mode.outer, runtime.model, "12D3KooWhonest"
-    assert mode.verified and outer.recompute is not None
-
-    def phase(t: int) -> torch.Tensor:  # an honest peer's H inner steps of phase t, as DilocoMode takes them
-        for step in range(t * 3, t * 3 + 3):
-            _, grad = runtime.gradient(model.module, peer, step)
-            model.apply(grad, step, mode._lr_scale(step - t * 3))
-        return outer.anchor - outer._flat()
-
-    assert [mode._lr_scale(i) for i in range(3)] == [0.1, 0.2, 0.3]  # --phase-warmup 10: the phase's ramp
-    zero_optimizer_state(model.optimizer)
-    assert torch.equal(phase(0), mode._replay(peer))
-    outer.anchor = outer._flat()  # the next θ (any outer step: the replay starts from θ_t, whatever it is)
-    runtime.node.engine.step = 1
-    if fresh_phase:
-        zero_optimizer_state(model.optimizer)  # what DilocoMode does after every outer step of a verified run
-    delta = phase(1)
-    # carried-over momentum makes Δ depend on more than θ_t and the public batches: validators would accuse
-    assert torch.equal(delta, mode._replay(peer)) == fresh_phase
+def test_the_trainer_computes_its_gradient_as_validators_recompute_it():
+    """The loop's honest gradient and a validator's (the optimizer's loss_fn on batch_fn) are the same bits."""
+    trainer, outer = _diloco_trainer(None, verify=True, aggregator="mean")
+    module = trainer.model.module
+    trainer.opt.position = 4
+    loss = trainer._backward(trainer.opt)
+    mine = torch.cat([p.grad.reshape(-1) for p in module.parameters()])
+    module.zero_grad(set_to_none=True)
+    again = trainer.loss(module, trainer.public_batch(trainer.config.seed, "12D3KooWattacker", 4))
+    again.backward()
+    assert torch.equal(mine, torch.cat([p.grad.reshape(-1) for p in module.parameters()])) and loss == again.detach()
+    _, flat = trainer._gradient(copy.deepcopy(module), "12D3KooWattacker", 4)  # compute_gradient, attackers' path
+    assert torch.equal(mine, flat)
 
 
 @pytest.mark.integration
@@ -307,12 +302,11 @@ def test_resumed_diloco_peers_hold_theta_and_momentum_and_train_on_together(boot
 
 
 def test_topk_sends_the_largest_entries_and_a_failed_round_gives_them_back():
-    runtime, mode = _diloco_runtime(None, compression="topk:0.1")
-    outer = mode.outer
+    trainer, outer = _diloco_trainer(None, compression="topk:0.1")
     assert outer.feedback is not None and outer.feedback.fraction == 0.1
     for step in range(3):
-        _, grad = runtime.gradient(runtime.model.module, "12D3KooWpeer", step)
-        runtime.model.apply(grad, step)
+        _, grad = trainer._gradient(trainer.model.module, "12D3KooWpeer", step)
+        trainer.model.apply(grad, step)
         outer.inner_step_done()
     delta = outer.anchor - outer._flat()
     sent = outer.begin()
@@ -326,14 +320,13 @@ def test_topk_sends_the_largest_entries_and_a_failed_round_gives_them_back():
 
 
 def test_with_overlap_a_failed_round_moves_the_steps_taken_since_back_off_the_estimate():
-    runtime, mode = _diloco_runtime(None)
-    outer = mode.outer
+    trainer, outer = _diloco_trainer(None)
     outer.overlap = True
 
     def inner_steps(steps) -> None:
         for step in steps:
-            _, grad = runtime.gradient(runtime.model.module, "12D3KooWpeer", step)
-            runtime.model.apply(grad, step)
+            _, grad = trainer._gradient(trainer.model.module, "12D3KooWpeer", step)
+            trainer.model.apply(grad, step)
             outer.inner_step_done()
 
     inner_steps(range(3))

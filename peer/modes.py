@@ -1,10 +1,10 @@
-"""The training modes: name → the few facts the rest of the peer asks about a mode, and where its loop
-is. Importing this loads no torch (config checks and `--help` read it); a loop loads when a peer starts.
+"""The training modes: name → the few facts the rest of the peer asks about a mode. Every mode runs in
+`phalanx.Optimizer` (peer/optimizer.py), under `phalanx join`'s loop (peer/trainer.py) or a user's.
+Importing this loads no torch (config checks and `--help` read it).
 """
 
 from __future__ import annotations
 
-import importlib
 from dataclasses import dataclass
 from typing import Optional
 
@@ -14,29 +14,21 @@ from phalanx.aggregation.errors import ConfigError
 @dataclass(frozen=True)
 class ModeInfo:
     summary: str  # one clause for --mode's help
-    loop: str  # "module:Class" of its loop, a `Mode` over peer/runtime.py's public interface
     lockstep: bool  # every step waits for its round's aggregate (verified rounds need it); else steps never wait
     group_size: Optional[int] = None  # the one group size it works with (gossip: pairs), else --target-group-size
 
-    def load(self) -> type:
-        """The loop's class (imports the mode's module, and torch with it)."""
-        module, _, name = self.loop.partition(":")
-        return getattr(importlib.import_module(module), name)
-
 
 MODES: dict[str, ModeInfo] = {
-    "sync": ModeInfo("gradients all-reduced every step", "phalanx.peer.modes.sync:SyncMode", lockstep=True),
+    "sync": ModeInfo("gradients all-reduced every step", lockstep=True),
     "lasgd": ModeInfo(
         "local steps never wait, models averaged every --sync-every steps with whoever is ready",
-        "phalanx.peer.modes.local:LocalMode",
         lockstep=False,
     ),
     "gossip": ModeInfo(
-        "the same with one random peer at a time", "phalanx.peer.modes.local:LocalMode", lockstep=False, group_size=2
+        "the same with one random peer at a time", lockstep=False, group_size=2
     ),
     "diloco": ModeInfo(
         "--inner-steps local steps, then an outer Nesterov step on the averaged pseudo-gradient",
-        "phalanx.peer.modes.diloco:DilocoMode",
         lockstep=True,
     ),
 }
