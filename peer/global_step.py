@@ -1,5 +1,5 @@
-"""One global step of a lockstep swarm, as both front doors run it: `phalanx join --mode sync`
-(peer/modes/sync.py, over a Task) and `phalanx.Optimizer` (peer/optimizer.py, over the user's loop).
+"""One global step of a lockstep swarm, in `phalanx.Optimizer` (peer/optimizer.py), under a user's loop
+or `phalanx join --mode sync`'s (peer/trainer.py, over a Task).
 
     add(gradient, samples)            local steps add up to this peer's share of the target batch
     round()                            average the mean gradient with the swarm, weighted by

@@ -1,4 +1,4 @@
-"""lasgd/gossip's exchange, shared by `phalanx join` (peer/modes/local.py) and `phalanx.Optimizer`.
+"""lasgd/gossip's exchange in `phalanx.Optimizer`, under a user's loop or `phalanx join`'s (peer/trainer.py).
 
     snapshot s = x (training thread), then a round of the engine whose contribution is u = s − b,
     corrected for staleness once the group says who holds the freshest base (peer.local_sgd)

@@ -18,12 +18,13 @@ parameters (`load_state_from_peers`, or automatically at its first round).
 
 With mode="lasgd" (or "gossip") every `step()` is a step of the wrapped optimizer that never waits:
 every `sync_every` steps an exchange of the progress since the last average starts in the background
-and is merged at a later `step()` (peer/local_exchange.py, the same as `phalanx join --mode lasgd`).
-mode="diloco" takes `inner_steps` steps, then an outer step (peer/outer_step.py); verified, its
-validators replay a member's phase (peer/phase_replay.py).
+and is merged at a later `step()` (peer/local_exchange.py). mode="diloco" takes `inner_steps` steps,
+then an outer step (peer/outer_step.py); verified, its validators replay a member's phase
+(peer/phase_replay.py).
 
 The node (DHT, transport, rounds) lives on an event loop in a thread of its own; `step()` blocks
-the caller's thread only while a round runs.
+the caller's thread only while a round runs, and `interrupt()` (from a signal handler, say) ends that
+wait. `phalanx join` is a loop over this class too (peer/trainer.py, through `Optimizer.for_plan`).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""DiLoCo's outer step, as both front doors run it: `phalanx join --mode diloco` (peer/modes/diloco.py)
-and `phalanx.Optimizer(mode="diloco")`.
+"""DiLoCo's outer step, as both front doors run it: `phalanx.Optimizer(mode="diloco")`, under a user's
+loop or `phalanx join --mode diloco`'s (peer/trainer.py).
 
 From the shared parameters θ_t each peer takes H inner steps with its own optimizer (its state stays
 local), then contributes the pseudo-gradient Δ_i = θ_t − θ_i. The round averages Δ (or aggregates it

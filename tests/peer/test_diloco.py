@@ -289,11 +289,12 @@ def test_resumed_diloco_peers_hold_theta_and_momentum_and_train_on_together(boot
     from phalanx.peer.checkpoint import load_latest
 
     saved = [load_latest(tmp_path / f"ckpt-{n}") for n in "ab"]
-    for ckpt in saved:  # named by inner steps, like --checkpoint-every's; θ_6 and v beside the model
-        assert ckpt.step == 60 and ckpt.extra["diloco"]["outer_step"] == 6
-    assert torch.equal(saved[0].extra["diloco"]["anchor"], saved[1].extra["diloco"]["anchor"])
-    assert torch.equal(saved[0].extra["diloco"]["momentum"], saved[1].extra["diloco"]["momentum"])
-    assert saved[0].extra["diloco"]["momentum"].abs().sum() > 0
+    swarm = [ckpt.extra["swarm"] for ckpt in saved]  # the optimizer's state_dict() beyond the task optimizer's
+    for ckpt, state in zip(saved, swarm):  # named by inner steps, like --checkpoint-every's; θ_6 and v beside the model
+        assert ckpt.step == 60 and state["global_step"] == 6 and state["inner_steps_taken"] == 0
+    assert torch.equal(swarm[0]["outer_anchor"], swarm[1]["outer_anchor"])
+    assert torch.equal(swarm[0]["outer_momentum"], swarm[1]["outer_momentum"])
+    assert swarm[0]["outer_momentum"].abs().sum() > 0
     assert len({r["param_hash"] for r in first}) == 1
     again = run(120, "--resume")
     for report in again:  # the same θ, v and step: the same version, so no one resyncs
