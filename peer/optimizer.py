@@ -400,8 +400,11 @@ class Optimizer(torch.optim.Optimizer):
         """From any thread (a signal handler): a `step()` waiting for a round, or a back-off, raises
         Interrupted soon after; rounds in the background are left. Steps after it raise too."""
         self._interrupted.set()
-        if self._stop is not None:
-            self._swarm.loop.call_soon_threadsafe(self._stop.set)
+        if self._stop is not None and not self._closed:
+            try:
+                self._swarm.loop.call_soon_threadsafe(self._stop.set)
+            except RuntimeError:  # closed meanwhile: nothing waits any more
+                pass
 
     def statistics(self) -> Statistics:
         engine, transport = self.node.engine, self.node.transport

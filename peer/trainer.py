@@ -95,7 +95,8 @@ class Trainer:
         self.opt: Optional[Optimizer] = None
         self._last_event = 0.0
         self._evaluated_at: Optional[int] = None  # the global step of the last evaluation
-        self._checkpoint_due = False  # diloco with overlap: a checkpoint waits for a boundary with no round in flight
+        # diloco with overlap: an evaluation (of θ_t) and a checkpoint wait for a step with no round in flight
+        self._eval_due = self._checkpoint_due = False
         self._theta_module: Optional[torch.nn.Module] = None  # diloco: a copy of the model at θ_t, for evaluation
         self._replica: Optional[Model] = None  # diloco attackers: a copy for honest Δs on other batches
 
@@ -138,9 +139,9 @@ class Trainer:
                 self._stepped(opt, loss, *before)
                 if self.plan.slowdown is not None:
                     self.stopping.wait(self.plan.slowdown.draw(self._slow_rng))
-            if opt.round_in_flight and not self.stopping.is_set():
-                opt.flush()  # diloco: the last boundary waits for its round, so the peer stops on θ of it
-                if self._evaluated_at != opt.global_step:
+            if self.diloco and opt.round_in_flight and not self.stopping.is_set():
+                opt.flush()  # the last boundary waits for its round, so the peer stops on θ of it
+                if self._eval_due or self._evaluated_at != opt.global_step:
                     self._evaluate(opt)
         except Interrupted:
             return
@@ -210,13 +211,15 @@ class Trainer:
             self.emit("step", step=position, loss=loss, group=stats.peers_last_round, bytes_sent=stats.bytes_sent)
         if position % LOG_EVERY == 0:
             logger.info(f"step {position} loss {loss:.4f} (global step {opt.global_step}, group {stats.peers_last_round})")
-        last = config.steps is not None and position >= config.steps
-        if position % config.eval_every == 0 or last:
-            if not (last and opt.round_in_flight):  # the last boundary's round lands first
-                self._evaluate(opt)
+        if position % config.eval_every == 0 or (config.steps is not None and position >= config.steps):
+            self._eval_due = True
+        # diloco with overlap: θ_t changes when the round in flight lands, and state_dict() would wait for it
+        busy = self.diloco and opt.round_in_flight
+        if self._eval_due and not busy:
+            self._evaluate(opt)
         if config.checkpoint_dir is not None and (position % config.checkpoint_every == 0 or self._checkpoint_due):
-            self._checkpoint_due = opt.round_in_flight  # its state_dict would wait for the round: at the next step
-            if not self._checkpoint_due:
+            self._checkpoint_due = busy
+            if not busy:
                 self._checkpoint(opt)
 
     # ---- stopping -------------------------------------------------------------------------------
@@ -313,7 +316,7 @@ class Trainer:
         """The task's metrics on the swarm's model: θ_t in diloco (the same on every peer), else ours."""
         module = self._theta(opt) if self.diloco else self.model.module
         metrics = self.task.evaluate(module)
-        self._evaluated_at = opt.global_step
+        self._evaluated_at, self._eval_due = opt.global_step, False
         self.report.accuracy = metrics["accuracy"]
         self.health.evaluated(metrics["accuracy"])
         extra = f" perplexity {metrics['perplexity']:.2f}" if "perplexity" in metrics else ""
@@ -366,7 +369,7 @@ class Trainer:
                 f"resume it with that, or start this run with another --checkpoint-dir"
             )
         self.model.module.load_state_dict(ckpt.model_state, strict=True)
-        logger.info(f"resuming from {ckpt.path.name} (step {ckpt.step})")
+        logger.info(f"resumed from {ckpt.path.name} at step {ckpt.step}")
         return ckpt
 
     # ---- diloco attackers ----------------------------------------------------------------------

@@ -14,13 +14,14 @@ try:
 except PackageNotFoundError:  # run from a source tree that was never installed
     __version__ = "0+unknown"
 
-__all__ = ["Optimizer", "__version__"]
+__all__ = ["Interrupted", "Optimizer", "__version__"]
 
 
 def __getattr__(name: str):
-    """`phalanx.Optimizer` imports torch and hivemind only when asked for."""
-    if name == "Optimizer":
-        from phalanx.peer.optimizer import Optimizer
+    """`phalanx.Optimizer` (and `phalanx.Interrupted`, what its interrupted `step()` raises) import torch
+    and hivemind only when asked for."""
+    if name in ("Optimizer", "Interrupted"):
+        from phalanx.peer import optimizer
 
-        return Optimizer
+        return getattr(optimizer, name)
     raise AttributeError(f"module 'phalanx' has no attribute {name!r}")

@@ -364,3 +364,38 @@ def test_alone_in_diloco_with_overlap_a_checkpoint_lands_the_round_in_flight_fir
             assert state["global_step"] == boundary == opt.statistics().rounds_ok
             flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
             assert torch.equal(flat, state["outer_anchor"])  # no inner step since: x is θ_{t+1} exactly
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("mode", ["sync", "diloco"])
+def test_interrupt_ends_a_step_waiting_for_a_round_that_cannot_form(mode):
+    """Alone with groups of 2, a round never forms and step() would wait for ever: interrupt(),
+    from another thread as from a signal handler, ends the wait; the state is still there to save."""
+    import threading
+
+    import phalanx
+
+    model, inner = _model_and_adamw()
+    settings = {"run_id": f"alone-{mode}-interrupt", "batch_size_per_step": 2, "mode": mode, "min_group_size": 2,
+                "target_group_size": 2, "host_maddrs": [LOOPBACK], **({"inner_steps": 2} if mode == "diloco" else {})}  # fmt: skip
+    with phalanx.Optimizer(inner, **settings) as opt:
+        if mode == "diloco":  # the first inner step never waits
+            F.mse_loss(model(torch.randn(2, 4)), torch.randn(2, 2)).backward()
+            opt.step()
+            opt.zero_grad()
+        waiting = threading.Event()
+        timer = threading.Thread(target=lambda: (waiting.wait(), time.sleep(1.0), opt.interrupt()))
+        timer.start()
+        F.mse_loss(model(torch.randn(2, 4)), torch.randn(2, 2)).backward()
+        waiting.set()
+        with pytest.raises(phalanx.Interrupted):
+            opt.step()  # a global step (diloco: the boundary) waits for a round with a second member
+        timer.join()
+        assert opt.global_step == 0 and opt.statistics().rounds_ok == 0
+        with pytest.raises(phalanx.Interrupted):
+            opt.step()
+        state = opt.state_dict()  # diloco: the round left counts as failed, its inner steps still in x
+        assert state["global_step"] == 0
+        if mode == "diloco":
+            assert state["inner_steps_taken"] == 2
