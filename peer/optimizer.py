@@ -130,6 +130,20 @@ class _SwarmThread:
         return asyncio.run_coroutine_threadsafe(coro, self.loop)
 
     def close(self) -> None:
+        """Cancel what still runs on the loop (a round's reducer left behind, say) and wait for it, so no
+        task is destroyed pending; then stop the loop and its thread."""
+
+        async def cancel_the_rest() -> None:
+            rest = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for task in rest:
+                task.cancel()
+            await asyncio.wait(rest, timeout=10) if rest else None
+
+        if self.thread.is_alive() and not self.loop.is_closed():
+            try:
+                self.submit(cancel_the_rest()).result(timeout=15)
+            except (concurrent.futures.TimeoutError, RuntimeError):
+                pass
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(timeout=30)
         if not self.thread.is_alive():
