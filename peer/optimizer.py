@@ -40,6 +40,7 @@ import logging
 import math
 import re
 import threading
+import warnings
 from collections.abc import Callable, Coroutine, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Optional, TypeVar, Union
@@ -411,8 +412,10 @@ class Optimizer(torch.optim.Optimizer):
             self._land_outer()
 
     def interrupt(self) -> None:
-        """From any thread (a signal handler): a `step()` waiting for a round, or a back-off, raises
-        Interrupted soon after; rounds in the background are left. Steps after it raise too."""
+        """From any thread (a signal handler): a `step()` waiting for a round to form, or in a back-off,
+        raises Interrupted soon after; a round whose group has formed is finished first (within its
+        deadlines), so its other members get this peer's part. Rounds in the background are left.
+        Steps after it raise too."""
         self._interrupted.set()
         if self._stop is not None and not self._closed:
             try:
@@ -732,7 +735,9 @@ class Optimizer(torch.optim.Optimizer):
                 return outcome
 
     async def _unless_interrupted(self, coro: Coroutine[Any, Any, T]) -> T:
-        """`coro`'s result; cancelled, raising Interrupted, if `interrupt()` comes first."""
+        """`coro`'s result; cancelled, raising Interrupted, if `interrupt()` comes first, unless its round
+        has formed a group: the others count on this peer's part then (leaving mid-way hands them a
+        partial round, each missing different parts), and the round's own deadlines bound the wait."""
         assert self._stop is not None
         task = asyncio.ensure_future(coro)
         stop = asyncio.ensure_future(self._stop.wait())
@@ -740,6 +745,8 @@ class Optimizer(torch.optim.Optimizer):
             await asyncio.wait({task, stop}, return_when=asyncio.FIRST_COMPLETED)
         finally:
             stop.cancel()
+        if not task.done() and self.node.engine.in_group:
+            await asyncio.wait({task})
         if not task.done():
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
@@ -788,9 +795,11 @@ class Optimizer(torch.optim.Optimizer):
         if self.scheduler is None:
             return
         position = self.position
-        while self._scheduled < position:
-            self.scheduler.step()
-            self._scheduled += 1
+        with warnings.catch_warnings():  # a newcomer's schedule catches up before its optimizer ever stepped
+            warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler.step\(\)` before", category=UserWarning)
+            while self._scheduled < position:
+                self.scheduler.step()
+                self._scheduled += 1
 
 
 def _make_inner(optimizer: Any, params: Optional[Iterable[torch.Tensor]]) -> torch.optim.Optimizer:

@@ -154,6 +154,12 @@ class RoundEngine:
         # starts from, so a healed peer that trained alone does not overwrite the swarm's
         self.together = False
         self.stats = EngineStats()
+        self._groups = 0  # rounds past matchmaking: their other members count on our part
+
+    @property
+    def in_group(self) -> bool:
+        """Whether a round of ours is past matchmaking: leaving it now costs its other members our part."""
+        return self._groups > 0
 
     @property
     def peer_id(self) -> str:
@@ -210,12 +216,15 @@ class RoundEngine:
         if known:
             logger.info(f"the leader's group includes peers we banned ({known}): they take part in this round")
         self.state.joined(group.round_id)
+        self._groups += 1
         with self.transport.round_with(group.members):
             try:
                 return await self._run_group(group, started, vector, weight, recompute, recompute_s, prepare)
             except BaseException:  # failed or cancelled: peers told to resync from us must not wait for it
                 self.state.abandon(group.round_id)
                 raise
+            finally:
+                self._groups -= 1
 
     async def _run_group(self, group: GroupSpec, started: float, vector, weight: float, recompute, recompute_s: float, prepare):
         if prepare is not None:

@@ -2,8 +2,8 @@
 
 Each asserts the acceptance numbers of its row; `python scripts/faults.py --scenario <key>` prints
 the same numbers without asserting. A row that fails only checks of time and rate (fault_table.LOAD_BOUND:
-this machine is shared and has 2 cores) runs once more, and the first run's table is printed as a
-warning; it must pass the second time. Failures of the other checks are never retried.
+this machine is shared and has 2 cores) runs again, up to RUNS runs, and each failed run's table is
+printed as a warning; it must pass one of them. Failures of the other checks are never retried.
 """
 
 import warnings
@@ -11,16 +11,24 @@ import warnings
 import pytest
 from fault_table import SCENARIOS, failed_checks, format_rows, only_load_bound, run_scenario
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]  # (g) restarts a trainer 20 times
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(1200)]  # (g) restarts a trainer 20 times
+
+# A row's runs at most, while it fails only load-bound checks. A 2-core machine shared with other work
+# starves the peers of a row: cd-k3 (the lossy leader under k:3) kept 0.37 and then 0.19 of its
+# throughput in a CI run and 0.02 with every peer pinned to one core here, against 0.80-1.0 on an
+# idle machine; its rounds then wait out the 5 s and 10 s idle limits of a lossy member more often.
+RUNS = 3
 
 
 @pytest.mark.parametrize("scenario", SCENARIOS, ids=[s.key for s in SCENARIOS])
 def test_fault_scenario(scenario, lab_machine, tmp_path):
-    rows = run_scenario(scenario, tmp_path / "first")
+    rows = run_scenario(scenario, tmp_path / "run-1")
     failed = failed_checks(scenario, rows, scenario.held)
-    if failed and only_load_bound(scenario, rows, scenario.held):
-        warnings.warn(f"RETRIED ({scenario.key}): its first run failed " + "; ".join(failed) + "\n" + format_rows(rows), stacklevel=1)
-        rows = run_scenario(scenario, tmp_path / "second")
+    for run in range(2, RUNS + 1):
+        if not (failed and only_load_bound(scenario, rows, scenario.held)):
+            break
+        warnings.warn(f"RETRIED ({scenario.key}): its run {run - 1} failed " + "; ".join(failed) + "\n" + format_rows(rows), stacklevel=1)
+        rows = run_scenario(scenario, tmp_path / f"run-{run}")
         failed = failed_checks(scenario, rows, scenario.held)
     assert not failed, "\n".join(failed) + "\n\n" + format_rows(rows)
     still_open = failed_checks(scenario, rows, scenario.open_goals)

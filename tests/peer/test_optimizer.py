@@ -399,3 +399,41 @@ def test_interrupt_ends_a_step_waiting_for_a_round_that_cannot_form(mode):
         assert state["global_step"] == 0
         if mode == "diloco":
             assert state["inner_steps_taken"] == 2
+
+
+def test_interrupt_finishes_a_round_whose_group_formed_and_ends_matchmaking_at_once():
+    """Leaving a round mid-way hands its other members a partial round (each missing different parts,
+    so their models differ): interrupt() waits for a round past matchmaking, not for one still in it."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from phalanx.peer.optimizer import Interrupted, Optimizer
+
+    async def main() -> None:
+        opt = Optimizer.__new__(Optimizer)  # only the wait under test: no node, no swarm
+        engine = SimpleNamespace(in_group=False)
+        opt.node = SimpleNamespace(engine=engine)
+
+        opt._stop, reduced = asyncio.Event(), asyncio.Event()
+
+        async def in_group() -> str:
+            engine.in_group = True
+            await reduced.wait()
+            return "averaged"
+
+        waiting = asyncio.ensure_future(opt._unless_interrupted(in_group()))
+        await asyncio.sleep(0.01)
+        opt._stop.set()
+        await asyncio.sleep(0.2)
+        assert not waiting.done()  # the group counts on this peer's part
+        reduced.set()
+        assert await waiting == "averaged"
+
+        engine.in_group, opt._stop = False, asyncio.Event()
+        matchmaking = asyncio.ensure_future(opt._unless_interrupted(asyncio.Event().wait()))
+        await asyncio.sleep(0.01)
+        opt._stop.set()
+        with pytest.raises(Interrupted):
+            await matchmaking
+
+    asyncio.run(main())
