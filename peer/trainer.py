@@ -34,6 +34,7 @@ from phalanx.aggregation.spec import parse_params
 from phalanx.peer.checkpoint import Checkpoint, load_latest, save_checkpoint
 from phalanx.peer.health import PeerMetrics
 from phalanx.peer.local_sgd import look_ahead
+from phalanx.peer.memory import release_large_frees
 from phalanx.peer.model import Model, resolve_device, zero_optimizer_state
 from phalanx.peer.node import DHT_DIED, visible_maddrs
 from phalanx.peer.optimizer import Interrupted, JoinHooks, Optimizer
@@ -78,6 +79,7 @@ class Trainer:
     def __init__(self, plan: PeerPlan) -> None:
         self.plan, self.config = plan, plan.training
         config = plan.training
+        release_large_frees()  # before the model's tensors exist
         if config.torch_threads:
             torch.set_num_threads(config.torch_threads)
         self.device = resolve_device(config.device)
