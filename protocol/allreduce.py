@@ -25,7 +25,16 @@ from phalanx.aggregation.errors import AggregationInputError, PeerProtocolError,
 from phalanx.protocol.channel import Activity, Hasher
 from phalanx.protocol.codec import Codec, decode, encode, encoded_size_bound
 from phalanx.protocol.reduction import Reduction
-from phalanx.protocol.round_spec import AggregateHeader, AllReduceResult, PartGuard, PartHeader, Reducer, RoundSpec
+from phalanx.protocol.round_spec import (
+    AggregateHeader,
+    AliveQuery,
+    AliveReply,
+    AllReduceResult,
+    PartGuard,
+    PartHeader,
+    Reducer,
+    RoundSpec,
+)
 from phalanx.protocol.transport import CallFailed, Landing, Transport
 from phalanx.security.wire import pack, unpack
 
@@ -36,6 +45,7 @@ ALIVE_METHOD = "alive"
 REDUCER_PROBE_S = 1.0  # once our part is reduced, a reducer whose reply has not come is probed this often ...
 REDUCER_ALIVE_S = 4.0  # ... and given up on when a probe is not answered within this (cut off, frozen)
 MAX_WAITING_CALLS = 256  # calls for rounds we have not registered yet, held at most this many
+CLOSED_ROUNDS_KEPT = 64  # closed rounds whose counted senders a probe may still ask about
 
 
 class AllReduceService:
@@ -49,14 +59,39 @@ class AllReduceService:
         self._registered: dict[bytes, asyncio.Event] = {}
         self._waiting = 0
         self._spare_rows: dict[tuple[int, int], torch.Tensor] = {}  # fresh memory costs page faults every round
+        # closed rounds: their members and the senders counted, for probes of senders we left out
+        self._closed: dict[bytes, tuple[tuple[str, ...], frozenset[int]]] = {}
         transport.register(PART_METHOD, self._serve_part, max_payload=1 << 34, sink=self._part_sink)
         transport.register(ALIVE_METHOD, self._serve_alive, max_payload=0)
 
     async def _serve_alive(self, peer: str, header: bytes, payload: bytearray) -> tuple[bytes, bytes]:
-        return b"", b""
+        """Answers a probe; with a round id, also whether we still mean to answer `peer`'s part of it."""
+        if not header:
+            return b"", b""
+        return pack(AliveReply(waiting=self._waiting_for(peer, unpack(header, AliveQuery, peer=peer).round_id))), b""
 
-    async def _probe(self, peer: str) -> None:
-        await self.transport.call(peer, ALIVE_METHOD, b"", max_reply_payload=0, timeout_s=REDUCER_ALIVE_S)
+    def _waiting_for(self, peer: str, round_id: bytes) -> bool:
+        """False once `peer`'s part of `round_id` can get no aggregate from us: we stopped waiting for it
+        (its bytes stopped, it was refused) or closed the round without it. True for a round we do not
+        know (not started yet, or long forgotten): the caller's other limits decide then."""
+        reduction = self._rounds.get(round_id)
+        if reduction is not None:
+            members, counted, closed = reduction.spec.members, reduction.received, reduction.closed
+            if peer not in members:
+                return True
+            index = members.index(peer)
+            return index in counted or (not closed and index not in reduction.refused)
+        if round_id in self._closed:
+            members, counted = self._closed[round_id]
+            return peer not in members or members.index(peer) in counted
+        return True
+
+    async def _probe(self, peer: str, round_id: bytes) -> bool:
+        """Whether `peer`, the reducer of one of our parts, stopped waiting for it (CallFailed: no answer)."""
+        reply, _ = await self.transport.call(
+            peer, ALIVE_METHOD, pack(AliveQuery(round_id=round_id)), max_reply_payload=0, timeout_s=REDUCER_ALIVE_S
+        )
+        return bool(reply) and not unpack(reply, AliveReply, peer=peer).waiting
 
     async def run(
         self,
@@ -112,9 +147,14 @@ class AllReduceService:
             }  # fmt: skip
             # verified rounds get a late reducer's aggregate relayed by the others (see _reply_or_relayed)
             watch = self.part_idle_timeout_s if guard is None else None
-            probe = (lambda j: self._probe(spec.members[j])) if watch is not None else None
-            idle_parts, unreachable = await _await_calls(calls, activities, reduce_task, watch, silent=reduction.idle, probe=probe)
-            outcomes = [_outcome(calls[j], j in idle_parts, watch, j in reduction.idle, j in unreachable) for j in others]
+            probe = (lambda j: self._probe(spec.members[j], spec.round_id)) if watch is not None else None
+            idle_parts, unreachable, dropped_us = await _await_calls(
+                calls, activities, reduce_task, watch, silent=reduction.idle, probe=probe
+            )
+            outcomes = [
+                _outcome(calls[j], j in idle_parts, watch, j in reduction.idle, j in unreachable, j in dropped_us)
+                for j in others
+            ]
             gathered = time.monotonic()
             for j in sorted(skip - {me}):
                 missing.append(j)
@@ -180,6 +220,9 @@ class AllReduceService:
         reduction = self._rounds.pop(round_id, None)
         self._registered.pop(round_id, None)
         if reduction is not None:
+            self._closed[round_id] = (tuple(reduction.spec.members), frozenset(reduction.received))
+            while len(self._closed) > CLOSED_ROUNDS_KEPT:
+                self._closed.pop(next(iter(self._closed)))
             reduction.release()
 
     async def _send_part(self, spec, j, part, weight, out, timeout_s, guard: Optional[PartGuard], activity: Activity) -> None:
@@ -354,10 +397,11 @@ async def _await_calls(
     reduced: asyncio.Task,
     idle_s: Optional[float],
     silent: frozenset[int] | set[int] = frozenset(),
-    probe: Optional[Callable[[int], Awaitable[None]]] = None,
-) -> tuple[list[int], list[int]]:
+    probe: Optional[Callable[[int], Awaitable[bool]]] = None,
+) -> tuple[list[int], list[int], list[int]]:
     """Wait for the calls to the reducers; returns the parts whose call was given up because it stalled,
-    and those of them whose reducer stopped answering probes.
+    those of them whose reducer stopped answering probes, and those whose reducer answered that it
+    stopped waiting for our part.
 
     Until this peer's own part is reduced, a reducer may rightly be waiting for a slow sender. After
     that, every live reducer has its parts or drops its stragglers within `idle_s` of their last byte
@@ -368,11 +412,15 @@ async def _await_calls(
     sending us its part. Its call is cancelled at once, not waited for twice `idle_s` more.
     A reducer whose reply is still missing REDUCER_PROBE_S after that is probed (`probe(j)`) every
     REDUCER_PROBE_S; one that leaves a probe unanswered for REDUCER_ALIVE_S is cut off or frozen, and
-    its call is cancelled then: a live reducer waiting on a slow sender answers its probes.
+    its call is cancelled then: a live reducer waiting on a slow sender answers its probes. One that
+    answers it stopped waiting for our part (`probe(j)` is True: our bytes to it stalled, or came too
+    late) will send no aggregate, and its call is cancelled at once: a lossy link from us to it, whose
+    bytes the reducer never saw, would have been waited out for the whole idle limit.
     """
     pending = set(calls.values())
     stalled: list[int] = []
     unreachable: list[int] = []
+    dropped_us: list[int] = []
     probes: dict[int, asyncio.Task] = {}
     try:
         while pending and (idle_s is None or not reduced.done()):
@@ -395,6 +443,12 @@ async def _await_calls(
                         pending.discard(call)
                         stalled.append(j)
                         unreachable.append(j)
+                        continue
+                    if answered.result():  # it stopped waiting for our part: no aggregate will come
+                        call.cancel()
+                        pending.discard(call)
+                        stalled.append(j)
+                        dropped_us.append(j)
                         continue
                 # silent reducers: counted from the call's last byte, not from our part's reduction
                 idle = activities[j].idle_s() if j in silent else activities[j].idle_s(since)
@@ -423,12 +477,19 @@ async def _await_calls(
         for task in probes.values():
             task.cancel()
         await asyncio.gather(*probes.values(), return_exceptions=True)
-    return sorted(stalled), sorted(unreachable)
+    return sorted(stalled), sorted(unreachable), sorted(dropped_us)
 
 
 def _outcome(
-    call: asyncio.Future, stalled: bool, idle_s: Optional[float], silent: bool = False, unreachable: bool = False
+    call: asyncio.Future,
+    stalled: bool,
+    idle_s: Optional[float],
+    silent: bool = False,
+    unreachable: bool = False,
+    dropped_us: bool = False,
 ) -> Optional[BaseException]:
+    if dropped_us:
+        return CallFailed("it stopped waiting for our part (our bytes to it stalled or came late): no aggregate comes")
     if unreachable:
         return CallFailed(f"it left a liveness probe unanswered for {REDUCER_ALIVE_S:g} s (cut off or frozen)")
     if stalled and silent:

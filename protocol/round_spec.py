@@ -34,6 +34,16 @@ class AggregateHeader(WireModel):
     statement: Annotated[bytes, Field(max_length=4096)] = b""  # verified rounds: the signed "aggregate" statement
 
 
+class AliveQuery(WireModel):
+    """A sender's probe of the reducer that owes it `round_id`'s aggregate."""
+
+    round_id: RoundId
+
+
+class AliveReply(WireModel):
+    waiting: bool  # False: the reducer stopped waiting for the caller's part (or closed without it); no aggregate comes
+
+
 class PartGuard(Protocol):
     """What a verified round (protocol.btard) checks and signs around the data phases.
     Methods raise PeerProtocolError to refuse a part or an aggregate. `digest` is the

@@ -108,7 +108,9 @@ SCENARIOS: tuple[Scenario, ...] = (
              mode="lasgd", checks=()),
     Scenario("cd-k3", "20 % loss, then 1 Mbit/s, on the leading trainer with --sync-policy k:3",
              (Fault("loss", 20, 15, 10), Fault("cap", 1, 15, 10)), sync_policy="k:3", checks=("stall", "throughput"),
-             victim_leads=True),  # the worst case: every join and group reply crosses the bad link
+             # the worst case: every join and group reply crosses the bad link. Throughput is open again: the
+             # first round with the lossy leader costs everyone its 5 s idle limit, often twice (docs/reliability.md)
+             open_goals=("throughput",), victim_leads=True),
     Scenario("e", "SIGSTOP of a trainer's processes 20 s, then SIGCONT", (Fault("stop", hold_s=20),),
              checks=("stall", "rounds", "ready_after", "one_swarm")),
     Scenario("f", "SIGKILL of a trainer's whole tree, then of another's main process only; both restarted",
