@@ -145,7 +145,7 @@ class PeerConfig(NetworkSettings):
     torch_threads: Optional[int] = Field(None, ge=1, description="Threads torch may use in this process.")
     events: bool = Field(False, description="Print one JSON progress event per line on stdout (used by `phalanx swarm`).")
     verify: bool = Field(False, description="Byzantine-tolerant rounds (BTARD): commitments, MPRNG, projection checks, validators, bans. Needs --mode sync or diloco, --aggregator centered_clip or mean, and --compression none, fp16 or int8.")
-    validators: int = Field(1, ge=0, le=8, description="With --verify: members per round that each recompute another member's gradient (one training step each, diloco: H; no two check the same member).")
+    validators: int = Field(1, ge=0, le=8, description="With --verify: members per round that each recompute another member's gradient (one training step each; no two check the same member). diloco: members the round's seed draws to sit the next phase out, each replaying the H inner steps of a member it picks in secret instead of training.")
     phase_timeout_s: float = Field(10.0, gt=0, description="With --verify: how long each verification phase waits for the others (diloco: the phases after validators' and judges' replays wait twice this peer's own phase of inner steps longer).")
     admission: Optional[Path] = Field(None, description="Private swarm: the owner's public key (from `phalanx keygen --owner`); peers without a valid certificate are refused.")
     certificate: Optional[Path] = Field(None, description="Private swarm: this peer's certificate (from `phalanx admit`).")
@@ -278,7 +278,8 @@ class PeerConfig(NetworkSettings):
                 part_idle_timeout_s=self.part_idle_timeout_s or None,
                 verify=(
                     verify_config_for(
-                        aggregator, params, phase_timeout_s=self.phase_timeout_s, validators=self.validators
+                        aggregator, params, phase_timeout_s=self.phase_timeout_s, validators=self.validators,
+                        validators_sit_out=self.mode == "diloco",
                     )
                     if self.verify
                     else None

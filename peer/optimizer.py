@@ -39,6 +39,7 @@ import json
 import logging
 import math
 import re
+import secrets
 import threading
 import warnings
 from collections.abc import Callable, Coroutine, Iterable
@@ -58,6 +59,7 @@ from phalanx.peer.node import DHT_DIED, Node, open_node, quiet_p2p_daemon_noise,
 from phalanx.peer.outer_step import OuterStep, phase_lr_scale, write_flat
 from phalanx.peer.phase_replay import PhaseReplay
 from phalanx.peer.plan import PeerPlan, make_plan
+from phalanx.protocol.btard.validator import drawn_to_sit_out
 from phalanx.protocol.engine import ROUND_FAILURES, Averaged, Resync, initial_version
 
 logger = logging.getLogger(__name__)
@@ -300,16 +302,16 @@ class Optimizer(torch.optim.Optimizer):
         if self._interrupted.is_set():
             raise Interrupted("phalanx.Optimizer.step() after interrupt()")
         loss = None
-        if closure is not None:
+        # a verified diloco peer sitting a phase out replays another member's instead: no closure is called
+        if closure is not None and self.validating is None:
             with torch.enable_grad():
                 loss = closure()
-        if isinstance(loss, torch.Tensor):
-            self._last_loss = float(loss.detach())
         if self._local is not None:  # lasgd/gossip: a local step; an exchange starts or lands around it
             self._local_step()
         elif self._outer is not None:  # diloco: the inner optimizer steps on this batch's gradient, here
             if self._replay is not None:
-                self._verified_inner_step()
+                replayed = self._verified_inner_step()
+                loss = replayed if replayed is not None else loss
             else:
                 self.inner.step()
             self._outer.inner_step_done()
@@ -321,13 +323,23 @@ class Optimizer(torch.optim.Optimizer):
             )
             if self._steps.ready:
                 self._global_step()
+        if isinstance(loss, torch.Tensor):
+            self._last_loss = float(loss.detach())
         self._follow_schedule()
         return loss
 
-    def _verified_inner_step(self) -> None:
+    @property
+    def validating(self) -> Optional[str]:
+        """Verified diloco: the member whose phase this peer replays instead of training its own (the
+        previous round's seed drew it to sit this phase out; it picked the member in secret). `step()`
+        then calls no closure and ignores the gradients: pass the loss as a closure to save computing them."""
+        return self._outer.sitting if self._outer is not None else None
+
+    def _verified_inner_step(self) -> Optional[torch.Tensor]:
         """A phase starts from a fresh inner state, its first steps at a learning rate ramping up over
         phase_warmup steps (what the schedule gives, scaled for this step only), and each step's
-        hyperparameters are recorded for validators' replays of other members' phases."""
+        hyperparameters are recorded for validators' replays of other members' phases. A peer sitting
+        the phase out takes the replay's step instead (its parameters stay at θ_t) and returns its loss."""
         outer, replay = self._outer, self._replay
         assert outer is not None and replay is not None
         if outer.inner == 0:
@@ -338,10 +350,37 @@ class Optimizer(torch.optim.Optimizer):
             group["lr"] = group["lr"] * scale
         try:
             replay.record(outer.position)
-            self.inner.step()
+            if outer.sitting is None:
+                self.inner.step()
+                return None
+            loss = replay.step(outer.position)
+            if outer.inner + 1 >= outer.inner_steps:
+                replay.finish()
+            return loss
         finally:
             for group, lr in zip(self.inner.param_groups, scheduled, strict=True):
                 group["lr"] = lr
+
+    def _sit_out_next_phase(self, outcome: Union[Averaged, Resync]) -> None:
+        """Verified diloco, after a round landed: when its seed draws this peer as a validator, the next
+        phase replays a member picked in secret (the member must not know it is checked while it trains)."""
+        outer, replay, verify = self._outer, self._replay, self.plan.round.verify
+        if outer is None or replay is None or verify is None or not verify.validators_sit_out:
+            return
+        outer.sitting = None
+        replay.abandon()
+        verdict = outcome.verdict if isinstance(outcome, Averaged) else None
+        if verdict is None or not verdict.seed:
+            return
+        me = self.node.peer_id
+        drawn = drawn_to_sit_out(verdict.seed, list(verdict.contributors), verify.validators)
+        # not another drawn validator: it sits the phase out too
+        others = [p for p in verdict.contributors if p not in drawn and p not in self.node.membership.banned]
+        if me not in drawn or not others:
+            return
+        outer.sitting = secrets.SystemRandom().choice(others)
+        replay.begin(outer.sitting, outer.step * outer.inner_steps, outer.anchor, outer.params)
+        logger.info(f"outer step {outer.step}: sitting this phase out to replay {outer.sitting[-8:]}'s")
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.inner.zero_grad(set_to_none=set_to_none)
@@ -695,6 +734,7 @@ class Optimizer(torch.optim.Optimizer):
             return
         outer.rebase()
         self._landed(outcome, outer.inner_steps * self.batch_size_per_step)
+        self._sit_out_next_phase(outcome)
 
     async def _outer_round(self, delta: torch.Tensor) -> Union[Averaged, Resync, None]:
         outer = self._outer
@@ -778,6 +818,8 @@ class Optimizer(torch.optim.Optimizer):
         outer, replay = self._outer, self._replay
         assert outer is not None and replay is not None
         first = outer.step * outer.inner_steps
+        if replay.ready is not None and replay.ready[:2] == (peer_id, first):  # replayed while sitting out
+            return replay.ready[2].clone()
         return await asyncio.get_running_loop().run_in_executor(
             None, replay.delta, peer_id, first, outer.inner_steps, outer.anchor, outer.params
         )

@@ -103,6 +103,7 @@ class OuterStep:
         self._last_step_at: Optional[float] = None  # when the last inner step ended (None: none this phase)
         self._gaps_s, self._gaps = 0.0, 0  # this phase's time between inner steps (not the wait before the first)
         self.replay_s = 0.0  # H of this peer's inner steps: about what a validator's replay of a phase takes
+        self.sitting: Optional[str] = None  # verified: this phase replays that member's instead of training
 
     @property
     def step(self) -> int:
@@ -184,8 +185,12 @@ class OuterStep:
         return delta.to("cpu", torch.float32)
 
     async def round(self, delta: torch.Tensor) -> Union[Averaged, Resync]:
-        """All-reduce `delta`; may be cancelled. Failures raise (ROUND_FAILURES): call `failed`."""
-        return await self.engine.run_round(delta, weight=1.0, recompute=self.recompute, recompute_s=self.replay_s)
+        """All-reduce `delta`; may be cancelled. Failures raise (ROUND_FAILURES): call `failed`. A peer
+        that sat the phase out sends nothing that counts and checks the member it replayed."""
+        return await self.engine.run_round(
+            delta, weight=1.0, recompute=self.recompute, recompute_s=self.replay_s,
+            sit_out=self.sitting is not None, target=self.sitting,
+        )  # fmt: skip
 
     async def finish(self, outcome: Union[Averaged, Resync]) -> Union[Averaged, Resync, None]:
         """Averaged: the outer step is applied to θ and v and published. Resync: the swarm's θ and v

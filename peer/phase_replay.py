@@ -41,6 +41,10 @@ class PhaseReplay:
         self.hypers: dict[int, list[dict[str, Any]]] = {}  # inner step → each group's hyperparameters
         self._replica: torch.nn.Module | None = None
         self._rebuild([{**_hyper(g), "params": list(g["params"])} for g in optimizer.param_groups])  # fails early
+        # a replay taken step by step, in step with this peer's loop (a validator sitting a phase out)
+        self._running: tuple[str, torch.Tensor, list[torch.Tensor], torch.optim.Optimizer] | None = None
+        self.ready: tuple[str, int, torch.Tensor] | None = None  # (peer, first step, Δ) of the last finished one
+        self._first = 0
 
     def phase_starts(self) -> None:
         """A fresh inner state (what a replay starts from) and a fresh record."""
@@ -59,6 +63,38 @@ class PhaseReplay:
             raise PhalanxError(
                 f"cannot replay inner steps {first}–{first + steps - 1}: this peer did not take steps {missing[0]}… itself"
             )
+        moved, optimizer = self._start(anchor, params, self.hypers[first])
+        for step in range(first, first + steps):
+            self._step(optimizer, peer_id, step)
+        return anchor - torch.cat([p.detach().reshape(-1).to(torch.float32) for p in moved])
+
+    def begin(self, peer_id: str, first: int, anchor: torch.Tensor, params: list[torch.Tensor]) -> None:
+        """Start replaying `peer_id`'s phase from θ_t = `anchor`, one `step` per inner step of our loop
+        (whose record gives each step's hyperparameters), `finish` at its end."""
+        self.ready = None
+        self._running = (peer_id, anchor.clone(), *self._start(anchor, params, None))  # type: ignore[assignment]
+        self._first = first
+
+    def step(self, position: int) -> torch.Tensor:
+        """Replay inner step `position` of the phase begun (recorded just before); its loss."""
+        assert self._running is not None, "step() before begin()"
+        peer_id, _, _, optimizer = self._running
+        if position not in self.hypers:
+            raise PhalanxError(f"cannot replay inner step {position}: its hyperparameters were not recorded")
+        return self._step(optimizer, peer_id, position)
+
+    def finish(self) -> None:
+        """The phase begun is replayed: its Δ is `ready` for the round."""
+        assert self._running is not None, "finish() before begin()"
+        peer_id, anchor, moved, _ = self._running
+        self.ready = (peer_id, self._first, anchor - torch.cat([p.detach().reshape(-1).to(torch.float32) for p in moved]))
+        self._running = None
+
+    def abandon(self) -> None:
+        self._running, self.ready = None, None
+
+    def _start(self, anchor: torch.Tensor, params: list[torch.Tensor], hyper: list[dict[str, Any]] | None):
+        """The replica at θ_t = `anchor` and the user's optimizer rebuilt on it, with a fresh state."""
         if self._replica is None:
             self._replica = copy.deepcopy(self.model)
         replica = self._replica
@@ -70,16 +106,20 @@ class PhaseReplay:
 
         moved = mapped(params)
         write_flat(moved, anchor)
-        groups = [{**h, "params": mapped(g["params"])} for g, h in zip(self.optimizer.param_groups, self.hypers[first], strict=True)]
-        optimizer = self._rebuild(groups)
-        for step in range(first, first + steps):
-            for group, hyper in zip(optimizer.param_groups, self.hypers[step], strict=True):
-                group.update(hyper)
-            optimizer.zero_grad(set_to_none=True)
-            with torch.enable_grad():
-                self.loss_fn(replica, self.batch_fn(self.seed, peer_id, step)).backward()
-            optimizer.step()
-        return anchor - torch.cat([p.detach().reshape(-1).to(torch.float32) for p in moved])
+        hypers = hyper if hyper is not None else [_hyper(g) for g in self.optimizer.param_groups]
+        groups = [{**h, "params": mapped(g["params"])} for g, h in zip(self.optimizer.param_groups, hypers, strict=True)]
+        return moved, self._rebuild(groups)
+
+    def _step(self, optimizer: torch.optim.Optimizer, peer_id: str, step: int) -> torch.Tensor:
+        for group, hyper in zip(optimizer.param_groups, self.hypers[step], strict=True):
+            group.update(hyper)
+        optimizer.zero_grad(set_to_none=True)
+        assert self._replica is not None
+        with torch.enable_grad():
+            loss = self.loss_fn(self._replica, self.batch_fn(self.seed, peer_id, step))
+            loss.backward()
+        optimizer.step()
+        return loss.detach()
 
     def _rebuild(self, groups: list[dict[str, Any]]) -> torch.optim.Optimizer:
         """The user's optimizer class on `groups`, with a fresh state."""

@@ -99,6 +99,10 @@ class VerifyConfig:
     """Members per round that each recompute another member's gradient (distinct targets, chosen by the seed)."""
     contribution_rtol: float = 1e-4
     """How far a recomputed gradient part may differ (relative L2) before it counts as forged."""
+    validators_sit_out: bool = False
+    """DiLoCo: the previous round's seed draws `validators` members that sit the next round out, having
+    replayed the phase of a member each picked in secret instead of training; only they may accuse a
+    member of a bad contribution. No member of a round recomputes anything while the others wait."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -189,6 +189,8 @@ class RoundEngine:
         recompute: Optional[Recompute] = None,
         recompute_s: float = 0.0,
         prepare: Optional[Prepare] = None,
+        sit_out: bool = False,
+        target: Optional[str] = None,
     ) -> Union[Averaged, Resync]:
         """Form a group and all-reduce `vector` (numel,) with it, or learn that we must resync.
 
@@ -196,15 +198,17 @@ class RoundEngine:
         cost page faults every round): apply or copy it before the next round. Instead of a vector,
         `prepare(group)` may return (vector, weight) once the group is known (asynchronous modes
         correct stale contributions with what the group says). `recompute_s`: how long one `recompute`
-        takes here, which verified rounds wait for validators beyond their phase timeout. A round that raises one of
+        takes here, which verified rounds wait for validators beyond their phase timeout. `sit_out` (verified
+        rounds): this member reduces, reports, judges and gets the result, but no aggregate counts its
+        vector (a DiLoCo validator that replayed `target`'s phase instead of training). A round that raises one of
         ROUND_FAILURES counts as failed; a cancelled one counts nowhere."""
         try:
-            return await self._run_round(vector, weight, recompute, recompute_s, prepare)
+            return await self._run_round(vector, weight, recompute, recompute_s, prepare, sit_out, target)
         except ROUND_FAILURES:
             self.stats.rounds_failed += 1
             raise
 
-    async def _run_round(self, vector, weight: float, recompute, recompute_s: float, prepare) -> Union[Averaged, Resync]:
+    async def _run_round(self, vector, weight: float, recompute, recompute_s: float, prepare, sit_out=False, target=None) -> Union[Averaged, Resync]:
         started = time.monotonic()
         reply = await self.matchmaker.join(version=self.version, step=self.step, together=self.together)
         if reply.kind == "resync":
@@ -219,14 +223,14 @@ class RoundEngine:
         self._groups += 1
         with self.transport.round_with(group.members):
             try:
-                return await self._run_group(group, started, vector, weight, recompute, recompute_s, prepare)
+                return await self._run_group(group, started, vector, weight, recompute, recompute_s, prepare, sit_out, target)
             except BaseException:  # failed or cancelled: peers told to resync from us must not wait for it
                 self.state.abandon(group.round_id)
                 raise
             finally:
                 self._groups -= 1
 
-    async def _run_group(self, group: GroupSpec, started: float, vector, weight: float, recompute, recompute_s: float, prepare):
+    async def _run_group(self, group: GroupSpec, started: float, vector, weight: float, recompute, recompute_s: float, prepare, sit_out=False, target=None):
         if prepare is not None:
             vector, weight = await prepare(group)
         spec = RoundSpec(
@@ -240,13 +244,15 @@ class RoundEngine:
             self._output = torch.empty(vector.numel())
         verdict = None
         if self.btard is None:
+            if sit_out:
+                raise ValueError("only verified rounds let a member sit out; unverified ones weight its contribution")
             result = await self.allreduce.run(
                 spec, vector, self.reducer, weight=weight, call_timeout_s=self.config.allreduce_timeout_s + 10, out=self._output
             )
         else:
             if weight != 1.0:  # the fixed-point check and the reports assume every member counts once
                 raise ValueError("verified rounds weight every member 1 (BTARD-SGD); got a weighted contribution")
-            result, verdict = await self._verified_round(group, spec, vector, recompute, recompute_s)
+            result, verdict = await self._verified_round(group, spec, vector, recompute, recompute_s, sit_out, target)
         if result.missing_parts or result.dropped_senders:
             self.stats.rounds_partial += 1
         else:
@@ -266,12 +272,13 @@ class RoundEngine:
         self.stats.last_round_s = time.monotonic() - started
         return Averaged(group, result, verdict)
 
-    async def _verified_round(self, group: GroupSpec, spec: RoundSpec, vector: torch.Tensor, recompute, recompute_s: float):
+    async def _verified_round(self, group: GroupSpec, spec: RoundSpec, vector: torch.Tensor, recompute, recompute_s: float, sit_out=False, target=None):
         """Phases 2–6 with BTARD: commit, data with signed statements, verify, judge, ban."""
         statement = self._check_group(group)
         if self.behavior.silent:
             raise RoundAbortedError("silent by design (attack)")
-        vector = vector.detach().to("cpu", torch.float32).contiguous().view(-1)
+        # a member sitting out sends zeros: its parts only ask for the aggregates (the same call)
+        vector = torch.zeros(vector.numel()) if sit_out else vector.detach().to("cpu", torch.float32).contiguous().view(-1)
         exchange = self.exchange
         exchange.open_round(spec.round_id, spec.members)
         vr = None
@@ -288,9 +295,10 @@ class RoundEngine:
                 vector=vector,
                 recompute=recompute,
                 recompute_s=recompute_s,
+                target=target if sit_out else None,
             )
             t0 = time.monotonic()
-            await vr.commit([encode(vector[a:b], spec.codec) for a, b in spec.bounds])
+            await vr.commit([encode(vector[a:b], spec.codec) for a, b in spec.bounds], sits_out=sit_out)
             t_commit = time.monotonic() - t0
             skip = frozenset(i for i, p in enumerate(spec.members) if p not in vr.committed)
             # the data phase's deadline starts now: waiting for late commitments must not eat into it

@@ -52,6 +52,9 @@ class CommitBody(WireModel):
     members: Hash  # members_digest of the round's ordered member list
     parts: Annotated[list[Hash], Field(min_length=1, max_length=MAX_MEMBERS)]  # part_hash of each part it sends
     mprng: Hash  # share_commitment of its random share
+    # a member sitting this round out: it reduces, reports, judges and gets the aggregates, and its parts
+    # (zeros, sent only to be answered) count in no aggregate (a DiLoCo validator replaying another's phase)
+    sits_out: bool = False
 
 
 class PartBody(WireModel):
@@ -69,10 +72,11 @@ class AggregateBody(WireModel):
     hash: Hash
     contributors: Annotated[list[Annotated[int, Field(ge=0, lt=MAX_MEMBERS)]], Field(max_length=MAX_MEMBERS)]
 
-    def well_formed(self, members: int) -> bool:
-        """Contributors are member indices in increasing order, and the reducer counted its own part."""
+    def well_formed(self, members: int, sits_out: bool = False) -> bool:
+        """Contributors are member indices in increasing order, and the reducer counted its own part
+        (none if it sat the round out)."""
         c = self.contributors
-        return all(a < b for a, b in zip(c, c[1:])) and (not c or c[-1] < members) and self.part in c
+        return all(a < b for a, b in zip(c, c[1:])) and (not c or c[-1] < members) and (self.part in c) != sits_out
 
 
 PartIndex = Annotated[int, Field(ge=0, lt=MAX_MEMBERS)]

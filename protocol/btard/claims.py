@@ -21,8 +21,15 @@ class Claims:
     """How one member reads reports, given the round's members, how many committed, and each
     aggregate's contributors as its reducer signed them."""
 
-    def __init__(self, members: tuple[str, ...], committed: int, contributors: Callable[[int], list[int]]) -> None:
+    def __init__(
+        self,
+        members: tuple[str, ...],
+        committed: int,
+        contributors: Callable[[int], list[int]],
+        sitters: frozenset[str] = frozenset(),
+    ) -> None:
         self.members, self.committed, self.contributors = members, committed, contributors
+        self.sitters = sitters  # members that sat the round out: no aggregate counts them, so none left them out
 
     def undelivered_of(self, peer: str, body: ReportBody) -> set[int]:
         """Parts `peer` says it never received (its own part does not count)."""
@@ -30,12 +37,14 @@ class Claims:
 
     def left_out_by_most(self, peer: str, body: ReportBody) -> bool:
         """Whether `peer` says most other reducers left its part out."""
+        if peer in self.sitters:
+            return False
         claims = {part for part in body.left_out if part < len(self.members) and self.members[part] != peer}
         return 2 * len(claims) > self.committed - 1
 
     def left_out_claims(self, peer: str, body: ReportBody) -> set[int]:
         """Parts whose reducer `peer` says left its part out (and whose statement we hold does not count it)."""
-        if self.left_out_by_most(peer, body):
+        if peer in self.sitters or self.left_out_by_most(peer, body):
             return set()
         index = self.members.index(peer)
         return {

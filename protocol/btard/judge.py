@@ -119,6 +119,8 @@ class Judge:
             # itself, gets no more of our downloads
             if accuser in self.guilty or (acc.accused, acc.offense, acc.part) in judged:
                 continue
+            if acc.offense is Offense.BAD_CONTRIBUTION and any(o is Offense.BAD_CONTRIBUTION for _, o, _ in judged):
+                continue  # a validator checks one member: one replay per accuser
             judged.add((acc.accused, acc.offense, acc.part))
             if acc.offense.self_contained:
                 if check_self_contained(acc.offense, acc.accused, vr.round_id, list(acc.evidence)):
@@ -135,7 +137,7 @@ class Judge:
                     self.corrected[(acc.accused, acc.part)] = verdict
                     self.convict(acc.accused, Offense.FALSE_REPORT, [vr.group_statement])
             elif acc.offense is Offense.BAD_CONTRIBUTION:
-                if (accuser, acc.accused) not in self.validator.pairs(self.seed) or vr.recompute is None:
+                if not self.validator.validates(accuser, acc.accused, self.seed) or vr.recompute is None:
                     self._convict_accuser(accuser)
                     continue
                 self.recomputations += 1
@@ -152,7 +154,7 @@ class Judge:
         vr, part = self.vr, acc.part
         if part < 0 or part >= len(vr.members) or acc.accused not in vr.commits:
             return None
-        by_validator = (accuser, acc.accused) in self.validator.pairs(self.seed) and bool(acc.evidence)
+        by_validator = self.validator.validates(accuser, acc.accused, self.seed) and bool(acc.evidence)
         if vr.members[part] != accuser and not by_validator:
             return None
         entry, unreported = None, not acc.evidence and acc.accused in self.reports
@@ -201,6 +203,11 @@ class Judge:
             if part not in vr.aggregates and part != vr.me:
                 continue  # not received: already a missing part
             contributors, entries = self.claims.aggregate_reports(part, self.reports)
+            if any(peer in self.claims.sitters for peer in contributors):
+                # it counted a member whose own signed commitment says it sat the round out
+                convict(reducer, Offense.WRONG_AGGREGATE, [vr.group_statement])
+                bad.add(part)
+                continue
             values = []
             for peer, entry in zip(contributors, entries, strict=True):
                 entry = self.corrected.get((peer, part), entry)
@@ -289,7 +296,7 @@ async def exchange_accusations(
     body = AccuseBody(accusations=vr.accusations, suspects=suspects, reports=echo)
     mine = sign_statement(vr.identity, RoundPhase.ACCUSE, vr.round_id, body)
     received = await vr.service.exchange.all_to_all(
-        vr.round_id, RoundPhase.ACCUSE, pack(mine), deadline=vr.next_deadline(vr.recompute_allowance_s()), expect=vr.committed,
+        vr.round_id, RoundPhase.ACCUSE, pack(mine), deadline=vr.next_deadline(vr.accusation_allowance_s()), expect=vr.committed,
         send=vr.behavior.speaks(RoundPhase.ACCUSE),
     )  # fmt: skip
     out: dict[str, list[Accusation]] = {}

@@ -63,3 +63,5 @@ class Verdict:
     disputed: set[int] = field(default_factory=set)  # parts dropped because a member said it never got them
     relayed: set[int] = field(default_factory=set)  # parts this member took from another member, not their reducer
     clean: bool = False  # every member reported a clean round: the held parts were released
+    seed: bytes = b""  # the round's public seed (empty if the reveal never finished)
+    contributors: tuple[str, ...] = ()  # committed members whose parts counted (sitters left out), sorted

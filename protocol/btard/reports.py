@@ -100,6 +100,8 @@ class Reporter:
     def _left_out_of(self) -> set[int]:
         """Aggregates that did not count this member's part, though it sent one (their reducer committed)."""
         vr = self.vr
+        if vr.identity.peer_id in vr.sitters:
+            return set()  # no aggregate was to count us
         return {
             part for part in vr.aggregates
             if part != vr.me and part in (vr.expected or set()) and vr.me not in vr.aggregates_contributors(part)

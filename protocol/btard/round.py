@@ -80,8 +80,9 @@ class VerifiedRound(RoundState):
 
     # ---- phase 2: commit ----------------------------------------------------------------------
 
-    async def commit(self, payloads: list[bytes | memoryview]) -> None:
-        """Commit to the exact bytes of every part; afterwards `committed` lists who may take part."""
+    async def commit(self, payloads: list[bytes | memoryview], *, sits_out: bool = False) -> None:
+        """Commit to the exact bytes of every part; afterwards `committed` lists who may take part.
+        `sits_out`: this member's parts count in no aggregate (it still reduces, reports and judges)."""
         loop = asyncio.get_running_loop()  # BLAKE3 releases the GIL: hash the parts side by side, off the loop
         self.my_hashes = list(await asyncio.gather(*(loop.run_in_executor(None, part_hash, p) for p in payloads)))
         self.payloads[self.identity.peer_id] = payloads[self.me]  # a view of the vector, which outlives the round
@@ -89,6 +90,7 @@ class VerifiedRound(RoundState):
             members=members_digest(self.members),
             parts=self.behavior.committed_hashes(self.my_hashes),
             mprng=share_commitment(self.round_id, self.identity.peer_id, self.share),
+            sits_out=sits_out,
         )
         mine = sign_statement(self.identity, RoundPhase.COMMIT, self.round_id, body)
         received = await self.service.exchange.all_to_all(
@@ -147,7 +149,8 @@ class VerifiedRound(RoundState):
         self.payloads[peer] = payload if self.codec is Codec.NONE else bytes(payload)
 
     def counted(self, received: list[int]) -> list[int]:
-        return self.behavior.counted(self, received)
+        sitters = self.sitters
+        return self.behavior.counted(self, [i for i in received if self.members[i] not in sitters])
 
     def sign_aggregate(self, part: int, payload: bytes | memoryview, contributors: list[int]) -> bytes:
         self.my_contributors = list(contributors)
@@ -181,7 +184,7 @@ class VerifiedRound(RoundState):
             _, body = open_statement(echoed, AggregateBody, kind="aggregate", round_id=self.round_id, sender=sender)
         except PeerProtocolError:
             return
-        if body.part == part and body.well_formed(len(self.members)) and self._reveal_task is None:
+        if body.part == part and body.well_formed(len(self.members), sender in self.sitters) and self._reveal_task is None:
             self._record_aggregate(part, echoed, body)
 
     def fallback(self, part: int) -> asyncio.Future:
@@ -202,7 +205,7 @@ class VerifiedRound(RoundState):
         _, body = open_statement(signed, AggregateBody, kind="aggregate", round_id=self.round_id, sender=reducer)
         if body.part != part:
             raise PeerProtocolError("signed an aggregate statement for another part", peer=reducer)
-        if not body.well_formed(len(self.members)):
+        if not body.well_formed(len(self.members), reducer in self.sitters):
             raise PeerProtocolError("signed an aggregate whose contributors are not a list of members", peer=reducer)
         if part in self.aggregates and self.aggregates[part][0].statement != signed.statement:  # known from an echo
             self.prove(reducer, Offense.EQUIVOCATION, [self.aggregates[part][0], signed])
@@ -263,6 +266,8 @@ class VerifiedRound(RoundState):
         try:
             verdict = await self._verify(output, own_rows, own_received)
             verdict.relayed = self.relay.settled(relayed=True)
+            verdict.seed = self.seed_future().result() if self.seed_future().done() else b""
+            verdict.contributors = tuple(sorted(self.contributors))
             return verdict
         finally:
             await self.close()

@@ -46,8 +46,12 @@ class RoundState:
         vector: torch.Tensor,
         recompute: Optional[Recompute] = None,
         recompute_s: float = 0.0,
+        target: Optional[str] = None,
     ) -> None:
         self.service, self.identity = service, service.identity
+        # a member sitting the round out (validators_sit_out): the member whose contribution it checks,
+        # picked in secret; `recompute` has its replay ready
+        self.target = target
         self.recompute = recompute  # a validator's recomputation of another member's contribution
         # how long one recomputation takes here (diloco: a phase of H inner steps, far longer than a phase
         # timeout): the phases that wait for validators' and judges' recomputations wait that much longer
@@ -77,8 +81,18 @@ class RoundState:
         return set(self.commits)
 
     @property
+    def sitters(self) -> set[str]:
+        """Committed members sitting this round out: their parts count in no aggregate."""
+        return {peer for peer, (_, commit) in self.commits.items() if commit.sits_out}
+
+    @property
+    def contributors(self) -> set[str]:
+        """Committed members whose parts every aggregate must count."""
+        return self.committed - self.sitters
+
+    @property
     def claims(self) -> Claims:
-        return Claims(self.members, len(self.commits), self.aggregates_contributors)
+        return Claims(self.members, len(self.commits), self.aggregates_contributors, frozenset(self.sitters))
 
     def missing_parts(self) -> set[int]:
         return (self.expected or set()) - self.landed_parts - {self.me}
@@ -95,6 +109,10 @@ class RoundState:
         """How much longer than a phase timeout to wait for members that first recompute `recomputations`
         contributions (none without validators)."""
         return RECOMPUTE_MARGIN * self.recompute_s * recomputations if self.config.validators else 0.0
+
+    def accusation_allowance_s(self) -> float:
+        """The accusation phase waits for validators' recomputations, unless they sat out with it done."""
+        return 0.0 if self.config.validators_sit_out else self.recompute_allowance_s()
 
     def prove(self, accused: str, offense: Offense, evidence: list[Signed]) -> None:
         if accused != self.identity.peer_id and check_self_contained(offense, accused, self.round_id, evidence):

@@ -32,6 +32,12 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
+def drawn_to_sit_out(seed: bytes, contributors: list[str], count: int) -> set[str]:
+    """validators_sit_out: the members a round's public seed draws to sit the next round out, each to
+    replay the phase of a member it picks in secret."""
+    return {validator for validator, _ in validator_pairs(seed, sorted(contributors), count)}
+
+
 class Validator:
     """One member's part in its round's validation: who validates whom, and (if this member is a
     validator) the recomputation and the check of its target's reports."""
@@ -41,12 +47,27 @@ class Validator:
         self.target_parts: dict[int, bytes | memoryview] = {}  # as validator: the target's committed parts
 
     def pairs(self, seed: bytes) -> list[tuple[str, str]]:
-        """(validator, target) pairs among the committed members, for the round's public seed."""
-        return validator_pairs(seed, sorted(self.vr.commits), self.vr.config.validators)
+        """(validator, target) pairs among the members whose parts count, for the round's public seed
+        (none where validators sit out: their targets are their own secret)."""
+        if self.vr.config.validators_sit_out:
+            return []
+        return validator_pairs(seed, sorted(self.vr.contributors), self.vr.config.validators)
 
     def target(self, seed: bytes) -> Optional[str]:
         """The member this one validates this round, if any."""
-        return next((t for v, t in self.pairs(seed) if v == self.vr.identity.peer_id), None)
+        vr = self.vr
+        if vr.config.validators_sit_out:
+            sat_out = vr.identity.peer_id in vr.sitters
+            return vr.target if sat_out and vr.target in vr.contributors else None
+        return next((t for v, t in self.pairs(seed) if v == vr.identity.peer_id), None)
+
+    def validates(self, validator: str, target: str, seed: bytes) -> bool:
+        """Whether `validator` may accuse `target` of a bad contribution, or of a false report it proves
+        with the target's parts: the seed paired them, or (validators_sit_out) it sat the round out."""
+        vr = self.vr
+        if vr.config.validators_sit_out:
+            return validator in vr.sitters and target in vr.contributors
+        return (validator, target) in self.pairs(seed)
 
     async def validate(self, seed: bytes) -> None:
         vr = self.vr

@@ -93,3 +93,35 @@ def test_an_optimizer_that_cannot_be_rebuilt_is_refused_with_one_line():
     model = torch.nn.Linear(5, 3)
     with pytest.raises(ConfigError, match=r"rebuild your optimizer as Opaque\(param_groups\)"):
         PhaseReplay(model, Opaque(model.parameters(), secret=1), batch_fn, loss_fn, seed=7)
+
+
+def test_a_validator_sitting_a_phase_out_replays_the_targets_step_by_step_bit_identically():
+    """The sitter records each step's hyperparameters as its loop goes and takes the target's step on its
+    replica instead of its own: at the phase's end the target's Δ is ready, and its own θ has not moved."""
+    torch.manual_seed(0)
+    target_model = torch.nn.Sequential(torch.nn.Linear(5, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
+    sitter_model = torch.nn.Sequential(torch.nn.Linear(5, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
+    sitter_model.load_state_dict(target_model.state_dict())
+    runs = {}
+    for name, model in (("target", target_model), ("sitter", sitter_model)):
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 4))
+        runs[name] = (model, optimizer, scheduler, PhaseReplay(model, optimizer, batch_fn, loss_fn, seed=7))
+    model, optimizer, scheduler, replay = runs["target"]
+    delta = take_phase(model, optimizer, scheduler, replay, "target", first=0)
+
+    model, optimizer, scheduler, replay = runs["sitter"]
+    params = list(model.parameters())
+    theta = flat(params)
+    replay.begin("target", 0, theta, params)
+    losses = []
+    for step in range(H):
+        if step == 0:
+            replay.phase_starts()
+        replay.record(step)
+        losses.append(replay.step(step))
+        scheduler.step()
+    replay.finish()
+    assert replay.ready is not None and replay.ready[:2] == ("target", 0)
+    assert torch.equal(replay.ready[2], delta)
+    assert torch.equal(flat(params), theta) and len(losses) == H and all(torch.isfinite(x) for x in losses)

@@ -157,6 +157,8 @@ def test_an_aggregate_with_malformed_contributors_is_refused():
     assert not body([1, 1, 2]).well_formed(4)  # a part twice
     assert not body([2, 1]).well_formed(4)
     assert not body([1, 4]).well_formed(4)  # no such member
+    assert body([0, 3]).well_formed(4, sits_out=True)  # a reducer that sat out counts everyone but itself
+    assert not body([0, 1, 3]).well_formed(4, sits_out=True)
 
 
 def test_a_report_kept_from_one_reducer_gets_nobody_banned_and_changes_nothing():

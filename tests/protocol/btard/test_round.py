@@ -15,6 +15,7 @@ from swarm_fixture import close_peer, open_peer, open_swarm
 from phalanx.aggregation.centered_clip import centered_clip
 from phalanx.aggregation.errors import PeerProtocolError
 from phalanx.protocol.adversary import PROTOCOL_ATTACKS
+from phalanx.protocol.btard.behavior import Behavior
 from phalanx.protocol.config import Codec, verify_config_for
 from phalanx.protocol.engine import Averaged
 from phalanx.protocol.partition import partition_bounds
@@ -310,5 +311,63 @@ def test_a_member_that_banned_a_peer_the_leader_has_not_yet_still_takes_part_and
             assert all(not p.membership.banned for p in peers if p is not member)
             assert other.peer_id in member.transport.banned  # outside rounds with it, its calls are refused again
             assert not member.transport._in_round
+
+    asyncio.run(main())
+
+
+def test_a_member_sitting_out_reduces_and_gets_the_aggregate_of_the_others_alone():
+    """A DiLoCo validator sits its round out: its parts (zeros) count in no aggregate, every other member's
+    do, it still reduces its part and gets every aggregate, and the round is clean for everyone."""
+
+    async def main():
+        async with open_swarm(4, CONFIG) as peers:
+            xs = inputs(4)
+            sitter = peers[1].peer_id
+            for peer in peers:
+                peer.engine.set_state(b"v0", 0)
+            outcomes = await asyncio.gather(
+                *[p.engine.run_round(x, sit_out=p.peer_id == sitter) for p, x in zip(peers, xs)], return_exceptions=True
+            )
+            members = outcomes[0].group.members
+            by_member = {p.peer_id: x for p, x in zip(peers, xs)}
+            stacked = torch.stack([by_member[m] for m in members if m != sitter])
+            expected = torch.cat(
+                [centered_clip(stacked[:, a:b], tau=1.0, max_iter=100_000).value for a, b in partition_bounds(NUMEL, 4)]
+            )
+            for outcome in outcomes:
+                assert isinstance(outcome, Averaged), outcome
+                assert outcome.verdict.clean and outcome.verdict.banned == set() and outcome.verdict.bad_parts == set()
+                assert torch.allclose(outcome.result.vector, expected, atol=1e-6)
+                assert not outcome.result.missing_parts
+            assert all(not p.membership.banned for p in peers)
+
+    asyncio.run(main())
+
+
+class _CountsTheSitter(Behavior):
+    """A reducer that counts a sitter's zeros, dragging its aggregate towards zero."""
+
+    name = "counts_the_sitter"
+
+    def counted(self, vr, received):
+        return sorted(set(received) | {vr.members.index(p) for p in vr.sitters})
+
+
+def test_a_reducer_counting_a_member_that_sat_out_is_banned_and_its_part_dropped():
+    async def main():
+        async with open_swarm(4, ATTACK_CONFIG, behaviors=[None, None, None, _CountsTheSitter()]) as peers:
+            sitter, attacker = peers[1].peer_id, peers[3].peer_id
+            for peer in peers:
+                peer.engine.set_state(b"v0", 0)
+            outcomes = await asyncio.gather(
+                *[p.engine.run_round(x, sit_out=p.peer_id == sitter) for p, x in zip(peers, inputs(4))],
+                return_exceptions=True,
+            )
+            part = outcomes[0].group.members.index(attacker)
+            for outcome in outcomes[:3]:
+                assert isinstance(outcome, Averaged), outcome
+                assert outcome.verdict.banned == {attacker}
+                assert part in outcome.verdict.bad_parts
+                assert torch.equal(outcome.result.vector, outcomes[0].result.vector)
 
     asyncio.run(main())

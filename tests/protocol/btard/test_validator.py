@@ -190,3 +190,48 @@ def test_a_validator_whose_recomputation_outlasts_the_phase_timeouts_is_waited_f
     ids, outcomes = asyncio.run(main())
     banned = [o.verdict.banned if not isinstance(o, BaseException) else o for o in outcomes[:3]]
     assert banned == [{ids[3]}] * 3, banned
+
+
+SIT_OUT = dataclasses.replace(CONFIG, verify=dataclasses.replace(CONFIG.verify, validators_sit_out=True))
+
+
+@pytest.mark.parametrize("case", ["honest target", "forged contribution", "false accusation"])
+def test_a_validator_sitting_out_checks_the_member_it_picked(case):
+    """validators_sit_out (DiLoCo): a member sits the round out with its target's contribution recomputed
+    beforehand; it alone may accuse that member of a bad contribution, and the judges' own recomputation
+    decides between them. Nobody is drawn by the seed: a member that did not sit out validates nobody."""
+
+    async def main():
+        async with open_swarm(4, SIT_OUT) as peers:
+            ids = [p.peer_id for p in peers]
+            sitter, target = ids[0], ids[3]
+            xs = inputs(4)
+            honest = dict(zip(ids, xs))
+            sent = xs[:3] + [-xs[3] if case == "forged contribution" else xs[3]]
+
+            def recompute_for(me):
+                async def recompute(peer):
+                    if me == sitter and case == "false accusation":
+                        return -honest[peer]  # the sitter's replay went wrong: its accusation is false
+                    return honest[peer]
+
+                return recompute
+
+            for peer in peers:
+                peer.engine.set_state(b"v0", 0)
+            outcomes = await asyncio.gather(
+                *[
+                    p.engine.run_round(x, recompute=recompute_for(p.peer_id), sit_out=p.peer_id == sitter, target=target)
+                    for p, x in zip(peers, sent)
+                ]
+            )
+            expected = {"honest target": set(), "forged contribution": {target}, "false accusation": {sitter}}[case]
+            for peer, outcome in zip(peers, outcomes):
+                if peer.peer_id in expected:
+                    continue
+                assert outcome.verdict.banned == expected, (case, outcome.verdict)
+                assert outcome.verdict.clean == (case == "honest target")
+                assert outcome.verdict.contributors == tuple(sorted(set(ids) - {sitter}))
+                assert outcome.verdict.seed
+
+    asyncio.run(main())
