@@ -72,7 +72,8 @@ class PhaseReplay:
         """Start replaying `peer_id`'s phase from θ_t = `anchor`, one `step` per inner step of our loop
         (whose record gives each step's hyperparameters), `finish` at its end."""
         self.ready = None
-        self._running = (peer_id, anchor.clone(), *self._start(anchor, params, None))  # type: ignore[assignment]
+        # θ_t holds still until the round after this phase (strict diloco): no copy of it is kept
+        self._running = (peer_id, anchor, *self._start(anchor, params, None))  # type: ignore[assignment]
         self._first = first
 
     def step(self, position: int) -> torch.Tensor:

@@ -95,6 +95,7 @@ def test_an_optimizer_that_cannot_be_rebuilt_is_refused_with_one_line():
         PhaseReplay(model, Opaque(model.parameters(), secret=1), batch_fn, loss_fn, seed=7)
 
 
+@pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step\\(\\)` before")  # the sitter's own optimizer never steps
 def test_a_validator_sitting_a_phase_out_replays_the_targets_step_by_step_bit_identically():
     """The sitter records each step's hyperparameters as its loop goes and takes the target's step on its
     replica instead of its own: at the phase's end the target's Δ is ready, and its own θ has not moved."""
