@@ -373,9 +373,9 @@ class Optimizer(torch.optim.Optimizer):
         if verdict is None or not verdict.seed:
             return
         me = self.node.peer_id
-        drawn = drawn_to_sit_out(verdict.seed, list(verdict.contributors), verify.validators)
+        drawn = drawn_to_sit_out(verdict.seed, list(verdict.committed), verify.validators)
         # not another drawn validator: it sits the phase out too
-        others = [p for p in verdict.contributors if p not in drawn and p not in self.node.membership.banned]
+        others = [p for p in verdict.committed if p not in drawn and p not in self.node.membership.banned]
         if me not in drawn or not others:
             return
         outer.sitting = secrets.SystemRandom().choice(others)

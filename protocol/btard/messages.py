@@ -65,3 +65,4 @@ class Verdict:
     clean: bool = False  # every member reported a clean round: the held parts were released
     seed: bytes = b""  # the round's public seed (empty if the reveal never finished)
     contributors: tuple[str, ...] = ()  # committed members whose parts counted (sitters left out), sorted
+    committed: tuple[str, ...] = ()  # every committed member, sitters too, sorted

@@ -268,6 +268,7 @@ class VerifiedRound(RoundState):
             verdict.relayed = self.relay.settled(relayed=True)
             verdict.seed = self.seed_future().result() if self.seed_future().done() else b""
             verdict.contributors = tuple(sorted(self.contributors))
+            verdict.committed = tuple(sorted(self.committed))
             return verdict
         finally:
             await self.close()

@@ -235,3 +235,17 @@ def test_a_validator_sitting_out_checks_the_member_it_picked(case):
                 assert outcome.verdict.seed
 
     asyncio.run(main())
+
+
+def test_a_round_seed_draws_at_most_a_third_of_its_members_to_sit_out():
+    """Sitters do not contribute: two of four sitting out would leave one attacker half of the contributors."""
+    from phalanx.protocol.btard.validator import drawn_to_sit_out
+
+    members = [f"peer-{i}" for i in range(7)]
+    for seed in (b"a", b"b", b"c"):
+        assert drawn_to_sit_out(seed, members[:4], 2) <= set(members[:4])
+        assert len(drawn_to_sit_out(seed, members[:4], 2)) == 1
+        assert len(drawn_to_sit_out(seed, members[:6], 2)) == 2
+        assert len(drawn_to_sit_out(seed, members[:7], 5)) == 2
+        assert drawn_to_sit_out(seed, members[:2], 1) == set()  # two members: nobody can sit out
+        assert drawn_to_sit_out(seed, members[:6], 2) == drawn_to_sit_out(seed, list(reversed(members[:6])), 2)
