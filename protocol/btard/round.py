@@ -266,7 +266,8 @@ class VerifiedRound(RoundState):
         try:
             verdict = await self._verify(output, own_rows, own_received)
             verdict.relayed = self.relay.settled(relayed=True)
-            verdict.seed = self.seed_future().result() if self.seed_future().done() else b""
+            seed = self.seed_future()
+            verdict.seed = seed.result() if seed.done() and not seed.cancelled() else b""
             verdict.contributors = tuple(sorted(self.contributors))
             verdict.committed = tuple(sorted(self.committed))
             return verdict
