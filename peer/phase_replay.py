@@ -21,6 +21,11 @@ from phalanx.aggregation.errors import ConfigError, PhalanxError
 from phalanx.peer.outer_step import write_flat
 
 
+def _delta(anchor: torch.Tensor, moved: list[torch.Tensor]) -> torch.Tensor:
+    """Δ = θ_t − x of a replay, flat float32."""
+    return anchor - torch.cat([p.detach().reshape(-1).to(torch.float32) for p in moved])
+
+
 def _hyper(group: dict[str, Any]) -> dict[str, Any]:
     return {k: (v.clone() if isinstance(v, torch.Tensor) else copy.deepcopy(v)) for k, v in group.items() if k != "params"}
 
@@ -42,9 +47,8 @@ class PhaseReplay:
         self._replica: torch.nn.Module | None = None
         self._rebuild([{**_hyper(g), "params": list(g["params"])} for g in optimizer.param_groups])  # fails early
         # a replay taken step by step, in step with this peer's loop (a validator sitting a phase out)
-        self._running: tuple[str, torch.Tensor, list[torch.Tensor], torch.optim.Optimizer] | None = None
+        self._running: tuple[str, int, torch.Tensor, list[torch.Tensor], torch.optim.Optimizer] | None = None
         self.ready: tuple[str, int, torch.Tensor] | None = None  # (peer, first step, Δ) of the last finished one
-        self._first = 0
 
     def phase_starts(self) -> None:
         """A fresh inner state (what a replay starts from) and a fresh record."""
@@ -66,20 +70,19 @@ class PhaseReplay:
         moved, optimizer = self._start(anchor, params, self.hypers[first])
         for step in range(first, first + steps):
             self._step(optimizer, peer_id, step)
-        return anchor - torch.cat([p.detach().reshape(-1).to(torch.float32) for p in moved])
+        return _delta(anchor, moved)
 
     def begin(self, peer_id: str, first: int, anchor: torch.Tensor, params: list[torch.Tensor]) -> None:
         """Start replaying `peer_id`'s phase from θ_t = `anchor`, one `step` per inner step of our loop
         (whose record gives each step's hyperparameters), `finish` at its end."""
         self.ready = None
         # θ_t holds still until the round after this phase (strict diloco): no copy of it is kept
-        self._running = (peer_id, anchor, *self._start(anchor, params, None))  # type: ignore[assignment]
-        self._first = first
+        self._running = (peer_id, first, anchor, *self._start(anchor, params, None))
 
     def step(self, position: int) -> torch.Tensor:
         """Replay inner step `position` of the phase begun (recorded just before); its loss."""
         assert self._running is not None, "step() before begin()"
-        peer_id, _, _, optimizer = self._running
+        peer_id, _, _, _, optimizer = self._running
         if position not in self.hypers:
             raise PhalanxError(f"cannot replay inner step {position}: its hyperparameters were not recorded")
         return self._step(optimizer, peer_id, position)
@@ -87,8 +90,8 @@ class PhaseReplay:
     def finish(self) -> None:
         """The phase begun is replayed: its Δ is `ready` for the round."""
         assert self._running is not None, "finish() before begin()"
-        peer_id, anchor, moved, _ = self._running
-        self.ready = (peer_id, self._first, anchor - torch.cat([p.detach().reshape(-1).to(torch.float32) for p in moved]))
+        peer_id, first, anchor, moved, _ = self._running
+        self.ready = (peer_id, first, _delta(anchor, moved))
         self._running = None
 
     def abandon(self) -> None:
