@@ -179,7 +179,7 @@ def swarm(
         _check_join_args([*join_args, *extra])  # one line now, not every trainer dying at start
     result = run_swarm(
         peers, join_args, target_accuracy=target_accuracy, workdir=workdir, attacks=chosen,
-        stragglers=stragglers, straggler_args=slow_args,
+        stragglers=stragglers, straggler_args=slow_args, debug=_state["debug"],
     )  # fmt: skip
     if not result.reached_target:
         raise typer.Exit(1)

@@ -40,6 +40,8 @@ def configure_logging(fmt: str = "text", *, debug: bool = False) -> None:
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(logging.DEBUG if debug else logging.INFO)
+    # multiaddr logs two lines of its parser's internals for every peer ID it reads: noise under --debug
+    logging.getLogger("multiaddr").setLevel(logging.INFO)
     # hivemind installs its own handler (and level) on import; route it through ours so --log-format
     # holds everywhere, but only once something imports it (importing it here costs seconds of --help).
     route = functools.partial(_route_hivemind_logs, logging.DEBUG if debug else logging.WARNING)

@@ -104,6 +104,9 @@ class OuterStep:
         self._gaps_s, self._gaps = 0.0, 0  # this phase's time between inner steps (not the wait before the first)
         self.replay_s = 0.0  # H of this peer's inner steps: about what a validator's replay of a phase takes
         self.sitting: Optional[str] = None  # verified: this phase replays that member's instead of training
+        # --debug: how long a phase's inner steps took, and the round after them (the member that ends
+        # its phase last waits for nobody: its round time is what the round itself costs)
+        self._phase_began, self._phase_s, self._round_began = time.monotonic(), 0.0, 0.0
 
     @property
     def step(self) -> int:
@@ -162,6 +165,8 @@ class OuterStep:
 
     def begin(self) -> torch.Tensor:
         """This boundary's contribution: Δ = θ_t − x (or an attacker's version of it)."""
+        now = time.monotonic()
+        self._phase_s, self._round_began = now - self._phase_began, now
         if self._gaps:
             self.replay_s = self.inner_steps * self._gaps_s / self._gaps
         self._last_step_at, self._gaps_s, self._gaps = None, 0.0, 0
@@ -241,6 +246,12 @@ class OuterStep:
         else:
             self._write(self._flat().sub_(start).add_(self.anchor))
         self.in_flight, self._start, self._landed, self._boundary_x, self.failures = False, None, None, None, 0
+        now = time.monotonic()
+        logger.debug(
+            f"outer step {self.engine.step}: {self._inner_at_boundary} inner steps in {self._phase_s:.3f} s, "
+            f"then the round and the outer step in {now - self._round_began:.3f} s"
+        )
+        self._phase_began = now
 
     def _outer_step(self, delta: torch.Tensor) -> None:
         nesterov_outer_step(

@@ -53,6 +53,7 @@ class Swarm:
         attacks: Optional[list[str]] = None,
         stragglers: int = 0,
         straggler_args: Optional[list[str]] = None,
+        debug: bool = False,
     ) -> None:
         if peers < 1:
             raise PhalanxError("--peers must be at least 1")
@@ -68,6 +69,7 @@ class Swarm:
         self.console = console or Console(stderr=True)
         self.live = live
         self.join_env = join_env or {}
+        self.debug = debug  # `phalanx --debug swarm`: the trainers' logs are verbose too
         self.bootstrap: Optional[asyncio.subprocess.Process] = None
         self.zygote = Zygote(self.workdir / "zygote.log")
         # the last len(attacks) trainers are Byzantine, one attack each
@@ -150,6 +152,7 @@ class Swarm:
 
     async def _start_trainer(self, view: PeerView, initial_peers: list[str]) -> None:
         args = [
+            *(["--debug"] if self.debug else []),
             "join",
             "--initial-peers", *initial_peers,
             "--initial-peers-wait-s", "120",  # it starts beside the bootstrap
@@ -427,6 +430,7 @@ def run_swarm(
     attacks: Optional[list[str]] = None,
     stragglers: int = 0,
     straggler_args: Optional[list[str]] = None,
+    debug: bool = False,
 ) -> SwarmResult:
     import uvloop
 
@@ -435,7 +439,7 @@ def run_swarm(
         console.width = 160  # logs and CI: do not squeeze the report into 80 columns
     swarm = Swarm(
         peers, join_args, target_accuracy=target_accuracy, workdir=workdir, console=console, attacks=attacks,
-        stragglers=stragglers, straggler_args=straggler_args,
+        stragglers=stragglers, straggler_args=straggler_args, debug=debug,
     )  # fmt: skip
 
     async def main() -> SwarmResult:

@@ -343,18 +343,21 @@ def run_diloco_bench(
 
     console = console or bench_console()
     cap = ["--upload-limit-mbps", str(upload_mbps)] if upload_mbps else []
-    rows = []
-    for label, flags in cases:
-        runs = []
-        for i in range(repeats):
+    # repeats interleave the cases, so a shared machine's load as it drifts weighs on every case alike
+    by_case: dict[str, list[dict[str, Any]]] = {label: [] for label, _ in cases}
+    for i in range(repeats):
+        for label, flags in cases:
             console.print(
                 f"running {label} with {peers} peers to {goal}, upload {upload_mbps or 'uncapped'} Mbit/s (run {i + 1}/{repeats})…"
             )
-            runs.append(_run_phalanx(peers, goal, [*flags, *cap]))
+            by_case[label].append(_run_phalanx(peers, goal, [*flags, *cap]))
+    rows = []
+    for label, runs in by_case.items():
         times = [r["time_s"] for r in runs if r["time_s"] is not None]
         rows.append({
             "impl": label,
             "time_s": statistics.median(times) if len(times) == len(runs) else None,
+            "spread": (min(times), max(times)) if len(times) == len(runs) else None,
             "steps": statistics.median(r["steps"] for r in runs),
             "bytes_sent": statistics.median(r["bytes_sent"] for r in runs),
             "rounds": statistics.median(r["rounds"] for r in runs),
@@ -362,15 +365,16 @@ def run_diloco_bench(
         })  # fmt: skip
     cap_text = f"{upload_mbps:g} Mbit/s upload per peer" if upload_mbps else "uncapped loopback"
     table = Table(title=f"to {goal}, {peers} peers, {cap_text} (median of {repeats})")
-    for col in ("run", "seconds", "steps", "rounds", "MB sent/peer", "fewer bytes", "vs first"):
+    for col in ("run", "seconds", "runs' range", "steps", "rounds", "MB sent/peer", "fewer bytes", "vs first"):
         table.add_column(col, justify="right")
     first = rows[0]
     for r in rows:
         fewer = first["bytes_sent"] / r["bytes_sent"] if r["bytes_sent"] else None
         fewer = "" if fewer is None else f"{fewer:.0f}×" if fewer >= 10 else f"{fewer:.2f}×"
         ratio = f"{r['time_s'] / first['time_s']:.2f}×" if r["time_s"] and first["time_s"] else ""
+        spread = "" if r["spread"] is None else f"{r['spread'][0]:.1f}–{r['spread'][1]:.1f}"
         table.add_row(
-            r["impl"], "not reached" if r["time_s"] is None else f"{r['time_s']:.1f}", f"{r['steps']:.0f}",
+            r["impl"], "not reached" if r["time_s"] is None else f"{r['time_s']:.1f}", spread, f"{r['steps']:.0f}",
             f"{r['rounds']:.0f}", f"{r['bytes_sent'] / 1e6:.2f}", fewer, ratio,
         )  # fmt: skip
     console.print(table)

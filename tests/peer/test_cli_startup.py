@@ -53,6 +53,16 @@ def test_hivemind_logs_go_through_our_handler_when_it_is_imported_later():
     assert done.stdout.split() == ["0", "True", "True"], done.stderr
 
 
+def test_debug_logs_ours_but_not_the_multiaddr_parsers_internals():
+    code = (
+        "import logging; from peer.logs import configure_logging; configure_logging('text', debug=True);"
+        "print(logging.getLogger('phalanx.protocol').isEnabledFor(logging.DEBUG),"
+        " logging.getLogger('multiaddr.codecs.cid').isEnabledFor(logging.DEBUG))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.stdout.split() == ["True", "False"], done.stderr
+
+
 @pytest.mark.parametrize("command", ["join", "bootstrap", "health", "monitor"])
 def test_help_at_80_columns_shows_every_flag_whole_with_its_default_and_variable(command):
     from phalanx.peer.config import MonitorSettings, NetworkSettings, PeerConfig

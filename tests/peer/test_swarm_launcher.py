@@ -56,6 +56,19 @@ def test_failing_trainers_are_reported_with_their_error_and_the_folder_is_kept(t
     assert str(workdir) not in ps  # every process the swarm started is gone
 
 
+def test_debug_reaches_the_trainers(tmp_path):
+    """`phalanx --debug swarm`: a trainer's failure comes with its traceback in its log (without
+    --debug it is the one line above)."""
+    result = subprocess.run(
+        [sys.executable, "-m", "phalanx", "--debug", "swarm", "--peers", "1", "--workdir", str(tmp_path / "run"),
+         *_no_data_args(tmp_path)],
+        capture_output=True, text=True, timeout=240, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )  # fmt: skip
+    assert result.returncode == 1, result.stderr[-3000:]
+    log = (tmp_path / "run" / "trainer-0.log").read_text()
+    assert "Traceback (most recent call last)" in log and "lacks train-images" in log, log[-3000:]
+
+
 def test_the_run_stops_once_no_honest_trainer_is_left(tmp_path):
     # The one honest peer (a "straggler", to give it its own flags) cannot load its task; the attacker
     # would wait for it, then train alone through 100000 steps: the launcher stops it instead.

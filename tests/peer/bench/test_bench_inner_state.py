@@ -1,0 +1,52 @@
+"""`phalanx bench inner-state`: the one-process simulation of diloco's outer steps behind it."""
+
+from __future__ import annotations
+
+import io
+
+from rich.console import Console
+
+from phalanx.peer.bench.inner_state import Variant, run_inner_state_bench, simulate, steps_to
+from phalanx.peer.bench.swarm import Goal
+
+DIGITS = dict(peers=3, inner_steps=5, rounds=3, seed=0, metric="accuracy")
+
+
+def test_a_fresh_state_changes_nothing_until_the_second_phase_and_then_does():
+    """The first phase of every variant starts from the same zero state: only later phases differ."""
+    kept = simulate("digits-mlp", "", Variant("kept", False, 0, 0), **DIGITS)
+    fresh = simulate("digits-mlp", "", Variant("fresh", True, 0, 0), **DIGITS)
+    assert kept[0] == fresh[0]
+    assert kept[1:] != fresh[1:]
+    assert kept[-1] > 0.5  # digits' ten classes: training happened
+
+
+def test_sitters_count_no_contribution_and_are_at_most_a_third():
+    ramp = simulate("digits-mlp", "", Variant("ramp", True, 2, 0), **DIGITS)
+    sitting = simulate("digits-mlp", "", Variant("sitting", True, 2, 1), **DIGITS)
+    assert ramp[0] == sitting[0]  # nobody sits the first phase out (no seed before it)
+    assert ramp[1:] != sitting[1:]
+    # two members: a third of them is nobody
+    two = {**DIGITS, "peers": 2}
+    assert simulate("digits-mlp", "", Variant("ramp", True, 2, 0), **two) == simulate(
+        "digits-mlp", "", Variant("sitting", True, 2, 1), **two
+    )
+
+
+def test_steps_to_counts_from_one_and_follows_the_metric():
+    assert steps_to([0.5, 0.8, 0.9], "accuracy", 0.8) == 2
+    assert steps_to([3.1, 2.9, 2.6], "loss", 2.7) == 3
+    assert steps_to([3.1, 2.9], "loss", 2.7) is None
+
+
+def test_the_bench_prints_every_variant_with_its_steps_to_the_target():
+    out = io.StringIO()
+    goal = Goal.for_task("inner-state", "digits-mlp", "", 0.99, 0.0)
+    results = run_inner_state_bench(
+        goal, peers=2, inner_steps=3, rounds=2, seeds=2, phase_warmup=2, validators=1,
+        console=Console(file=out, width=250),
+    )  # fmt: skip
+    assert len(results) == 4 and all(len(runs) == 2 and len(runs[0]) == 2 for runs in results.values())
+    text = out.getvalue()
+    assert "kept (unverified)" in text and "sitting (verified)" in text
+    assert "not reached in 2 of 2" in text  # 99 % in two outer steps of three inner steps: no
