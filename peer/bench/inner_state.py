@@ -86,8 +86,9 @@ def simulate(
 
 def steps_to(history: list[float], metric: str, target: float) -> int | None:
     """The first outer step (counted from 1) whose metric reaches the target."""
-    reached = (lambda v: v >= target) if metric == "accuracy" else (lambda v: v <= target)
-    return next((t + 1 for t, v in enumerate(history) if reached(v)), None)
+    from phalanx.peer.bench.swarm import _met
+
+    return next((t + 1 for t, v in enumerate(history) if _met({metric: v}, metric, target)), None)
 
 
 def run_inner_state_bench(

@@ -43,13 +43,18 @@ def test_help_and_flag_mistakes_import_nothing_heavy(argv):
     assert json.loads(done.stderr.strip().splitlines()[-1]) == [], done.stderr
 
 
+def _python(code: str) -> subprocess.CompletedProcess:
+    """`code` in a fresh interpreter: logging's configuration is process-wide."""
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+
+
 def test_hivemind_logs_go_through_our_handler_when_it_is_imported_later():
     code = (
         "import logging; from peer.logs import configure_logging; configure_logging('text');"
         "from hivemind.utils.logging import get_logger; get_logger('hivemind.dht');"
         "h = logging.getLogger('hivemind'); print(len(h.handlers), h.propagate, h.level == logging.WARNING)"
     )
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    done = _python(code)
     assert done.stdout.split() == ["0", "True", "True"], done.stderr
 
 
@@ -59,7 +64,7 @@ def test_debug_logs_ours_but_not_the_multiaddr_parsers_internals():
         "print(logging.getLogger('phalanx.protocol').isEnabledFor(logging.DEBUG),"
         " logging.getLogger('multiaddr.codecs.cid').isEnabledFor(logging.DEBUG))"
     )
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    done = _python(code)
     assert done.stdout.split() == ["True", "False"], done.stderr
 
 
