@@ -49,6 +49,17 @@ def _met(metrics: dict[str, float], metric: str, target: float) -> bool:
     return metrics["loss"] <= target if metric == "loss" else metrics["accuracy"] >= target
 
 
+def rounds_cost_s(events: list[dict[str, Any]]) -> Optional[float]:
+    """Seconds a diloco run spent in its rounds rather than training: for each outer step the round time of
+    the member that reached it last (the least of the members' times, since the others waited for it in
+    matchmaking), summed. Far steadier than wall time on a shared machine: it leaves out the training."""
+    by_step: dict[int, list[float]] = {}
+    for e in events:
+        if e["event"] == "outer" and e.get("round_s") is not None:
+            by_step.setdefault(e["outer_step"], []).append(e["round_s"])
+    return sum(min(times) for times in by_step.values()) if by_step else None
+
+
 def _peak_rss() -> int:
     import resource
 
@@ -254,6 +265,7 @@ def _run_phalanx(world: int, goal: Goal, extra_args: list[str]) -> dict[str, Any
         "peak_rss": max((r["peak_rss_bytes"] for r in reports if r.get("peak_rss_bytes")), default=None),
         "bytes_sent": max((r.get("bytes_sent", 0) for r in reports), default=0),
         "rounds": max((r.get("rounds_ok", 0) + r.get("rounds_partial", 0) for r in reports), default=0),
+        "rounds_s": rounds_cost_s(events),
     }
 
 
@@ -351,21 +363,10 @@ def run_diloco_bench(
                 f"running {label} with {peers} peers to {goal}, upload {upload_mbps or 'uncapped'} Mbit/s (run {i + 1}/{repeats})…"
             )
             by_case[label].append(_run_phalanx(peers, goal, [*flags, *cap]))
-    rows = []
-    for label, runs in by_case.items():
-        times = [r["time_s"] for r in runs if r["time_s"] is not None]
-        rows.append({
-            "impl": label,
-            "time_s": statistics.median(times) if len(times) == len(runs) else None,
-            "spread": (min(times), max(times)) if len(times) == len(runs) else None,
-            "steps": statistics.median(r["steps"] for r in runs),
-            "bytes_sent": statistics.median(r["bytes_sent"] for r in runs),
-            "rounds": statistics.median(r["rounds"] for r in runs),
-            "failures": sum(r["failures"] for r in runs),
-        })  # fmt: skip
+    rows = [summarize_case(label, runs) for label, runs in by_case.items()]
     cap_text = f"{upload_mbps:g} Mbit/s upload per peer" if upload_mbps else "uncapped loopback"
     table = Table(title=f"to {goal}, {peers} peers, {cap_text} (median of {repeats})")
-    for col in ("run", "seconds", "runs' range", "steps", "rounds", "MB sent/peer", "fewer bytes", "vs first"):
+    for col in ("run", "seconds", "runs' range", "steps", "rounds", "s in rounds", "MB sent/peer", "fewer bytes", "vs first"):
         table.add_column(col, justify="right")
     first = rows[0]
     for r in rows:
@@ -375,10 +376,44 @@ def run_diloco_bench(
         spread = "" if r["spread"] is None else f"{r['spread'][0]:.1f}–{r['spread'][1]:.1f}"
         table.add_row(
             r["impl"], "not reached" if r["time_s"] is None else f"{r['time_s']:.1f}", spread, f"{r['steps']:.0f}",
-            f"{r['rounds']:.0f}", f"{r['bytes_sent'] / 1e6:.2f}", fewer, ratio,
+            f"{r['rounds']:.0f}", "" if r["rounds_s"] is None else f"{r['rounds_s']:.2f}", f"{r['bytes_sent'] / 1e6:.2f}",
+            fewer, ratio,
         )  # fmt: skip
     console.print(table)
     return rows
+
+
+def summarize_case(label: str, runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """A case's row: medians over its runs; a time only if every run reached the target."""
+    times = [r["time_s"] for r in runs if r["time_s"] is not None]
+    in_rounds = [r["rounds_s"] for r in runs if r.get("rounds_s") is not None]
+    every = len(times) == len(runs)
+    return {
+        "impl": label,
+        "time_s": statistics.median(times) if every else None,
+        "spread": (min(times), max(times)) if every else None,
+        "times": [r["time_s"] for r in runs],  # in run order: the cases' i-th runs ran side by side in time
+        "rounds_s": statistics.median(in_rounds) if in_rounds and len(in_rounds) == len(runs) else None,
+        "steps": statistics.median(r["steps"] for r in runs),
+        "bytes_sent": statistics.median(r["bytes_sent"] for r in runs),
+        "rounds": statistics.median(r["rounds"] for r in runs),
+        "failures": sum(r["failures"] for r in runs),
+    }
+
+
+def verification_cost(unverified: dict[str, Any], verified: dict[str, Any]) -> dict[str, Any]:
+    """What `--verify` costs, two ways: the ratio of the cases' median wall times with the range of the
+    paired runs' ratios (each verified run against the unverified one run beside it), and the extra
+    seconds its rounds took as a share of the unverified wall time (steady: training time is left out)."""
+    pairs = [v / u for u, v in zip(unverified["times"], verified["times"], strict=True) if u and v]
+    cost: dict[str, Any] = {
+        "ratio": verified["time_s"] / unverified["time_s"],
+        "pairs": (min(pairs), statistics.median(pairs), max(pairs)) if pairs else None,
+        "rounds_share": None,
+    }
+    if unverified["rounds_s"] is not None and verified["rounds_s"] is not None:
+        cost["rounds_share"] = (verified["rounds_s"] - unverified["rounds_s"]) / unverified["time_s"]
+    return cost
 
 
 def print_diloco_goals(
@@ -404,10 +439,19 @@ def print_diloco_goals(
         console.print("goal for verified rounds: not measured (the verify case did not run or did not reach the target)")
     else:
         bound = 1.10 if upload_mbps else 1.3
-        ratio = verified["time_s"] / int8["time_s"]
+        cost = verification_cost(int8, verified)
+        ratio = cost["ratio"]
         console.print(
             f"goal: verified ≤ {bound}× the unverified wall time — {ratio:.2f}×: {'met' if ratio <= bound else 'NOT met'}"
         )
+        if cost["pairs"] is not None and len(int8["times"]) > 1:
+            low, mid, high = cost["pairs"]
+            console.print(f"  paired runs' ratios: median {mid:.2f}×, {low:.2f}–{high:.2f}×")
+        if cost["rounds_share"] is not None:
+            console.print(
+                f"  its rounds took {verified['rounds_s']:.2f} s against {int8['rounds_s']:.2f} s: "
+                f"{cost['rounds_share']:+.1%} of the unverified wall time, the part of the ratio that is verification's own"
+            )
 
 
 if __name__ == "__main__":
