@@ -24,7 +24,7 @@ from phalanx.protocol.config import Codec, MatchmakingConfig, RoundConfig, topk_
 from pydantic import Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, InitSettingsSource, NoDecode, PydanticBaseSettingsSource, SettingsConfigDict
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 BUILTIN_TASKS = ("digits-mlp", "mnist-cnn", "cifar10-resnet18", "tiny-gpt")
 """phalanx.tasks.TASKS's names (a test keeps them equal): known here without importing torch."""
 ENV_PREFIX = "PHALANX_"

@@ -146,6 +146,17 @@ class SocketPipe:
             await self.loop.sock_sendall(self.sock, data[start : start + SEND_SLICE_BYTES])
             moved()
 
+    def idle_and_open(self) -> bool:
+        """Whether a connection kept between calls is still good: no bytes waiting (nothing is owed to us
+        between calls) and no close or reset from the other side."""
+        try:
+            self.sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            return True
+        except OSError:
+            return False
+        return False  # its end of file, or stray bytes
+
     def close(self) -> None:
         self.sock.close()
 
@@ -222,8 +233,8 @@ class Channel:
         # Distinct nonce spaces per direction, so the two sides never reuse a (key, nonce) pair.
         self._send_dir, self._recv_dir = (b"\x00", b"\x01") if initiator else (b"\x01", b"\x00")
         self._send_ctr = self._recv_ctr = 0
-        self._out = _buffers.take() if self.cipher is not None else None
-        self._in = _buffers.take() if self.cipher is not None else None
+        self._out: Optional[bytearray] = None  # record buffers, taken while a call uses the channel (see park)
+        self._in: Optional[bytearray] = None
         self._size = bytearray(4)
         self.activity: Optional[Activity] = None  # the call using this channel, told of every record that moves
 
@@ -231,10 +242,10 @@ class Channel:
     def _nonce(direction: bytes, counter: int) -> bytes:
         return direction + b"\x00\x00\x00" + counter.to_bytes(8, "little")
 
-    async def _read(self, view: memoryview) -> None:
+    async def _read(self, view: memoryview, patient: bool = False) -> None:
         activity = self.activity
         try:
-            async with asyncio.timeout(self.idle_timeout_s):
+            async with asyncio.timeout(None if patient else self.idle_timeout_s):
                 await self.pipe.readinto(view, activity.moved if activity is not None else None)
         except TimeoutError:
             raise CallFailed(f"no bytes for {self.idle_timeout_s:.0f} s") from None
@@ -266,6 +277,8 @@ class Channel:
             await self._send(size.to_bytes(4, "little"))
             await self._send(data)
             return
+        if self._out is None:
+            self._out = _buffers.take()
         out = memoryview(self._out)
         sealed = size + TAG_BYTES
         out[:4] = sealed.to_bytes(4, "little")
@@ -273,8 +286,8 @@ class Channel:
         self._send_ctr += 1
         await self._send(out[: 4 + sealed])
 
-    async def _record_size(self, max_plain: int) -> int:
-        await self._read(memoryview(self._size))
+    async def _record_size(self, max_plain: int, patient: bool = False) -> int:
+        await self._read(memoryview(self._size), patient)
         size = int.from_bytes(self._size, "little")
         overhead = TAG_BYTES if self.cipher is not None else 0
         if not overhead < size <= max_plain + overhead:
@@ -286,6 +299,8 @@ class Channel:
         if self.cipher is None:
             await self._read(dest[:size])
             return size
+        if self._in is None:
+            self._in = _buffers.take()
         sealed = memoryview(self._in)[:size]
         await self._read(sealed)
         try:
@@ -299,8 +314,10 @@ class Channel:
         """Read one record into the front of `dest` (at most len(dest) bytes of plaintext); returns its length."""
         return await self._record_body(await self._record_size(len(dest)), dest)
 
-    async def recv_small(self, max_len: int) -> bytes:
-        size = await self._record_size(min(max_len, RECORD_BYTES))
+    async def recv_small(self, max_len: int, *, patient: bool = False) -> bytes:
+        """One record of at most `max_len` bytes. `patient`: its first byte may take longer than the idle
+        timeout (a reply whose handler waits, bounded by the call's own timeout)."""
+        size = await self._record_size(min(max_len, RECORD_BYTES), patient)
         buf = bytearray(size - (TAG_BYTES if self.cipher is not None else 0))
         await self._record_body(size, memoryview(buf))
         return bytes(buf)
@@ -327,9 +344,13 @@ class Channel:
             pos += n
         return out.obj if into is None else out
 
-    def close(self) -> None:
-        self.pipe.close()
+    def park(self) -> None:
+        """Between calls on a kept connection: its record buffers go back for other calls to use."""
         for buf in (self._out, self._in):
             if buf is not None:
                 _buffers.give(buf)
         self._out = self._in = None
+
+    def close(self) -> None:
+        self.pipe.close()
+        self.park()

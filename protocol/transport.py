@@ -1,13 +1,19 @@
 """Calls between peers: small ones over libp2p, bulk tensor bytes over a direct TCP connection.
 
-A call is `(method, header, payload) -> (header, payload)`. Small calls ride a libp2p
-unary RPC. Large ones take the direct path: the caller asks the callee over libp2p
-(authenticated and encrypted) for a one-time ticket, a connection id and a fresh
-256-bit key; it then opens TCP to the callee's announced address, presents the id, and
-seals every record after that with AES-256-GCM under that key (hardware AES: ~9 GB/s a core). So the callee knows
-which libp2p peer holds the socket, and nobody on the path can read, alter, reorder or
-replay its bytes: the fast path is no weaker than libp2p. When TCP cannot connect, the
-same records flow over a libp2p stream (already encrypted) instead.
+A call is `(method, header, payload) -> (header, payload)`. Large ones take the direct path:
+the caller asks the callee over libp2p (authenticated and encrypted) for a one-time ticket, a
+connection id and a fresh 256-bit key; it then opens TCP to the callee's announced address,
+presents the id, and seals every record after that with AES-256-GCM under that key (hardware
+AES: ~9 GB/s a core). So the callee knows which libp2p peer holds the socket, and nobody on the
+path can read, alter, reorder or replay its bytes: the fast path is no weaker than libp2p. When
+TCP cannot connect, the same records flow over a libp2p stream (already encrypted) instead.
+
+A direct connection whose call went through (status OK, every byte read) is kept for the next
+call to the same peer, small or large, for up to KEEP_IDLE_S: a verified round's four
+all-to-all exchanges of small signed messages then skip the p2p daemon's hops. A small call
+with no kept connection at hand rides a libp2p unary RPC and opens one in the background. A
+kept connection is checked before use (no close or stray bytes from the callee) and never
+retried on: a call that fails on it fails, as on a new one, so no handler runs twice.
 
 Over ~450 lines on purpose: the ticket, the direct connection and its libp2p fallback are one
 protocol whose pieces only make sense together; its wire codes live in transport_wire.py.
@@ -59,6 +65,9 @@ from phalanx.security.wire import MAX_MESSAGE_BYTES, pack, unpack
 logger = logging.getLogger(__name__)
 
 SMALL_CALL_BYTES = 256 << 10  # requests and replies up to this size ride libp2p unary RPCs
+KEEP_IDLE_S = 20.0  # a kept direct connection unused this long is closed (callees wait idle_timeout_s for the next call)
+KEEP_PER_PEER = 2  # idle direct connections kept per callee; parallel calls beyond them open more, closed after use
+SERVE_KEPT_PER_PEER = 4  # connections a callee keeps serving per caller; beyond them, it closes each after its call
 TICKET_TTL_S = 30.0
 MAX_TICKETS_PER_PEER = 64
 HELLO_MAGIC = b"PHX1"
@@ -108,6 +117,13 @@ class Transport(ServicerBase):
         self._addresses: list[str] = []
         self._direct_unreachable_until: dict[str, float] = {}
         self._connections: set[asyncio.Task] = set()
+        self._kept: dict[str, list[tuple[Channel, float]]] = {}  # callee → its idle direct channels, since when
+        self._warming: dict[str, asyncio.Task] = {}  # callee → a direct channel being opened for later calls
+        self._served: Counter[str] = Counter()  # caller → direct connections we serve it on
+        self._busy = 0  # served calls in flight
+        self._quiet = asyncio.Event()
+        self._quiet.set()
+        self._closing = False
         self._unary: set[asyncio.Task] = set()  # libp2p unary calls, finishing after their caller left
         self.stats = TransportStats()
         self.banned: set[str] = set()  # shared with membership and the ban book: calls from these are refused
@@ -143,14 +159,23 @@ class Transport(ServicerBase):
     async def wait_idle(self, timeout_s: float) -> bool:
         """Wait until no served call is in flight (replies still being sent count); False on timeout.
         Benchmarks read the byte counters at round boundaries only after this."""
-        deadline = time.monotonic() + timeout_s
-        while self._connections:
-            if time.monotonic() >= deadline:
-                return False
-            await asyncio.wait(set(self._connections), timeout=deadline - time.monotonic())
+        try:
+            async with asyncio.timeout(timeout_s):
+                while self._busy:
+                    await self._quiet.wait()
+        except TimeoutError:
+            return False
         return True
 
     async def aclose(self) -> None:
+        self._closing = True
+        for task in list(self._warming.values()):
+            task.cancel()
+        await asyncio.gather(*self._warming.values(), return_exceptions=True)
+        for kept in self._kept.values():
+            for channel, _ in kept:
+                channel.close()
+        self._kept.clear()
         if self._accepting is not None:
             self._accepting.cancel()
             await asyncio.gather(self._accepting, return_exceptions=True)
@@ -206,7 +231,10 @@ class Transport(ServicerBase):
 
     async def _call(self, peer, method, header, payload, max_reply_payload, expect_large_reply, landing: Landing, on_header):
         small = len(payload) <= SMALL_CALL_BYTES and not expect_large_reply and max_reply_payload <= SMALL_CALL_BYTES
-        if small:
+        channel = self._take_kept(peer) if self.prefer_direct else None
+        if channel is None and small:
+            if self.prefer_direct:
+                self._warm(peer)
             reply_header, reply = await self._call_unary(peer, method, header, payload)
             if on_header is not None:
                 on_header(reply_header)
@@ -218,16 +246,77 @@ class Transport(ServicerBase):
                 raise PeerProtocolError(f"{method} reply of {len(reply)} bytes, expected {len(landing.into)}", peer=peer)
             landing.into[:] = reply
             return reply_header, landing.into
-        channel = None
-        if self.prefer_direct and self._direct_unreachable_until.get(peer, 0.0) < time.monotonic():
+        reused = channel is not None
+        if channel is None and self.prefer_direct and self._direct_reachable(peer):
             channel = await self._open_direct(peer)
         if channel is None:
             channel = await self._open_stream(peer)
+        if isinstance(channel.pipe, SocketPipe):
+            self.stats.direct_calls += 1
+            self.stats.reused_calls += reused
         channel.activity = landing.activity
+        keep = False
         try:
-            return await self._exchange(channel, peer, method, header, payload, max_reply_payload, landing, on_header)
+            reply_header, reply, keep = await self._exchange(
+                channel, peer, method, header, payload, max_reply_payload, landing, on_header, patient=small
+            )
+            return reply_header, reply
         finally:
+            if keep:
+                self._keep(peer, channel)
+            else:
+                channel.close()
+
+    def _direct_reachable(self, peer: str) -> bool:
+        return self._direct_unreachable_until.get(peer, 0.0) < time.monotonic()
+
+    def _take_kept(self, peer: str) -> Optional[Channel]:
+        """A kept direct channel to `peer` that is still good, or None; stale ones are closed on the way."""
+        kept, limit = self._kept.get(peer), min(KEEP_IDLE_S, self.idle_timeout_s / 2)
+        while kept:
+            channel, since = kept.pop()
+            if time.monotonic() - since < limit and channel.pipe.idle_and_open():
+                return channel
             channel.close()
+        self._kept.pop(peer, None)
+        return None
+
+    def _keep(self, peer: str, channel: Channel) -> None:
+        """Keep a direct channel whose call went through for the next call to `peer`; close expired ones."""
+        now, limit = time.monotonic(), min(KEEP_IDLE_S, self.idle_timeout_s / 2)
+        for other, kept in list(self._kept.items()):
+            for c, since in kept:
+                if now - since >= limit:
+                    c.close()
+            kept[:] = [(c, since) for c, since in kept if now - since < limit]
+            if not kept:
+                del self._kept[other]
+        kept = self._kept.get(peer, [])
+        # only our own direct channels: a callee saying "keep" of a libp2p stream is not taken at its word
+        if self._closing or len(kept) >= KEEP_PER_PEER or not isinstance(channel.pipe, SocketPipe):
+            channel.close()
+            return
+        channel.activity = None
+        channel.park()
+        self._kept.setdefault(peer, []).append((channel, now))
+
+    def _warm(self, peer: str) -> None:
+        """Open a direct channel to `peer` in the background, for the calls after this one."""
+        if self._closing or peer in self._warming or not self._direct_reachable(peer):
+            return
+        task = asyncio.create_task(self._warm_up(peer), name=f"direct-warm-up-{peer[-8:]}")
+        self._warming[peer] = task
+        task.add_done_callback(lambda _: self._warming.pop(peer, None))
+
+    async def _warm_up(self, peer: str) -> None:
+        try:
+            async with asyncio.timeout(2 * self.connect_timeout_s + 5.0):
+                channel = await self._open_direct(peer)
+        except (CallFailed, PeerProtocolError, TimeoutError) as e:
+            logger.debug(f"no direct channel to {peer[-8:]} for later calls: {e!r}")
+            return
+        if channel is not None:
+            self._keep(peer, channel)
 
     async def _call_unary(self, peer, method, header, payload):
         stub = self.get_stub(self.p2p, PeerID.from_base58(peer), namespace=self.namespace)
@@ -282,7 +371,6 @@ class Transport(ServicerBase):
             except OSError:
                 pipe.close()
                 continue
-            self.stats.direct_calls += 1
             return Channel(pipe, self.stats, ticket.key, initiator=True, idle_timeout_s=self.idle_timeout_s, limiter=self.limiter)
         self._direct_unreachable_until[peer] = time.monotonic() + 300.0
         logger.info(f"peer {peer[-8:]} is not reachable directly; using libp2p streams for 5 min")
@@ -296,16 +384,21 @@ class Transport(ServicerBase):
         self.stats.stream_calls += 1
         return Channel(StreamPipe(reader, writer), self.stats, None, initiator=True, idle_timeout_s=self.idle_timeout_s, limiter=self.limiter)
 
-    async def _exchange(self, channel: Channel, peer, method, header, payload, max_reply_payload, landing: Landing, on_header):
+    async def _exchange(
+        self, channel: Channel, peer, method, header, payload, max_reply_payload, landing: Landing, on_header, *, patient: bool
+    ) -> tuple[bytes, bytearray | memoryview, bool]:
+        """One call on `channel`: its reply, and whether the callee serves another call on the channel.
+        `patient`: the reply may take longer than the idle timeout to start (a small call's handler may
+        wait, as a matchmaking leader does; unary RPCs are bounded by the call's timeout alone, too)."""
         head = pack(CallHeader(method=method, header=header, payload_len=len(payload)))
         await channel.send_message(head, payload)
-        reply = unpack(await channel.recv_small(MAX_MESSAGE_BYTES), ReplyHeader, peer=peer)
+        reply = unpack(await channel.recv_small(MAX_MESSAGE_BYTES, patient=patient), ReplyHeader, peer=peer)
         _raise_for_status(reply.status, reply.reason, method, peer)
         if not 0 <= reply.payload_len <= max_reply_payload:
             raise PeerProtocolError(f"{method} reply of {reply.payload_len} bytes exceeds {max_reply_payload}", peer=peer)
         if on_header is not None:
             on_header(reply.header)
-        return reply.header, await channel.recv_payload(reply.payload_len, landing.into, landing.hasher)
+        return reply.header, await channel.recv_payload(reply.payload_len, landing.into, landing.hasher), reply.keep_open
 
     # ---- serving ----------------------------------------------------------------------------
 
@@ -326,13 +419,15 @@ class Transport(ServicerBase):
 
     async def rpc_call(self, request: BytesValue, context: P2PContext) -> BytesValue:
         peer = context.remote_id.to_base58()
+        self.stats.bytes_received += len(request.value)
         try:
             call = unpack(request.value, UnaryCall, peer=peer)
             status, reason, header, payload = await self._dispatch(peer, call.method, call.header, call.payload)
         except PeerProtocolError as e:
             status, reason, header, payload = Status.REJECTED, str(e), b"", b""
-        reply = UnaryReply(status=int(status), reason=reason, header=header, payload=bytes(payload))
-        return BytesValue(value=pack(reply))
+        reply = pack(UnaryReply(status=int(status), reason=reason, header=header, payload=bytes(payload)))
+        self.stats.bytes_sent += len(reply)  # a reducer's aggregate goes back this way: its uplink's bytes too
+        return BytesValue(value=reply)
 
     def _spawn_connection(self, coro) -> None:
         task = asyncio.create_task(coro)
@@ -351,7 +446,7 @@ class Transport(ServicerBase):
             self._spawn_connection(self._serve_direct(SocketPipe(sock)))
 
     async def _serve_direct(self, pipe: SocketPipe) -> None:
-        channel = None
+        channel, peer = None, None
         try:
             hello = bytearray(len(HELLO_MAGIC) + 16)
             async with asyncio.timeout(self.idle_timeout_s):
@@ -361,10 +456,17 @@ class Transport(ServicerBase):
                 logger.debug("direct connection with an unknown or expired ticket refused")
                 return
             channel = Channel(pipe, self.stats, ticket.key, initiator=False, idle_timeout_s=self.idle_timeout_s, limiter=self.limiter)
-            await self._serve_channel(ticket.peer, channel)
+            peer = ticket.peer
+            self._served[peer] += 1
+            while await self._serve_channel(peer, channel, reusable=True):
+                channel.park()  # until the caller's next call, or its close, or the idle timeout
         except (CallFailed, TimeoutError, OSError):
             pass
         finally:
+            if peer is not None:
+                self._served[peer] -= 1
+                if self._served[peer] <= 0:
+                    del self._served[peer]
             (channel or pipe).close()
 
     async def _serve_stream(self, stream_info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -377,24 +479,54 @@ class Transport(ServicerBase):
             writer.close()
             self._connections.discard(task)
 
-    async def _serve_channel(self, peer: str, channel: Channel) -> None:
+    async def _serve_channel(self, peer: str, channel: Channel, reusable: bool = False) -> bool:
+        """Serve one call on `channel`. True when the caller may send another on it: a direct connection
+        whose call went through, so both sides know where the next call's records start."""
         try:
-            call = unpack(await channel.recv_small(MAX_MESSAGE_BYTES), CallHeader, peer=peer)
-            status, reason, header, payload = await self._dispatch(peer, call.method, call.header, call.payload_len, channel)
+            head: Optional[bytes] = await channel.recv_small(MAX_MESSAGE_BYTES)
+            refused = None
         except ChannelAuthError as e:
             logger.info(f"dropped a direct connection claiming to be {peer[-8:]}: {e}")
-            return
+            return False
         except PeerProtocolError as e:
-            logger.debug(f"rejected a call from {peer[-8:]}: {e}")
-            status, reason, header, payload = Status.REJECTED, str(e), b"", b""
-        except CallFailed as e:
-            logger.debug(f"call from {peer[-8:]} broke off: {e}")
-            return
-        head = pack(ReplyHeader(status=int(status), reason=reason, header=header, payload_len=len(payload)))
+            head, refused = None, e
+        except CallFailed:
+            return False  # the caller closed a kept connection, or sent nothing for the idle timeout
+        with self._serving():
+            try:
+                if refused is not None:
+                    raise refused
+                call = unpack(head, CallHeader, peer=peer)
+                status, reason, header, payload = await self._dispatch(peer, call.method, call.header, call.payload_len, channel)
+            except ChannelAuthError as e:
+                logger.info(f"dropped a direct connection claiming to be {peer[-8:]}: {e}")
+                return False
+            except PeerProtocolError as e:
+                logger.debug(f"rejected a call from {peer[-8:]}: {e}")
+                status, reason, header, payload = Status.REJECTED, str(e), b"", b""
+            except CallFailed as e:
+                logger.debug(f"call from {peer[-8:]} broke off: {e}")
+                return False
+            keep = reusable and status == Status.OK and not self._closing and self._served[peer] <= SERVE_KEPT_PER_PEER
+            head = pack(ReplyHeader(status=int(status), reason=reason, header=header, payload_len=len(payload), keep_open=keep))
+            try:
+                await channel.send_message(head, payload)
+            except CallFailed as e:
+                logger.debug(f"reply to {peer[-8:]} failed: {e!r}")
+                return False
+            return keep
+
+    @contextlib.contextmanager
+    def _serving(self) -> Iterator[None]:
+        """A served call in flight, from its request's header to its reply's last byte (see wait_idle)."""
+        self._busy += 1
+        self._quiet.clear()
         try:
-            await channel.send_message(head, payload)
-        except CallFailed as e:
-            logger.debug(f"reply to {peer[-8:]} failed: {e!r}")
+            yield
+        finally:
+            self._busy -= 1
+            if not self._busy:
+                self._quiet.set()
 
     @contextlib.contextmanager
     def round_with(self, members: Iterable[str]) -> Iterator[None]:

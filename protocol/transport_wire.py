@@ -44,7 +44,8 @@ Sink = Callable[[str, bytes, int], Awaitable[Landing]]
 class TransportStats(ChannelStats):
     """Counters for the health server and the benchmark; bytes are payload + framing."""
 
-    direct_calls: int = 0
+    direct_calls: int = 0  # calls carried by a direct connection, new or kept from an earlier call
+    reused_calls: int = 0  # of those, calls on a kept one
     stream_calls: int = 0
     unary_calls: int = 0
     failed_calls: int = 0
@@ -61,6 +62,7 @@ class ReplyHeader(WireModel):
     reason: str  # one line for logs when status != OK
     header: bytes
     payload_len: int
+    keep_open: bool  # the callee serves another call on this direct connection (see transport.py)
 
 
 class UnaryCall(WireModel):

@@ -318,6 +318,7 @@ def test_a_cancelled_unary_call_finishes_in_the_background():
             return b"late", b""
 
         ta.register("slow", slow, max_payload=10)
+        tb.prefer_direct = False  # small calls ride libp2p unary RPCs only (no direct channel kept for later calls)
         try:
             caller = asyncio.ensure_future(tb.call(ta.peer_id, "slow", b"1", max_reply_payload=10, timeout_s=30))
             while not tb._unary:
@@ -336,6 +337,192 @@ def test_a_cancelled_unary_call_finishes_in_the_background():
             assert not tb._unary  # both finished and were let go
             header, _ = await tb.call(ta.peer_id, "echo", b"h", b"x", max_reply_payload=10, timeout_s=30)
             assert header.startswith(b"h")
+        finally:
+            await _close(a, b, ta, tb)
+
+    asyncio.run(main())
+
+
+# ---- direct connections kept between calls ---------------------------------------------------
+
+
+async def _kept_channel(tb, peer: str, timeout_s: float = 30.0):
+    """Wait for the direct channel a small unary call opens in the background for later calls."""
+    async with asyncio.timeout(timeout_s):
+        while not tb._kept.get(peer):
+            await asyncio.sleep(0.01)
+    return tb._kept[peer][-1][0]
+
+
+def test_calls_after_the_first_ride_the_kept_direct_connection():
+    """The first small call goes over libp2p and opens a direct channel meanwhile; later calls, small or
+    large, reuse it with the same bytes, and the callee does not count an idle kept one as busy."""
+
+    async def main():
+        a, b, ta, tb = await _pair()
+        try:
+            small = os.urandom(1000)
+            _, reply = await tb.call(ta.peer_id, "echo", b"1", small, max_reply_payload=1000, timeout_s=30)
+            assert bytes(reply) == small and (tb.stats.unary_calls, tb.stats.direct_calls) == (1, 0)
+            kept = await _kept_channel(tb, ta.peer_id)
+            for i in range(3):
+                data = os.urandom(1000) if i < 2 else os.urandom(3 << 20)
+                header, reply = await tb.call(ta.peer_id, "echo", b"h", data, max_reply_payload=4 << 20, timeout_s=30)
+                assert bytes(reply) == data and header == b"h" + tb.peer_id.encode()[-4:]
+                assert tb._kept[ta.peer_id] == [(kept, tb._kept[ta.peer_id][0][1])]  # the same channel, back
+            assert (tb.stats.unary_calls, tb.stats.direct_calls, tb.stats.reused_calls) == (1, 3, 3)
+            assert kept._in is None and kept._out is None  # an idle kept channel holds no record buffers
+            assert await ta.wait_idle(5.0) and ta._served[tb.peer_id] == 1
+        finally:
+            await _close(a, b, ta, tb)
+
+    asyncio.run(main())
+
+
+def test_a_kept_connection_the_callee_closed_is_not_used():
+    """The callee waits idle_timeout_s for the next call and closes; a caller that expects it longer sees the
+    close before it sends and calls over libp2p instead: nothing is sent into a dead connection."""
+
+    async def main():
+        a = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+        b = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=await a.get_visible_maddrs())
+        ta = await Transport.open(a, namespace="t", direct_host="127.0.0.1", idle_timeout_s=0.3)
+        tb = await Transport.open(b, namespace="t", direct_host="127.0.0.1")
+        calls: list[bytes] = []
+
+        async def count(peer, header, payload):
+            calls.append(header)
+            return b"", b""
+
+        ta.register("count", count, max_payload=10)
+        try:
+            await tb.call(ta.peer_id, "count", b"1", max_reply_payload=10, timeout_s=30)
+            await _kept_channel(tb, ta.peer_id)
+            async with asyncio.timeout(30):
+                while ta._served:  # the callee gave up on the idle connection
+                    await asyncio.sleep(0.05)
+            await tb.call(ta.peer_id, "count", b"2", max_reply_payload=10, timeout_s=30)
+            assert calls == [b"1", b"2"] and tb.stats.reused_calls == 0 and tb.stats.unary_calls == 2
+        finally:
+            await _close(a, b, ta, tb)
+
+    asyncio.run(main())
+
+
+def test_a_call_that_fails_on_a_kept_connection_is_not_sent_again():
+    """A kept connection carries a call like a new one would: a refusal or a timeout closes it on both sides
+    and fails the call, which is never retried (a handler must not run twice)."""
+
+    async def main():
+        a, b, ta, tb = await _pair()
+        release = asyncio.Event()
+        calls: list[bytes] = []
+
+        async def stall(peer, header, payload):
+            calls.append(header)
+            await release.wait()
+            return b"", b""
+
+        ta.register("stall", stall, max_payload=10)
+        try:
+            await tb.call(ta.peer_id, "echo", b"", b"x", max_reply_payload=10, timeout_s=30)
+            await _kept_channel(tb, ta.peer_id)
+            with pytest.raises(CallFailed, match="timed out"):
+                await tb.call(ta.peer_id, "stall", b"1", max_reply_payload=10, timeout_s=0.5)
+            assert tb.stats.reused_calls == 1 and not tb._kept.get(ta.peer_id)
+            release.set()
+            assert await ta.wait_idle(10.0) and calls == [b"1"]
+
+            await tb.call(ta.peer_id, "echo", b"", b"x" * 300_000, max_reply_payload=1 << 20, timeout_s=30)
+            assert tb._kept.get(ta.peer_id)  # a new direct connection (large call), kept
+            with pytest.raises(CallFailed, match="REJECTED"):
+                await tb.call(ta.peer_id, "refuse", b"", b"", max_reply_payload=10, timeout_s=30)
+            assert tb.stats.reused_calls == 2 and not tb._kept.get(ta.peer_id)
+        finally:
+            await _close(a, b, ta, tb)
+
+    asyncio.run(main())
+
+
+def test_parallel_calls_keep_at_most_a_few_connections_per_peer():
+    async def main():
+        from phalanx.protocol.transport import KEEP_PER_PEER
+
+        a, b, ta, tb = await _pair()
+        try:
+            big = os.urandom(1 << 20)
+            replies = await asyncio.gather(*(
+                tb.call(ta.peer_id, "echo", b"", big, max_reply_payload=2 << 20, timeout_s=60) for _ in range(6)
+            ))  # fmt: skip
+            assert all(bytes(r) == big for _, r in replies) and tb.stats.direct_calls == 6
+            assert len(tb._kept[ta.peer_id]) == KEEP_PER_PEER
+            async with asyncio.timeout(30):
+                while sum(ta._served.values()) > KEEP_PER_PEER:  # the callee saw the others closed
+                    await asyncio.sleep(0.05)
+        finally:
+            await _close(a, b, ta, tb)
+
+    asyncio.run(main())
+
+
+def test_a_kept_connection_expires_before_the_callee_would_drop_it():
+    async def main():
+        a = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+        b = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=await a.get_visible_maddrs())
+        ta = await Transport.open(a, namespace="t", direct_host="127.0.0.1")
+        tb = await Transport.open(b, namespace="t", direct_host="127.0.0.1", idle_timeout_s=0.4)  # kept for 0.2 s
+        ta.register("echo", lambda peer, header, payload: _echo(header, payload), max_payload=1 << 20)
+        try:
+            await tb.call(ta.peer_id, "echo", b"", b"x" * 300_000, max_reply_payload=1 << 20, timeout_s=30)
+            (kept, _), = tb._kept[ta.peer_id]
+            await asyncio.sleep(0.3)
+            await tb.call(ta.peer_id, "echo", b"", b"x", max_reply_payload=10, timeout_s=30)
+            assert tb.stats.reused_calls == 0 and kept.pipe.sock.fileno() == -1  # closed, not used
+        finally:
+            await _close(a, b, ta, tb)
+
+    asyncio.run(main())
+
+
+async def _echo(header, payload):
+    return header, bytes(payload)
+
+
+def test_only_direct_channels_are_kept():
+    """The callee's word that it keeps a connection is not enough: a libp2p stream is closed after its call."""
+
+    async def main():
+        a, b, ta, tb = await _pair()
+        try:
+            tb.prefer_direct = False
+            channel = await tb._open_stream(ta.peer_id)
+            tb._keep(ta.peer_id, channel)
+            assert not tb._kept.get(ta.peer_id)
+        finally:
+            await _close(a, b, ta, tb)
+
+    asyncio.run(main())
+
+
+def test_both_sides_count_every_call_alike_on_every_path():
+    """What one side counts as sent the other counts as received, replies included: a reducer's aggregates
+    go back as replies (a libp2p unary reply once went uncounted, halving the bytes benchmarks printed)."""
+
+    async def main():
+        a, b, ta, tb = await _pair()
+        try:
+            for size, direct in ((1000, False), (1000, True), (100_000, True), (3 << 20, True), (3 << 20, False)):
+                tb.prefer_direct = direct
+                before = (tb.stats.bytes_sent, tb.stats.bytes_received, ta.stats.bytes_sent, ta.stats.bytes_received)
+                await tb.call(ta.peer_id, "echo", b"h", os.urandom(size), max_reply_payload=size, timeout_s=30)
+                assert await ta.wait_idle(10.0)  # the callee counts its reply's last bytes once they are sent
+                sent, received, served, taken = (
+                    now - then for now, then in zip(
+                        (tb.stats.bytes_sent, tb.stats.bytes_received, ta.stats.bytes_sent, ta.stats.bytes_received), before
+                    )
+                )  # fmt: skip
+                assert sent == taken >= size and served == received >= size, (size, direct)
+            assert tb.stats.unary_calls >= 1 and tb.stats.direct_calls >= 1 and tb.stats.stream_calls == 1
         finally:
             await _close(a, b, ta, tb)
 
