@@ -405,12 +405,25 @@ def verification_cost(unverified: dict[str, Any], verified: dict[str, Any]) -> d
     """What `--verify` costs, two ways: the ratio of the cases' median wall times with the range of the
     paired runs' ratios (each verified run against the unverified one run beside it), and the extra
     seconds its rounds took as a share of the unverified wall time (steady: training time is left out)."""
-    pairs = [v / u for u, v in zip(unverified["times"], verified["times"], strict=True) if u and v]
+    paired = [(u, v) for u, v in zip(unverified["times"], verified["times"], strict=True) if u and v]
+    pairs = [v / u for u, v in paired]
     cost: dict[str, Any] = {
         "ratio": verified["time_s"] / unverified["time_s"],
         "pairs": (min(pairs), statistics.median(pairs), max(pairs)) if pairs else None,
+        "interval": None,
         "rounds_share": None,
     }
+    if len(paired) >= 5:  # fewer pairs give no interval worth printing
+        from scipy.stats import bootstrap
+
+        def ratio(u, v):
+            return statistics.median(v) / statistics.median(u)
+
+        found = bootstrap(
+            tuple(zip(*paired)), ratio, paired=True, vectorized=False, confidence_level=0.9, n_resamples=2000,
+            method="percentile", rng=0,
+        )  # fmt: skip
+        cost["interval"] = (float(found.confidence_interval.low), float(found.confidence_interval.high))
     if unverified["rounds_s"] is not None and verified["rounds_s"] is not None:
         cost["rounds_share"] = (verified["rounds_s"] - unverified["rounds_s"]) / unverified["time_s"]
     return cost
@@ -440,10 +453,18 @@ def print_diloco_goals(
     else:
         bound = 1.10 if upload_mbps else 1.3
         cost = verification_cost(int8, verified)
-        ratio = cost["ratio"]
-        console.print(
-            f"goal: verified ≤ {bound}× the unverified wall time — {ratio:.2f}×: {'met' if ratio <= bound else 'NOT met'}"
-        )
+        ratio, interval = cost["ratio"], cost["interval"]
+        if ratio > bound:
+            verdict = "NOT met"
+        elif interval is not None and interval[1] > bound:
+            verdict = f"met at the median, not beyond doubt (its 90% interval reaches {interval[1]:.2f}×: run more --repeats)"
+        else:
+            verdict = "met"
+        console.print(f"goal: verified ≤ {bound}× the unverified wall time — {ratio:.2f}×: {verdict}")
+        if interval is not None:
+            console.print(
+                f"  90% interval of that ratio: {interval[0]:.2f}–{interval[1]:.2f}× (bootstrap over the paired runs)"
+            )
         if cost["pairs"] is not None and len(int8["times"]) > 1:
             low, mid, high = cost["pairs"]
             console.print(f"  paired runs' ratios: median {mid:.2f}×, {low:.2f}–{high:.2f}×")

@@ -52,3 +52,44 @@ def test_verification_cost_without_round_times_says_nothing_of_them():
     unverified = summarize_case("int8", [_run(10.0, None)])
     verified = summarize_case("verify", [_run(11.0, 0.5)])
     assert verification_cost(unverified, verified)["rounds_share"] is None
+
+
+def _cases(pairs):
+    return (
+        summarize_case("int8", [_run(u, 0.1) for u, _ in pairs]),
+        summarize_case("verify", [_run(v, 0.3) for _, v in pairs]),
+    )
+
+
+def test_the_ratios_interval_needs_five_pairs_and_is_exact_for_exact_data():
+    assert verification_cost(*_cases([(10.0, 10.5)] * 4))["interval"] is None
+    low, high = verification_cost(*_cases([(t, 1.05 * t) for t in (9.0, 10.0, 11.0, 12.0, 14.0)]))["interval"]
+    assert low == pytest.approx(1.05) and high == pytest.approx(1.05)
+
+
+def test_the_ratios_interval_holds_the_ratio_and_widens_with_noise():
+    calm = [(10.0 + i % 3, (10.0 + i % 3) * (1.04 + 0.01 * (i % 2))) for i in range(12)]
+    noisy = [(10.0 + i % 3, (10.0 + i % 3) * (0.9 + 0.05 * (i % 5))) for i in range(12)]
+    for pairs in (calm, noisy):
+        cost = verification_cost(*_cases(pairs))
+        assert cost["interval"][0] <= cost["ratio"] <= cost["interval"][1]
+    calm_cost, noisy_cost = verification_cost(*_cases(calm)), verification_cost(*_cases(noisy))
+    assert noisy_cost["interval"][1] - noisy_cost["interval"][0] > calm_cost["interval"][1] - calm_cost["interval"][0]
+
+
+def test_the_verdict_says_when_the_goal_is_met_only_at_the_median():
+    from rich.console import Console
+
+    from phalanx.peer.bench.swarm import print_diloco_goals
+
+    def verdict(pairs):
+        console = Console(record=True, width=300)
+        print_diloco_goals(None, *_cases(pairs), 100.0, console=console)
+        return console.export_text()
+
+    steady = verdict([(t, 1.03 * t) for t in (9.0, 10.0, 11.0, 12.0, 14.0)])
+    assert "1.03×: met\n" in steady and "90% interval of that ratio: 1.03–1.03×" in steady
+    assert "+1.8% of the unverified wall time" in steady  # (0.3 - 0.1) s of the median int8 run, 11 s
+    doubtful = verdict([(10.0, 10.2), (10.0, 10.3), (10.0, 10.6), (10.0, 13.0), (10.0, 13.5), (10.0, 9.5)])
+    assert "met at the median, not beyond doubt" in doubtful
+    assert "NOT met" in verdict([(10.0, 12.0)] * 5)
