@@ -215,7 +215,7 @@ class Transport(ServicerBase):
         With `reply_into`, the reply payload must have exactly its length and is written there;
         `reply_hasher` is fed the reply payload as it arrives. `on_reply_header` sees the reply's
         header before its payload is read (a bulk reply takes a while); raising from it fails the call.
-        `activity` hears of every record sent or received on a bulk call (small calls move in one piece)."""
+        `activity` hears of every record sent or received on a connection (a libp2p unary call moves in one piece)."""
         reply = Landing(reply_into, reply_hasher, activity)
         try:
             async with asyncio.timeout(timeout_s):
@@ -270,9 +270,14 @@ class Transport(ServicerBase):
     def _direct_reachable(self, peer: str) -> bool:
         return self._direct_unreachable_until.get(peer, 0.0) < time.monotonic()
 
+    @property
+    def _keep_s(self) -> float:
+        """How long a direct channel stays kept: well inside the callee's idle timeout (ours, if shorter)."""
+        return min(KEEP_IDLE_S, self.idle_timeout_s / 2)
+
     def _take_kept(self, peer: str) -> Optional[Channel]:
         """A kept direct channel to `peer` that is still good, or None; stale ones are closed on the way."""
-        kept, limit = self._kept.get(peer), min(KEEP_IDLE_S, self.idle_timeout_s / 2)
+        kept, limit = self._kept.get(peer), self._keep_s
         while kept:
             channel, since = kept.pop()
             if time.monotonic() - since < limit and channel.pipe.idle_and_open():
@@ -283,7 +288,7 @@ class Transport(ServicerBase):
 
     def _keep(self, peer: str, channel: Channel) -> None:
         """Keep a direct channel whose call went through for the next call to `peer`; close expired ones."""
-        now, limit = time.monotonic(), min(KEEP_IDLE_S, self.idle_timeout_s / 2)
+        now, limit = time.monotonic(), self._keep_s
         for other, kept in list(self._kept.items()):
             for c, since in kept:
                 if now - since >= limit:
@@ -484,20 +489,18 @@ class Transport(ServicerBase):
         whose call went through, so both sides know where the next call's records start."""
         try:
             head: Optional[bytes] = await channel.recv_small(MAX_MESSAGE_BYTES)
-            refused = None
         except ChannelAuthError as e:
             logger.info(f"dropped a direct connection claiming to be {peer[-8:]}: {e}")
             return False
-        except PeerProtocolError as e:
-            head, refused = None, e
+        except PeerProtocolError as e:  # a header record too large: refused, unread
+            head, status, reason, header, payload = None, Status.REJECTED, str(e), b"", b""
         except CallFailed:
             return False  # the caller closed a kept connection, or sent nothing for the idle timeout
         with self._serving():
             try:
-                if refused is not None:
-                    raise refused
-                call = unpack(head, CallHeader, peer=peer)
-                status, reason, header, payload = await self._dispatch(peer, call.method, call.header, call.payload_len, channel)
+                if head is not None:
+                    call = unpack(head, CallHeader, peer=peer)
+                    status, reason, header, payload = await self._dispatch(peer, call.method, call.header, call.payload_len, channel)
             except ChannelAuthError as e:
                 logger.info(f"dropped a direct connection claiming to be {peer[-8:]}: {e}")
                 return False
