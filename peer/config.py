@@ -131,7 +131,7 @@ class PeerConfig(NetworkSettings):
     aggregator: str = Field("mean", description=f"Rule each reducer applies, with parameters as NAME:name=value,... (e.g. bucketing:s=2,inner=mean): {', '.join(AGGREGATOR_NAMES)}; clipped_gossip (gossip/lasgd: each member gets its own clipped average).")
     tau: Optional[float] = Field(None, gt=0, description="Clipping radius for centered_clip (shorthand for --aggregator-params tau=…).")
     aggregator_params: str = Field("", description="Extra aggregator parameters as name=value pairs, e.g. 'tau=1,max_iter=100'; bucketing: 's=2,inner=mean' (inner: the rule applied to the bucket means). Not together with --aggregator NAME:params.")
-    compression: str = Field("none", description="Codec for tensors on the wire: none, fp16, 8bit, int8 (per-block scales and a strict error bound: verified rounds take it) or topk:<fraction> (diloco: the largest entries of the pseudo-gradient, with error feedback).")
+    compression: str = Field("none", description="Codec for tensors on the wire: none, fp16, 8bit, int8 (per-block scales and a strict error bound: verified rounds take it) or topk:<fraction> (diloco, lasgd, gossip: the largest entries of what a peer sends, the rest kept as error feedback).")
     min_group_size: int = Field(1, ge=1, description="Fewest peers a round may close with at its deadline.")
     target_group_size: Optional[int] = Field(None, ge=2, description="Most peers per group (default: everyone ready).")
     matchmaking_timeout_s: float = Field(5.0, gt=0, description="How long a leader waits for expected peers.")
@@ -202,10 +202,15 @@ class PeerConfig(NetworkSettings):
                 "--verify with --mode diloco needs --overlap off: validators recompute a peer's H inner steps "
                 "from θ_t, and overlapped steps start from the peer's own estimate of θ_t+1"
             )
-        if self.topk_fraction is not None and self.mode != "diloco":
+        if self.topk_fraction is not None and self.mode == "sync":
             raise ValueError(
-                f"--compression {self.compression} needs --mode diloco (error feedback on the pseudo-gradient); "
-                "use int8 with other modes"
+                f"--compression {self.compression} needs --mode diloco, lasgd or gossip (error feedback on a peer's "
+                "progress since the last exchange); use int8 with --mode sync"
+            )
+        if self.topk_fraction is not None and self.average_optimizer_state:
+            raise ValueError(
+                f"--compression {self.compression} with --average-optimizer-state: the momentum buffers would go "
+                "dense beside the sparse progress; leave them local, or use int8"
             )
         if self.verify and self.topk_fraction is not None:
             raise ValueError(

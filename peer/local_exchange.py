@@ -4,6 +4,9 @@
     corrected for staleness once the group says who holds the freshest base (peer.local_sgd)
     merge (training thread): b' = b_ref + avg(u'), x ← b' + (x_now − s)
 
+With --compression topk:<fraction> a peer sends the largest entries of e + u' and keeps the rest in
+its residual e for later exchanges (error feedback, as DiLoCo's pseudo-gradient; docs/algorithms.md §9).
+
 Local steps go on while the round runs; only the snapshot and the merge touch the parameters, both on
 the training thread. The base is published for members behind us to fetch (and every few merges the
 whole state, for newcomers).
@@ -17,6 +20,7 @@ from typing import Any, Optional
 
 import torch
 
+from phalanx.aggregation.compression import ErrorFeedback, sparse_to_dense
 from phalanx.aggregation.errors import PeerProtocolError, PhalanxError
 from phalanx.peer.local_sgd import Contribution, LocalState, StalenessCorrection, merge
 from phalanx.peer.model import Trainable
@@ -52,6 +56,9 @@ class LocalExchange:
         self.merges = 0
         self.last: Optional[Contribution] = None  # this peer's part of the exchange in flight
         self._base_ref: Optional[torch.Tensor] = None  # the base the exchange in flight merges onto
+        fraction = exchange.topk_fraction
+        self.feedback = None if fraction is None else ErrorFeedback(self.state.base.numel(), fraction)
+        self._residual_before: Optional[torch.Tensor] = None  # the residual before the exchange in flight took from it
 
     @property
     def version(self) -> int:
@@ -73,6 +80,10 @@ class LocalExchange:
         part = await self.state.contribution(versions, fetch, self.correction, self.exchange.max_gap)
         self._base_ref, self.last = part.base_ref, part
         update = part.update
+        if self.feedback is not None and part.weight > 0:
+            self._residual_before = self.feedback.residual.clone()
+            indices, values = self.feedback.compress(update)
+            update = sparse_to_dense(indices, values, update.numel())
         if self.exchange.average_optimizer_state:
             momentum = await self.in_thread(self.trainable.flat_momentum)
             update = torch.cat([update, momentum if momentum is not None else torch.zeros_like(update)])
@@ -85,9 +96,19 @@ class LocalExchange:
             raise PeerProtocolError(f"base of version {snapshot.step}, expected {version}", peer=donor)
         return snapshot.tensors["base"]
 
+    def failed(self) -> None:
+        """The exchange in flight delivered nothing: the next one's u covers its progress again, so what
+        it took from the residual goes back (training thread)."""
+        if self.feedback is not None and self._residual_before is not None:
+            self.feedback.residual.copy_(self._residual_before)
+        self._residual_before = None
+
     def merge(self, outcome: Averaged) -> None:
         """b' = b_ref + avg(u'); x ← b' + (x_now − s); the momentum too when it is averaged (training thread)."""
         assert self._base_ref is not None and self.state.snapshot is not None
+        self._residual_before = None
+        if self.feedback is not None and self.last is not None and self.last.reset_to is not None:
+            self.feedback.residual.zero_()  # progress from a base the swarm left behind, given up with it
         averaged = outcome.result.vector
         numel = self.state.base.numel()
         new_base = self._base_ref + averaged[:numel]
@@ -122,6 +143,8 @@ class LocalExchange:
         self.trainable.load_state_tensors(snapshot.tensors)
         self.state.base = self.trainable.flat_params()
         self.state.version = snapshot.step
+        if self.feedback is not None:
+            self.feedback.residual.zero_()
 
     def restore(self, base: torch.Tensor, version: int) -> None:
         """A checkpoint's base and version (the parameters are the caller's to load)."""

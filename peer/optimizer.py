@@ -651,11 +651,13 @@ class Optimizer(torch.optim.Optimizer):
         try:
             outcome = future.result()
         except ROUND_FAILURES as e:
+            local.failed()
             self.metrics.round_failed()
             self._last_round = "failed"
             logger.info(f"exchange at version {local.version} failed: {e}; the next one starts in sync_every steps")
             return
         if not isinstance(outcome, Averaged):
+            local.failed()
             return
         part = local.last
         if part is not None and part.reset_to is not None:  # too far behind: our progress is dropped

@@ -90,6 +90,8 @@ class ExchangeConfig:
     """Versions behind beyond which a peer downloads the model instead of contributing."""
     average_optimizer_state: bool
     """Average the momentum buffers too."""
+    topk_fraction: Optional[float]
+    """--compression topk:<fraction>: the share of the progress's entries sent, the rest kept as error feedback."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -219,7 +221,7 @@ def run_hash(
         "round": round_config.fingerprint(),
         "sync_policy": sync_policy.spec,
         "average_optimizer_state": exchange.average_optimizer_state,
-        "exchanges": [exchange.sync_every, exchange.staleness, exchange.dana] if not MODES[training.mode].lockstep else None,
+        "exchanges": [exchange.sync_every, exchange.staleness, exchange.dana, exchange.topk_fraction] if not MODES[training.mode].lockstep else None,
         "outer": [outer.inner_steps, outer.outer_lr, outer.outer_momentum, outer.overlap, outer.topk_fraction, outer.phase_warmup] if training.mode == "diloco" else None,
         # peers of different private swarms (different owners) never meet
         "owner": hashlib.sha256(private.owner_key.read_bytes()).hexdigest() if private else None,

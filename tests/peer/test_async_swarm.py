@@ -1,5 +1,5 @@
-"""A 3-peer LASGD swarm and a 4-peer gossip swarm train digits for real: exchanges complete while
-local steps go on, and the swarm gets above 0.95 test accuracy."""
+"""A 3-peer LASGD swarm (also sending only the top 10 % of its progress) and a 4-peer gossip swarm train
+digits for real: exchanges complete while local steps go on, and the swarm gets above 0.95 test accuracy."""
 
 import asyncio
 
@@ -11,11 +11,13 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 STEPS = 300
 
 
-@pytest.mark.parametrize("mode, peers", [("lasgd", 3), ("gossip", 4)])
-def test_async_swarm_converges(mode, peers, tmp_path):
+@pytest.mark.parametrize(
+    "mode, peers, compression", [("lasgd", 3, "none"), ("gossip", 4, "none"), ("lasgd", 3, "topk:0.1")]
+)
+def test_async_swarm_converges(mode, peers, compression, tmp_path):
     args = [
         "--mode", mode, "--steps", str(STEPS), "--eval-every", "50", "--sync-every", "5",
-        "--wait-for-peers", str(peers),
+        "--wait-for-peers", str(peers), "--compression", compression,
         "--slowdown", "const:0.01",  # a step takes some time, as on a GPU: exchanges overlap with training
     ]  # fmt: skip
     swarm = Swarm(peers, args, target_accuracy=None, workdir=tmp_path / mode, live=False)

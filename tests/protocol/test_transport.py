@@ -399,7 +399,9 @@ def test_a_kept_connection_the_callee_closed_is_not_used():
             await tb.call(ta.peer_id, "count", b"1", max_reply_payload=10, timeout_s=30)
             await _kept_channel(tb, ta.peer_id)
             async with asyncio.timeout(30):
-                while ta._served:  # the callee gave up on the idle connection
+                while not ta._served:  # the callee took the connection (it may lag the caller's keeping it)
+                    await asyncio.sleep(0.01)
+                while ta._served:  # and gave up on it, idle
                     await asyncio.sleep(0.05)
             await tb.call(ta.peer_id, "count", b"2", max_reply_payload=10, timeout_s=30)
             assert calls == [b"1", b"2"] and tb.stats.reused_calls == 0 and tb.stats.unary_calls == 2
