@@ -11,7 +11,8 @@ TCP cannot connect, the same records flow over a libp2p stream (already encrypte
 A direct connection whose call went through (status OK, every byte read) is kept for the next
 call to the same peer, small or large, for up to KEEP_IDLE_S: a verified round's four
 all-to-all exchanges of small signed messages then skip the p2p daemon's hops. A small call
-with no kept connection at hand rides a libp2p unary RPC and opens one in the background. A
+with no kept connection at hand rides a libp2p unary RPC and, once the peer answered it,
+opens one in the background (a peer that refuses us gets no connection and no ticket request). A
 kept connection is checked before use (no close or stray bytes from the callee) and never
 retried on: a call that fails on it fails, as on a new one, so no handler runs twice.
 
@@ -233,9 +234,9 @@ class Transport(ServicerBase):
         small = len(payload) <= SMALL_CALL_BYTES and not expect_large_reply and max_reply_payload <= SMALL_CALL_BYTES
         channel = self._take_kept(peer) if self.prefer_direct else None
         if channel is None and small:
-            if self.prefer_direct:
-                self._warm(peer)
             reply_header, reply = await self._call_unary(peer, method, header, payload)
+            if self.prefer_direct:  # a peer that answered: later calls to it get a direct channel
+                self._warm(peer)
             if on_header is not None:
                 on_header(reply_header)
             if landing.hasher is not None:

@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).parent / "health"))  # health_swarm: real 
 
 from health_swarm import LOOPBACK, Proc, free_port, get_json, spawn, wait_until  # noqa: E402
 
-from phalanx.peer.config import PeerConfig  # noqa: E402
+from phalanx.peer.config import PROTOCOL_VERSION, PeerConfig  # noqa: E402
 from phalanx.peer.doctor import autonat  # noqa: E402
 from phalanx.peer.doctor.local import identity_row, multiaddr_row, port_rows, task_rows  # noqa: E402
 from phalanx.peer.doctor.rows import exit_code  # noqa: E402
@@ -129,7 +129,7 @@ def _hash(settings: PeerConfig) -> str:
 
 def _record(peer: str, **changes) -> HealthRecord:
     fields = dict(
-        peer_id=peer, role="trainer", state="online", version="0.1.0", protocol=1, run_id="phalanx",
+        peer_id=peer, role="trainer", state="online", version="0.1.0", protocol=PROTOCOL_VERSION, run_id="phalanx",
         config_hash=_hash(PeerConfig()), published_at=0.0, started_at=0.0, addresses=[],
         reachability="direct", step=1, samples_per_s=1.0,
     )  # fmt: skip
@@ -142,8 +142,11 @@ def test_swarm_rows_compare_protocol_and_run_config():
     assert rows["protocol version"].status == rows["run config"].status == "pass"
     assert rows["run config"].detail.endswith("as all 1 trainers in view")
     changed = PeerConfig(lr=0.5)
-    rows = {r.check: r for r in swarm_rows({PEER: _record(PEER, protocol=2)}, changed, _hash(changed))}
-    assert rows["protocol version"].status == "fail" and "speak protocol 2 (e.g. …FqP4Gcyn), this install 1" in rows["protocol version"].detail
+    other = PROTOCOL_VERSION + 1
+    rows = {r.check: r for r in swarm_rows({PEER: _record(PEER, protocol=other)}, changed, _hash(changed))}
+    detail = rows["protocol version"].detail
+    assert rows["protocol version"].status == "fail"
+    assert f"speak protocol {other} (e.g. …FqP4Gcyn), this install {PROTOCOL_VERSION}" in detail
     assert rows["run config"].status == "fail" and rows["run config"].fix.startswith("peers group only with the same --task")
 
 

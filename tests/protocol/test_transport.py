@@ -529,3 +529,21 @@ def test_both_sides_count_every_call_alike_on_every_path():
             await _close(a, b, ta, tb)
 
     asyncio.run(main())
+
+
+def test_a_peer_that_refused_our_call_gets_no_direct_channel_from_it():
+    """A refusal (here the handler's; an admission gate's alike) opens nothing: no ticket request follows it,
+    which would cost the refusing peer a second check."""
+
+    async def main():
+        a, b, ta, tb = await _pair()
+        try:
+            with pytest.raises(CallFailed, match="REJECTED"):
+                await tb.call(ta.peer_id, "refuse", b"", b"", max_reply_payload=10, timeout_s=30)
+            assert not tb._warming and not tb._kept and not ta._tickets
+            await tb.call(ta.peer_id, "echo", b"", b"x", max_reply_payload=10, timeout_s=30)
+            await _kept_channel(tb, ta.peer_id)  # an answered call does
+        finally:
+            await _close(a, b, ta, tb)
+
+    asyncio.run(main())
