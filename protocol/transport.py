@@ -16,7 +16,7 @@ opens one in the background (a peer that refuses us gets no connection and no ti
 kept connection is checked before use (no close or stray bytes from the callee) and never
 retried on: a call that fails on it fails, as on a new one, so no handler runs twice.
 
-Over ~450 lines on purpose: the ticket, the direct connection and its libp2p fallback are one
+Over ~600 lines on purpose: the ticket, the direct connection (kept or new) and its libp2p fallback are one
 protocol whose pieces only make sense together; its wire codes live in transport_wire.py.
 """
 
