@@ -14,11 +14,13 @@ from phalanx.security.commitments import part_hash, part_hasher
 pytestmark = pytest.mark.timeout(120)
 
 
-async def _pair(direct: bool = True):
+async def _pair(direct: bool = True, *, callee: dict | None = None, caller: dict | None = None):
+    """Two transports on loopback: `ta` serves the test methods, `tb` calls them; `callee` and `caller` are
+    extra Transport options of each."""
     a = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"])
     b = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=await a.get_visible_maddrs())
-    ta = await Transport.open(a, namespace="t", direct_host="127.0.0.1" if direct else None)
-    tb = await Transport.open(b, namespace="t", direct_host="127.0.0.1" if direct else None)
+    ta = await Transport.open(a, namespace="t", direct_host="127.0.0.1" if direct else None, **(callee or {}))
+    tb = await Transport.open(b, namespace="t", direct_host="127.0.0.1" if direct else None, **(caller or {}))
 
     async def echo(peer, header, payload):
         return header + peer.encode()[-4:], payload
@@ -176,10 +178,7 @@ def test_upload_limiter_paces_sends_to_its_rate(monkeypatch):
 
 def test_upload_cap_covers_every_bulk_byte_sent():
     async def main():
-        a = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"])
-        b = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=await a.get_visible_maddrs())
-        ta = await Transport.open(a, namespace="t", direct_host="127.0.0.1")
-        tb = await Transport.open(b, namespace="t", direct_host="127.0.0.1", upload_limit_bytes_per_s=200e6)
+        a, b, ta, tb = await _pair(caller={"upload_limit_bytes_per_s": 200e6})
         paced = [0]
         acquire = tb.limiter.acquire
 
@@ -384,10 +383,7 @@ def test_a_kept_connection_the_callee_closed_is_not_used():
     close before it sends and calls over libp2p instead: nothing is sent into a dead connection."""
 
     async def main():
-        a = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"])
-        b = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=await a.get_visible_maddrs())
-        ta = await Transport.open(a, namespace="t", direct_host="127.0.0.1", idle_timeout_s=0.3)
-        tb = await Transport.open(b, namespace="t", direct_host="127.0.0.1")
+        a, b, ta, tb = await _pair(callee={"idle_timeout_s": 0.3})
         calls: list[bytes] = []
 
         async def count(peer, header, payload):
@@ -469,11 +465,7 @@ def test_parallel_calls_keep_at_most_a_few_connections_per_peer():
 
 def test_a_kept_connection_expires_before_the_callee_would_drop_it():
     async def main():
-        a = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"])
-        b = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=await a.get_visible_maddrs())
-        ta = await Transport.open(a, namespace="t", direct_host="127.0.0.1")
-        tb = await Transport.open(b, namespace="t", direct_host="127.0.0.1", idle_timeout_s=0.4)  # kept for 0.2 s
-        ta.register("echo", lambda peer, header, payload: _echo(header, payload), max_payload=1 << 20)
+        a, b, ta, tb = await _pair(caller={"idle_timeout_s": 0.4})  # a connection is kept for 0.2 s
         try:
             await tb.call(ta.peer_id, "echo", b"", b"x" * 300_000, max_reply_payload=1 << 20, timeout_s=30)
             (kept, _), = tb._kept[ta.peer_id]
@@ -484,10 +476,6 @@ def test_a_kept_connection_expires_before_the_callee_would_drop_it():
             await _close(a, b, ta, tb)
 
     asyncio.run(main())
-
-
-async def _echo(header, payload):
-    return header, bytes(payload)
 
 
 def test_only_direct_channels_are_kept():
