@@ -12,6 +12,7 @@ So everything sent plus the residual is everything contributed, with no other ro
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import torch
 from torch import Tensor
@@ -79,6 +80,24 @@ class ErrorFeedback:
     def __init__(self, numel: int, fraction: float, device: torch.device | str = "cpu") -> None:
         self.fraction = fraction
         self.residual = torch.zeros(numel, dtype=torch.float32, device=device)
+        self._before: Optional[Tensor] = None  # the residual before the send in flight took from it
+
+    def send(self, contribution: Tensor) -> Tensor:
+        """What to send for `contribution`, dense: the k largest entries of residual + contribution, zeros
+        elsewhere. Until `delivered` or `give_back`, the residual before it is kept."""
+        self._before = self.residual.clone()
+        indices, values = self.compress(contribution)
+        return sparse_to_dense(indices, values, contribution.numel())
+
+    def give_back(self) -> None:
+        """The send in flight delivered nothing: the residual is as before it (the next contribution covers
+        the same progress again)."""
+        if self._before is not None:
+            self.residual.copy_(self._before)
+        self._before = None
+
+    def delivered(self) -> None:
+        self._before = None
 
     def compress(self, contribution: Tensor) -> tuple[Tensor, Tensor]:
         """Add `contribution` (numel,) to the residual and take the k largest entries out of it:

@@ -20,7 +20,7 @@ from typing import Any, Optional
 
 import torch
 
-from phalanx.aggregation.compression import ErrorFeedback, sparse_to_dense
+from phalanx.aggregation.compression import ErrorFeedback
 from phalanx.aggregation.errors import PeerProtocolError, PhalanxError
 from phalanx.peer.local_sgd import Contribution, LocalState, StalenessCorrection, merge
 from phalanx.peer.model import Trainable
@@ -58,7 +58,6 @@ class LocalExchange:
         self._base_ref: Optional[torch.Tensor] = None  # the base the exchange in flight merges onto
         fraction = exchange.topk_fraction
         self.feedback = None if fraction is None else ErrorFeedback(self.state.base.numel(), fraction)
-        self._residual_before: Optional[torch.Tensor] = None  # the residual before the exchange in flight took from it
 
     @property
     def version(self) -> int:
@@ -81,9 +80,7 @@ class LocalExchange:
         self._base_ref, self.last = part.base_ref, part
         update = part.update
         if self.feedback is not None and part.weight > 0:
-            self._residual_before = self.feedback.residual.clone()
-            indices, values = self.feedback.compress(update)
-            update = sparse_to_dense(indices, values, update.numel())
+            update = self.feedback.send(update)
         if self.exchange.average_optimizer_state:
             momentum = await self.in_thread(self.trainable.flat_momentum)
             update = torch.cat([update, momentum if momentum is not None else torch.zeros_like(update)])
@@ -99,16 +96,16 @@ class LocalExchange:
     def failed(self) -> None:
         """The exchange in flight delivered nothing: the next one's u covers its progress again, so what
         it took from the residual goes back (training thread)."""
-        if self.feedback is not None and self._residual_before is not None:
-            self.feedback.residual.copy_(self._residual_before)
-        self._residual_before = None
+        if self.feedback is not None:
+            self.feedback.give_back()
 
     def merge(self, outcome: Averaged) -> None:
         """b' = b_ref + avg(u'); x ← b' + (x_now − s); the momentum too when it is averaged (training thread)."""
         assert self._base_ref is not None and self.state.snapshot is not None
-        self._residual_before = None
-        if self.feedback is not None and self.last is not None and self.last.reset_to is not None:
-            self.feedback.residual.zero_()  # progress from a base the swarm left behind, given up with it
+        if self.feedback is not None:
+            self.feedback.delivered()
+            if self.last is not None and self.last.reset_to is not None:
+                self.feedback.residual.zero_()  # progress from a base the swarm left behind, given up with it
         averaged = outcome.result.vector
         numel = self.state.base.numel()
         new_base = self._base_ref + averaged[:numel]

@@ -31,7 +31,7 @@ from typing import Optional, Union
 
 import torch
 
-from phalanx.aggregation.compression import ErrorFeedback, sparse_to_dense
+from phalanx.aggregation.compression import ErrorFeedback
 from phalanx.aggregation.errors import PhalanxError
 from phalanx.peer.global_step import InThread
 from phalanx.peer.node import Node
@@ -90,7 +90,6 @@ class OuterStep:
         self.momentum = torch.zeros_like(self.anchor)  # v
         # top-k: the k largest entries of (residual + Δ) are sent, the rest stays in the residual
         self.feedback = None if topk_fraction is None else ErrorFeedback(self.anchor.numel(), topk_fraction, self.anchor.device)
-        self._residual_before: Optional[torch.Tensor] = None
         self.inner = 0  # inner steps since the last boundary
         self.counted = self.engine.step  # outer steps begun and not failed: the position's whole part
         self.in_flight = False  # a round began and is not rebased onto yet
@@ -175,9 +174,7 @@ class OuterStep:
         if self.contribute is not None:
             delta = self.contribute(self.engine.step, delta)
         if self.feedback is not None:
-            self._residual_before = self.feedback.residual.clone()
-            indices, values = self.feedback.compress(delta)
-            delta = sparse_to_dense(indices, values, delta.numel())
+            delta = self.feedback.send(delta)
         self._boundary_x = x  # where a failed round puts the inner steps back
         if self.overlap:  # train on from our own estimate of θ_{t+1}: the outer step on our Δ alone
             x = self.anchor.clone()
@@ -223,8 +220,8 @@ class OuterStep:
             self._write(self._flat().sub_(self._start).add_(self._boundary_x))
         self.inner += self._inner_at_boundary
         self.counted -= 1
-        if self.feedback is not None and self._residual_before is not None:  # nothing was delivered
-            self.feedback.residual.copy_(self._residual_before)
+        if self.feedback is not None:  # nothing was delivered
+            self.feedback.give_back()
         self.in_flight, self._start, self._landed, self._boundary_x = False, None, None, None
         self.failures += 1
         wait = backoff_s(self.failures)
