@@ -16,13 +16,14 @@ import tomllib
 from pathlib import Path
 from typing import Annotated, Any, Literal, Optional
 
-from phalanx.peer.modes import MODES, modes_help
+from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic_settings import BaseSettings, InitSettingsSource, NoDecode, PydanticBaseSettingsSource, SettingsConfigDict
+
 from phalanx.aggregation.errors import ConfigError
 from phalanx.aggregation.names import AGGREGATOR_NAMES
 from phalanx.aggregation.spec import aggregator_params, parse_aggregator_params, parse_params, parse_spec
+from phalanx.peer.modes import MODES, modes_help
 from phalanx.protocol.config import Codec, MatchmakingConfig, RoundConfig, topk_fraction, verify_config_for
-from pydantic import Field, ValidationError, field_validator, model_validator
-from pydantic_settings import BaseSettings, InitSettingsSource, NoDecode, PydanticBaseSettingsSource, SettingsConfigDict
 
 PROTOCOL_VERSION = 2
 BUILTIN_TASKS = ("digits-mlp", "mnist-cnn", "cifar10-resnet18", "tiny-gpt")
@@ -127,7 +128,7 @@ class PeerConfig(NetworkSettings):
     steps: Optional[int] = Field(None, ge=1, description="Stop after this many steps (default: run until stopped).")
     target_accuracy: Optional[float] = Field(None, gt=0, le=1, description="Stop once test accuracy reaches this.")
     target_loss: Optional[float] = Field(None, gt=0, description="Stop once the test (validation) loss is at most this.")
-    eval_every: int = Field(25, ge=1, description="Evaluate on the test split every N steps.")
+    eval_every: int = Field(25, ge=1, description="Evaluate on the test split every N steps (diloco: of θ_t; a due evaluation waits for the next outer step rather than repeat the last).")
     aggregator: str = Field("mean", description=f"Rule each reducer applies, with parameters as NAME:name=value,... (e.g. bucketing:s=2,inner=mean): {', '.join(AGGREGATOR_NAMES)}; clipped_gossip (gossip/lasgd: each member gets its own clipped average).")
     tau: Optional[float] = Field(None, gt=0, description="Clipping radius for centered_clip (shorthand for --aggregator-params tau=…).")
     aggregator_params: str = Field("", description="Extra aggregator parameters as name=value pairs, e.g. 'tau=1,max_iter=100'; bucketing: 's=2,inner=mean' (inner: the rule applied to the bucket means). Not together with --aggregator NAME:params.")

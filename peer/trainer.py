@@ -213,11 +213,15 @@ class Trainer:
             self.emit("step", step=position, loss=loss, group=stats.peers_last_round, bytes_sent=stats.bytes_sent)
         if position % LOG_EVERY == 0:
             logger.info(f"step {position} loss {loss:.4f} (global step {opt.global_step}, group {stats.peers_last_round})")
-        if position % config.eval_every == 0 or (config.steps is not None and position >= config.steps):
+        last = config.steps is not None and position >= config.steps
+        if position % config.eval_every == 0 or last:
             self._eval_due = True
         # diloco with overlap: θ_t changes when the round in flight lands, and state_dict() would wait for it
         busy = self.diloco and opt.round_in_flight
-        if self._eval_due and not busy:
+        # diloco evaluates θ_t, which only an outer step changes: a due evaluation waits for the next one
+        # rather than repeat the last (with H = 50 and --eval-every 10, four in five would)
+        stale = self.diloco and self._evaluated_at == opt.global_step and not last
+        if self._eval_due and not busy and not stale:
             self._evaluate(opt)
         if config.checkpoint_dir is not None and (position % config.checkpoint_every == 0 or self._checkpoint_due):
             self._checkpoint_due = busy
@@ -324,7 +328,7 @@ class Trainer:
         extra = f" perplexity {metrics['perplexity']:.2f}" if "perplexity" in metrics else ""
         step = opt.position
         logger.info(f"step {step} test accuracy {metrics['accuracy']:.4f} loss {metrics['loss']:.4f}{extra}")
-        self.emit("eval", step=step, **metrics)
+        self.emit("eval", step=step, **({"outer_step": opt.global_step} if self.diloco else {}), **metrics)
         config = self.config
         if config.target_accuracy is not None and metrics["accuracy"] >= config.target_accuracy:
             self.report.reached_target = True
