@@ -16,6 +16,14 @@ bench_app = typer.Typer(
 
 # `phalanx bench diloco --cases`: sync, diloco, with overlap, + int8, + verify, + verify without replays
 DILOCO_CASES = ("sync", "diloco", "overlap", "int8", "verify", "verify-no-validators")
+# their outer step: the best of `bench inner-state` sweeps for runs of three or four outer steps, too few for
+# Nesterov momentum to pay off (a join's defaults, 0.7 and 0.9, are the paper's, for long runs)
+BENCH_OUTER_LR, BENCH_OUTER_MOMENTUM = 0.9, 0.4
+
+
+def _check_outer_lr(outer_lr: float) -> None:
+    if not 0 < outer_lr <= 10:
+        raise ConfigError(f"--outer-lr {outer_lr:g}: use a value above 0 and at most 10")
 
 
 @bench_app.command("aggregate")
@@ -147,10 +155,14 @@ def bench_diloco(
         2.62,
         "--target-loss",
         min=0.0,
-        help="tiny-gpt's target; the default lies between outer steps 3 and 4 of H = 50 on the small config "
+        help="tiny-gpt's target; the default lies between outer steps 2 and 3 of H = 50 on the small config "
         "(see bench inner-state), so runs do not flip between two numbers of rounds.",
     ),
     inner_steps: int = typer.Option(50, "--inner-steps", min=1, help="DiLoCo's H."),
+    outer_lr: float = typer.Option(BENCH_OUTER_LR, "--outer-lr", help="The diloco runs' outer learning rate."),
+    outer_momentum: float = typer.Option(
+        BENCH_OUTER_MOMENTUM, "--outer-momentum", min=0.0, max=0.99, help="The diloco runs' outer momentum."
+    ),
     upload_mbps: float = typer.Option(100.0, "--upload-mbps", min=0.0, help="Upload cap per peer (0: uncapped)."),
     repeats: int = typer.Option(1, "--repeats", min=1, help="Runs per case (median reported)."),
     cases: str = typer.Option(
@@ -171,11 +183,13 @@ def bench_diloco(
     """
     from phalanx.peer.bench.swarm import Goal, print_diloco_goals, run_diloco_bench
 
+    _check_outer_lr(outer_lr)
     chosen = str_list(cases)
     if not chosen or any(c not in DILOCO_CASES for c in chosen):
         raise ConfigError(f"--cases {cases}: choose from {', '.join(DILOCO_CASES)}")
     goal = Goal.for_task("diloco", task, task_options, target_accuracy, target_loss)
-    diloco = ["--mode", "diloco", "--inner-steps", str(inner_steps)]
+    diloco = ["--mode", "diloco", "--inner-steps", str(inner_steps), "--outer-lr", str(outer_lr),
+              "--outer-momentum", str(outer_momentum)]  # fmt: skip
     int8 = [*diloco, "--compression", "int8"]
     every = {
         "sync": ("sync", ["--mode", "sync"]),
@@ -200,6 +214,10 @@ def bench_inner_state(
     target_accuracy: float = typer.Option(0.95, "--target-accuracy", min=0.0, max=1.0, help="digits-mlp's target."),
     target_loss: float = typer.Option(2.62, "--target-loss", min=0.0, help="tiny-gpt's target (bench diloco's)."),
     inner_steps: int = typer.Option(50, "--inner-steps", min=1, help="DiLoCo's H."),
+    outer_lr: float = typer.Option(BENCH_OUTER_LR, "--outer-lr", help="The outer learning rate (bench diloco's)."),
+    outer_momentum: float = typer.Option(
+        BENCH_OUTER_MOMENTUM, "--outer-momentum", min=0.0, max=0.99, help="The outer momentum (bench diloco's)."
+    ),
     rounds: int = typer.Option(6, "--rounds", min=1, help="Outer steps per run."),
     seeds: int = typer.Option(5, "--seeds", min=1, help="Runs per variant, each on other batches."),
     phase_warmup: int = typer.Option(10, "--phase-warmup", min=0, help="A verified phase's learning-rate ramp."),
@@ -217,10 +235,11 @@ def bench_inner_state(
     from phalanx.peer.bench.inner_state import run_inner_state_bench
     from phalanx.peer.bench.swarm import Goal
 
+    _check_outer_lr(outer_lr)
     goal = Goal.for_task("inner-state", task, task_options, target_accuracy, target_loss)
     run_inner_state_bench(
         goal, peers=peers, inner_steps=inner_steps, rounds=rounds, seeds=seeds,
-        phase_warmup=phase_warmup, validators=validators,
+        phase_warmup=phase_warmup, validators=validators, outer_lr=outer_lr, outer_momentum=outer_momentum,
     )  # fmt: skip
 
 

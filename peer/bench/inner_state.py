@@ -41,7 +41,8 @@ def variants(phase_warmup: int, validators: int) -> list[Variant]:
 
 
 def simulate(
-    task: str, options: str, variant: Variant, *, peers: int, inner_steps: int, rounds: int, seed: int, metric: str
+    task: str, options: str, variant: Variant, *, peers: int, inner_steps: int, rounds: int, seed: int, metric: str,
+    outer_lr: float = 0.7, outer_momentum: float = 0.9,
 ) -> list[float]:
     """The metric after each of `rounds` outer steps of `peers` peers, for `variant`."""
     from phalanx.peer.config import PeerConfig
@@ -52,7 +53,10 @@ def simulate(
     from phalanx.protocol.btard.validator import drawn_to_sit_out
     from phalanx.tasks import compute_gradient, resolve_task
 
-    plan = make_plan(PeerConfig(task=task, task_options=options, mode="diloco", inner_steps=inner_steps, device="cpu"))
+    plan = make_plan(
+        PeerConfig(task=task, task_options=options, mode="diloco", inner_steps=inner_steps, device="cpu",
+                   outer_lr=outer_lr, outer_momentum=outer_momentum)
+    )  # fmt: skip
     config = plan.training
     resolved = resolve_task(task, **task_options(config))
     names = [f"peer-{i}" for i in range(peers)]
@@ -100,6 +104,8 @@ def run_inner_state_bench(
     seeds: int,
     phase_warmup: int,
     validators: int,
+    outer_lr: float = 0.7,
+    outer_momentum: float = 0.9,
     console=None,
 ) -> dict[str, list[list[float]]]:
     from rich.table import Table
@@ -109,7 +115,8 @@ def run_inner_state_bench(
     results: dict[str, list[list[float]]] = {}
     for variant in variants(phase_warmup, validators):
         console.print(
-            f"simulating {variant.label}: {peers} peers, H = {inner_steps}, {rounds} outer steps, {seeds} seed(s)…"
+            f"simulating {variant.label}: {peers} peers, H = {inner_steps}, outer lr {outer_lr:g}, outer momentum"
+            f" {outer_momentum:g}, {rounds} outer steps, {seeds} seed(s)…"
         )
         results[variant.label] = [
             simulate(
@@ -121,6 +128,8 @@ def run_inner_state_bench(
                 rounds=rounds,
                 seed=seed,
                 metric=goal.metric,
+                outer_lr=outer_lr,
+                outer_momentum=outer_momentum,
             )  # fmt: skip
             for seed in range(seeds)
         ]

@@ -229,3 +229,14 @@ def test_bench_diloco_names_its_cases_in_a_one_line_error():
     assert result.returncode == 2
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and "--cases int8,verfy: choose from sync, diloco, overlap, int8, verify" in lines[0], lines
+
+
+@pytest.mark.parametrize("command", ["diloco", "inner-state"])
+def test_bench_outer_lr_out_of_range_is_a_one_line_error(command):
+    result = subprocess.run(
+        [sys.executable, "-m", "phalanx", "bench", command, "--outer-lr", "0"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 2
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "--outer-lr 0: use a value above 0 and at most 10" in lines[0], lines

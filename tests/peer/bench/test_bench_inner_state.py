@@ -50,3 +50,10 @@ def test_the_bench_prints_every_variant_with_its_steps_to_the_target():
     text = out.getvalue()
     assert "kept (unverified)" in text and "sitting (verified)" in text
     assert "not reached in 2 of 2" in text  # 99 % in two outer steps of three inner steps: no
+
+
+def test_the_outer_step_follows_its_learning_rate_and_momentum():
+    """Outer lr 1 without momentum moves θ by the mean Δ, a plain average; other values move it elsewhere."""
+    plain = simulate("digits-mlp", "", Variant("kept", False, 0, 0), **DIGITS, outer_lr=1.0, outer_momentum=0.0)
+    default = simulate("digits-mlp", "", Variant("kept", False, 0, 0), **DIGITS)
+    assert plain[0] != default[0] and plain[-1] > 0.5
