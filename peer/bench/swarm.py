@@ -401,32 +401,57 @@ def summarize_case(label: str, runs: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-def verification_cost(unverified: dict[str, Any], verified: dict[str, Any]) -> dict[str, Any]:
-    """What `--verify` costs, two ways: the ratio of the cases' median wall times with the range of the
-    paired runs' ratios (each verified run against the unverified one run beside it), and the extra
-    seconds its rounds took as a share of the unverified wall time (steady: training time is left out)."""
-    paired = [(u, v) for u, v in zip(unverified["times"], verified["times"], strict=True) if u and v]
-    pairs = [v / u for u, v in paired]
-    cost: dict[str, Any] = {
-        "ratio": verified["time_s"] / unverified["time_s"],
+def paired_ratio(reference: dict[str, Any], case: dict[str, Any]) -> dict[str, Any]:
+    """`case`'s median wall time over `reference`'s, with the range of the paired runs' ratios (each run
+    against the reference's run beside it in time) and, from 5 pairs, a 90% bootstrap interval of the
+    ratio of medians resampled over the pairs."""
+    paired = [(r, c) for r, c in zip(reference["times"], case["times"], strict=True) if r and c]
+    pairs = [c / r for r, c in paired]
+    found: dict[str, Any] = {
+        "ratio": case["time_s"] / reference["time_s"],
         "pairs": (min(pairs), statistics.median(pairs), max(pairs)) if pairs else None,
         "interval": None,
-        "rounds_share": None,
     }
     if len(paired) >= 5:  # fewer pairs give no interval worth printing
         from scipy.stats import bootstrap
 
-        def ratio(u, v):
-            return statistics.median(v) / statistics.median(u)
+        def ratio(r, c):
+            return statistics.median(c) / statistics.median(r)
 
-        found = bootstrap(
+        result = bootstrap(
             tuple(zip(*paired)), ratio, paired=True, vectorized=False, confidence_level=0.9, n_resamples=2000,
             method="percentile", rng=0,
         )  # fmt: skip
-        cost["interval"] = (float(found.confidence_interval.low), float(found.confidence_interval.high))
+        found["interval"] = (float(result.confidence_interval.low), float(result.confidence_interval.high))
+    return found
+
+
+def verification_cost(unverified: dict[str, Any], verified: dict[str, Any]) -> dict[str, Any]:
+    """What `--verify` costs, two ways: the paired ratio of wall times, and the extra seconds its rounds
+    took as a share of the unverified wall time (steady: training time is left out)."""
+    cost = {**paired_ratio(unverified, verified), "rounds_share": None}
     if unverified["rounds_s"] is not None and verified["rounds_s"] is not None:
         cost["rounds_share"] = (verified["rounds_s"] - unverified["rounds_s"]) / unverified["time_s"]
     return cost
+
+
+def ratio_verdict(found: dict[str, Any], bound: float, *, strict: bool = False) -> str:
+    """Whether a ratio is at most `bound` (`strict`: below it): at the median, and across its interval."""
+    ratio, interval = found["ratio"], found["interval"]
+    if ratio > bound or (strict and ratio >= bound):
+        return "NOT met"
+    if interval is not None and (interval[1] > bound or (strict and interval[1] >= bound)):
+        return f"met at the median, not beyond doubt (its 90% interval reaches {interval[1]:.2f}×: run more --repeats)"
+    return "met"
+
+
+def _print_spread(found: dict[str, Any], runs: int, console) -> None:
+    if found["interval"] is not None:
+        low, high = found["interval"]
+        console.print(f"  90% interval of that ratio: {low:.2f}–{high:.2f}× (bootstrap over the paired runs)")
+    if found["pairs"] is not None and runs > 1:
+        low, mid, high = found["pairs"]
+        console.print(f"  paired runs' ratios: median {mid:.2f}×, {low:.2f}–{high:.2f}×")
 
 
 def print_diloco_goals(
@@ -443,31 +468,20 @@ def print_diloco_goals(
         console.print("goal against sync: not measured (the sync case did not run or did not reach the target)")
     else:
         fewer = sync["bytes_sent"] / int8["bytes_sent"]
-        met = fewer >= 100 and int8["time_s"] < sync["time_s"]
+        found = paired_ratio(sync, int8)
+        verdict = "NOT met" if fewer < 100 else ratio_verdict(found, 1.0, strict=True)
         console.print(
             f"goal: diloco + int8 sends ≥ 100× fewer bytes than sync, in less time — {fewer:.0f}× fewer, "
-            f"{int8['time_s'] / sync['time_s']:.2f}× the time: {'met' if met else 'NOT met'}"
+            f"{found['ratio']:.2f}× the time: {verdict}"
         )
+        _print_spread(found, len(int8["times"]), console)
     if verified is None or not verified["time_s"]:
         console.print("goal for verified rounds: not measured (the verify case did not run or did not reach the target)")
     else:
         bound = 1.10 if upload_mbps else 1.3
         cost = verification_cost(int8, verified)
-        ratio, interval = cost["ratio"], cost["interval"]
-        if ratio > bound:
-            verdict = "NOT met"
-        elif interval is not None and interval[1] > bound:
-            verdict = f"met at the median, not beyond doubt (its 90% interval reaches {interval[1]:.2f}×: run more --repeats)"
-        else:
-            verdict = "met"
-        console.print(f"goal: verified ≤ {bound}× the unverified wall time — {ratio:.2f}×: {verdict}")
-        if interval is not None:
-            console.print(
-                f"  90% interval of that ratio: {interval[0]:.2f}–{interval[1]:.2f}× (bootstrap over the paired runs)"
-            )
-        if cost["pairs"] is not None and len(int8["times"]) > 1:
-            low, mid, high = cost["pairs"]
-            console.print(f"  paired runs' ratios: median {mid:.2f}×, {low:.2f}–{high:.2f}×")
+        console.print(f"goal: verified ≤ {bound}× the unverified wall time — {cost['ratio']:.2f}×: {ratio_verdict(cost, bound)}")
+        _print_spread(cost, len(int8["times"]), console)
         if cost["rounds_share"] is not None:
             console.print(
                 f"  its rounds took {verified['rounds_s']:.2f} s against {int8['rounds_s']:.2f} s: "

@@ -93,3 +93,23 @@ def test_the_verdict_says_when_the_goal_is_met_only_at_the_median():
     doubtful = verdict([(10.0, 10.2), (10.0, 10.3), (10.0, 10.6), (10.0, 13.0), (10.0, 13.5), (10.0, 9.5)])
     assert "met at the median, not beyond doubt" in doubtful
     assert "NOT met" in verdict([(10.0, 12.0)] * 5)
+
+
+def test_the_time_goal_against_sync_is_strict_and_says_when_it_holds_only_at_the_median():
+    from rich.console import Console
+
+    from phalanx.peer.bench.swarm import print_diloco_goals
+
+    def verdict(pairs, sync_bytes=200_000):
+        sync, int8 = _cases(pairs)
+        sync = {**sync, "bytes_sent": sync_bytes}  # int8's runs sent 1000 bytes each
+        console = Console(record=True, width=300)
+        print_diloco_goals(sync, int8, None, 100.0, console=console)
+        return console.export_text()
+
+    clear = verdict([(t, 0.8 * t) for t in (9.0, 10.0, 11.0, 12.0, 14.0)])
+    assert "200× fewer, 0.80× the time: met\n" in clear and "90% interval of that ratio: 0.80–0.80×" in clear
+    tie = verdict([(10.0, 9.0), (10.0, 9.5), (10.0, 11.0), (10.0, 9.8), (10.0, 10.6), (10.0, 9.7)])
+    assert "the time: met at the median, not beyond doubt" in tie
+    assert "1.00× the time: NOT met" in verdict([(10.0, 10.0)] * 5)  # as fast is not faster
+    assert "99× fewer, 0.80× the time: NOT met" in verdict([(10.0, 8.0)] * 5, sync_bytes=99_000)
