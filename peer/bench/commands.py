@@ -3,6 +3,8 @@ Only typer loads here; a benchmark's own module loads when its command runs."""
 
 from __future__ import annotations
 
+from typing import Optional
+
 import typer
 
 from phalanx.aggregation.errors import ConfigError
@@ -163,6 +165,9 @@ def bench_diloco(
     outer_momentum: float = typer.Option(
         BENCH_OUTER_MOMENTUM, "--outer-momentum", min=0.0, max=0.99, help="The diloco runs' outer momentum."
     ),
+    lr: Optional[float] = typer.Option(
+        None, "--lr", help="Every case's learning rate: sync's and diloco's inner optimizer's (default: the task's)."
+    ),
     upload_mbps: float = typer.Option(100.0, "--upload-mbps", min=0.0, help="Upload cap per peer (0: uncapped)."),
     repeats: int = typer.Option(1, "--repeats", min=1, help="Runs per case (median reported)."),
     cases: str = typer.Option(
@@ -199,6 +204,10 @@ def bench_diloco(
         "verify": (f"diloco H={inner_steps} + int8 + verify", [*int8, "--verify"]),
         "verify-no-validators": (f"diloco H={inner_steps} + int8 + verify, no validators", [*int8, "--verify", "--validators", "0"]),
     }  # fmt: skip
+    if lr is not None:
+        if lr <= 0:
+            raise ConfigError(f"--lr {lr:g}: use a learning rate above 0")
+        every = {c: (label, [*flags, "--lr", str(lr)]) for c, (label, flags) in every.items()}
     runs = [every[c] for c in dict.fromkeys(chosen)]
     rows = {r["impl"]: r for r in run_diloco_bench(peers, goal, runs, upload_mbps=upload_mbps, repeats=repeats)}
     print_diloco_goals(*(rows.get(every[c][0]) for c in ("sync", "int8", "verify")), upload_mbps)
