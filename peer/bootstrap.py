@@ -42,34 +42,34 @@ async def _serve(settings: NetworkSettings, print_fn) -> None:
     try:
         identity_path, identity = load_identity(settings, Path(scratch.name))  # signs its health record
         dht = await loop.run_in_executor(None, start_dht, settings, identity_path)
-        daemon_socket = p2p = None
-        try:
-            daemon_socket = await daemon_socket_file(dht)
-            p2p = await replicate_p2p(dht)
-            await DialBackService.open(p2p)  # newcomers' `phalanx doctor` asks it to dial their data port
-            maddrs = await visible_maddrs(dht)
-            logger.info(f"bootstrap peer {dht.peer_id} is up")
-            print_fn("Other peers join this swarm with:")
-            print_fn(initial_peers_line(maddrs), flush=True)
-            # re-learns the trainers it saw (their health records name their addresses) after a partition
-            redialer = Redialer(dht, identity.peer_id, settings.initial_peers)
-            await redialer.start()
-            try:
-                health = await open_health(
-                    dht=dht, identity=identity, metrics=PeerMetrics(role="bootstrap"), settings=settings,
-                    redialer=redialer,
-                )  # fmt: skip
-                try:
-                    await serve_until(stop, dht)
-                finally:
-                    await health.aclose()
-            finally:
-                await redialer.aclose()
-        finally:
-            if p2p is not None:
-                await p2p.shutdown()  # our replica's connection to p2pd and its socket file
-            await loop.run_in_executor(None, dht.shutdown)
-            if daemon_socket is not None:
-                remove_if_stale(daemon_socket)
     finally:
-        scratch.cleanup()
+        scratch.cleanup()  # p2pd read a throwaway key at its start: gone now, a SIGKILL later leaves no file
+    daemon_socket = p2p = None
+    try:
+        daemon_socket = await daemon_socket_file(dht)
+        p2p = await replicate_p2p(dht)
+        await DialBackService.open(p2p)  # newcomers' `phalanx doctor` asks it to dial their data port
+        maddrs = await visible_maddrs(dht)
+        logger.info(f"bootstrap peer {dht.peer_id} is up")
+        print_fn("Other peers join this swarm with:")
+        print_fn(initial_peers_line(maddrs), flush=True)
+        # re-learns the trainers it saw (their health records name their addresses) after a partition
+        redialer = Redialer(dht, identity.peer_id, settings.initial_peers)
+        await redialer.start()
+        try:
+            health = await open_health(
+                dht=dht, identity=identity, metrics=PeerMetrics(role="bootstrap"), settings=settings,
+                redialer=redialer,
+            )  # fmt: skip
+            try:
+                await serve_until(stop, dht)
+            finally:
+                await health.aclose()
+        finally:
+            await redialer.aclose()
+    finally:
+        if p2p is not None:
+            await p2p.shutdown()  # our replica's connection to p2pd and its socket file
+        await loop.run_in_executor(None, dht.shutdown)
+        if daemon_socket is not None:
+            remove_if_stale(daemon_socket)

@@ -367,7 +367,6 @@ class Node:
     membership: Membership
     engine: RoundEngine
     redialer: Redialer
-    scratch: tempfile.TemporaryDirectory
 
     @property
     def peer_id(self) -> str:
@@ -389,7 +388,6 @@ class Node:
         await self.transport.p2p.shutdown()  # our replica's connection to p2pd, and its socket file in /tmp
         await asyncio.get_running_loop().run_in_executor(None, self.dht.shutdown)
         remove_if_stale(socket_file(self.transport.p2p.daemon_listen_maddr))
-        self.scratch.cleanup()
 
 
 async def open_node(plan: PeerPlan, *, loss: Callable[[], Optional[float]] = lambda: None) -> Node:
@@ -400,9 +398,8 @@ async def open_node(plan: PeerPlan, *, loss: Callable[[], Optional[float]] = lam
     try:
         identity_path, identity = load_identity(config, Path(scratch.name))
         dht = await loop.run_in_executor(None, start_dht, config, identity_path)
-    except BaseException:
-        scratch.cleanup()
-        raise
+    finally:
+        scratch.cleanup()  # p2pd read a throwaway key at its start: gone now, a SIGKILL later leaves no file
     try:
         p2p = await replicate_p2p(dht)
         key = plan.run_key
@@ -442,9 +439,8 @@ async def open_node(plan: PeerPlan, *, loss: Callable[[], Optional[float]] = lam
         await redialer.start()
     except BaseException:
         dht.shutdown()
-        scratch.cleanup()
         raise
-    return Node(dht, identity, transport, membership, engine, redialer, scratch)
+    return Node(dht, identity, transport, membership, engine, redialer)
 
 
 def _membership_view(membership: Membership) -> tuple[dict[str, tuple[str, ...]], list[str]]:

@@ -112,3 +112,37 @@ def test_sigterm_while_a_trainer_waits_for_its_initial_peers_stops_it_at_once(tm
         with contextlib.suppress(ProcessLookupError):
             os.killpg(join.pid, signal.SIGKILL)
         join.wait()
+
+
+def test_a_sigkilled_bootstrap_and_trainer_leave_no_temporary_files(tmp_path):
+    """A peer without --identity-path writes a throwaway key for p2pd to read at its start; it must be gone
+    once the peer is up, so a kill -9 (which runs no cleanup) leaves nothing behind."""
+    scratch = tmp_path / "tmp"  # the peers' temporary folders are made here, so the test can see them
+    scratch.mkdir()
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "TMPDIR": str(scratch), "PHALANX_TORCH_THREADS": "1"}
+    boot = subprocess.Popen(
+        [sys.executable, "-m", "phalanx", "bootstrap", "--host-maddrs", LOOPBACK],
+        stdout=subprocess.PIPE, stderr=open(tmp_path / "boot.log", "wb"), text=True, start_new_session=True, env=env,
+    )  # fmt: skip
+    procs = [boot]
+    try:
+        initial = next(line.strip() for line in boot.stdout if line.startswith("--initial-peers"))
+        join = subprocess.Popen(
+            [sys.executable, "-m", "phalanx", "join", *initial.split(), "--host-maddrs", LOOPBACK, "--steps", "1000000",
+             "--events"],
+            stdout=subprocess.PIPE, stderr=open(tmp_path / "join.log", "wb"), text=True, start_new_session=True, env=env,
+        )  # fmt: skip
+        procs.append(join)
+        assert any('"event": "started"' in line for line in join.stdout), (tmp_path / "join.log").read_text()[-3000:]
+        for proc in procs:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            while group_members(proc.pid):  # its DHT process and p2pd, which exit with it
+                time.sleep(0.05)
+        # ours only: multiprocessing's and torch's shared-memory folders (pymp-*, torch-shm-*) are theirs to sweep
+        assert [p.name for p in scratch.iterdir() if p.name.startswith("phalanx-")] == []
+    finally:
+        for proc in procs:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
