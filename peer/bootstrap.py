@@ -6,13 +6,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
-import tempfile
-from pathlib import Path
 
 from phalanx.peer.config import NetworkSettings
 from phalanx.peer.health import PeerMetrics, open_health
 from phalanx.peer.node import (
-    daemon_socket_file, load_identity, remove_if_stale, replicate_p2p, serve_until, start_dht, visible_maddrs,
+    daemon_socket_file, remove_if_stale, replicate_p2p, serve_until, start_dht_as, visible_maddrs,
 )  # fmt: skip
 from phalanx.protocol.dial_back import DialBackService
 from phalanx.protocol.redial import Redialer
@@ -38,12 +36,8 @@ async def _serve(settings: NetworkSettings, print_fn) -> None:
     stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    scratch = tempfile.TemporaryDirectory(prefix="phalanx-bootstrap-")
-    try:
-        identity_path, identity = load_identity(settings, Path(scratch.name))  # signs its health record
-        dht = await loop.run_in_executor(None, start_dht, settings, identity_path)
-    finally:
-        scratch.cleanup()  # p2pd read a throwaway key at its start: gone now, a SIGKILL later leaves no file
+    # the identity signs its health record
+    dht, identity = await loop.run_in_executor(None, start_dht_as, settings, "phalanx-bootstrap-")
     daemon_socket = p2p = None
     try:
         daemon_socket = await daemon_socket_file(dht)

@@ -94,6 +94,14 @@ def load_identity(settings: NetworkSettings, scratch: Path) -> tuple[Path, Ident
     return path, Identity.load(path)
 
 
+def start_dht_as(settings: NetworkSettings, prefix: str) -> tuple[hivemind.DHT, Identity]:
+    """The DHT under this peer's identity (see `load_identity`). p2pd reads a throwaway key at its start,
+    so its folder goes as soon as the DHT is up: a SIGKILL later leaves no file behind."""
+    with tempfile.TemporaryDirectory(prefix=prefix) as scratch:
+        identity_path, identity = load_identity(settings, Path(scratch))
+        return start_dht(settings, identity_path), identity
+
+
 class InitialPeersUnreachable(ConfigError):
     """None of --initial-peers answered."""
 
@@ -394,12 +402,7 @@ async def open_node(plan: PeerPlan, *, loss: Callable[[], Optional[float]] = lam
     """Start the DHT and everything a trainer's rounds need, as `plan` says; close with `Node.aclose`."""
     config = plan.network
     loop = asyncio.get_running_loop()
-    scratch = tempfile.TemporaryDirectory(prefix="phalanx-peer-")
-    try:
-        identity_path, identity = load_identity(config, Path(scratch.name))
-        dht = await loop.run_in_executor(None, start_dht, config, identity_path)
-    finally:
-        scratch.cleanup()  # p2pd read a throwaway key at its start: gone now, a SIGKILL later leaves no file
+    dht, identity = await loop.run_in_executor(None, start_dht_as, config, "phalanx-peer-")
     try:
         p2p = await replicate_p2p(dht)
         key = plan.run_key
