@@ -28,6 +28,11 @@ def _check_outer_lr(outer_lr: float) -> None:
         raise ConfigError(f"--outer-lr {outer_lr:g}: use a value above 0 and at most 10")
 
 
+def _check_lr(lr: Optional[float]) -> None:
+    if lr is not None and lr <= 0:
+        raise ConfigError(f"--lr {lr:g}: use a learning rate above 0")
+
+
 @bench_app.command("aggregate")
 def bench_aggregate(
     n: str = typer.Option("8,16,32", "--n", help="Comma-separated numbers of rows (peers)."),
@@ -189,6 +194,7 @@ def bench_diloco(
     from phalanx.peer.bench.swarm import Goal, print_diloco_goals, run_diloco_bench
 
     _check_outer_lr(outer_lr)
+    _check_lr(lr)
     chosen = str_list(cases)
     if not chosen or any(c not in DILOCO_CASES for c in chosen):
         raise ConfigError(f"--cases {cases}: choose from {', '.join(DILOCO_CASES)}")
@@ -205,8 +211,6 @@ def bench_diloco(
         "verify-no-validators": (f"diloco H={inner_steps} + int8 + verify, no validators", [*int8, "--verify", "--validators", "0"]),
     }  # fmt: skip
     if lr is not None:
-        if lr <= 0:
-            raise ConfigError(f"--lr {lr:g}: use a learning rate above 0")
         every = {c: (label, [*flags, "--lr", str(lr)]) for c, (label, flags) in every.items()}
     runs = [every[c] for c in dict.fromkeys(chosen)]
     rows = {r["impl"]: r for r in run_diloco_bench(peers, goal, runs, upload_mbps=upload_mbps, repeats=repeats)}
@@ -227,8 +231,12 @@ def bench_inner_state(
     outer_momentum: float = typer.Option(
         BENCH_OUTER_MOMENTUM, "--outer-momentum", min=0.0, max=0.99, help="The outer momentum (bench diloco's)."
     ),
+    lr: Optional[float] = typer.Option(None, "--lr", help="The inner optimizer's learning rate (default: the task's)."),
     rounds: int = typer.Option(6, "--rounds", min=1, help="Outer steps per run."),
     seeds: int = typer.Option(5, "--seeds", min=1, help="Runs per variant, each on other batches."),
+    unverified_only: bool = typer.Option(
+        False, "--unverified-only", help="Only the unverified variant (a quarter of the time: for sweeps of H and the rates)."
+    ),
     phase_warmup: int = typer.Option(10, "--phase-warmup", min=0, help="A verified phase's learning-rate ramp."),
     validators: int = typer.Option(1, "--validators", min=0, help="Members drawn to sit each phase out (at most a third)."),
 ) -> None:
@@ -240,15 +248,19 @@ def bench_inner_state(
       phalanx bench inner-state
 
       phalanx bench inner-state --task digits-mlp --inner-steps 20 --rounds 8 --target-accuracy 0.9
+
+      phalanx bench inner-state --unverified-only --inner-steps 40 --lr 0.004 --rounds 4 --seeds 2
     """
     from phalanx.peer.bench.inner_state import run_inner_state_bench
     from phalanx.peer.bench.swarm import Goal
 
     _check_outer_lr(outer_lr)
+    _check_lr(lr)
     goal = Goal.for_task("inner-state", task, task_options, target_accuracy, target_loss)
     run_inner_state_bench(
         goal, peers=peers, inner_steps=inner_steps, rounds=rounds, seeds=seeds,
         phase_warmup=phase_warmup, validators=validators, outer_lr=outer_lr, outer_momentum=outer_momentum,
+        lr=lr, unverified_only=unverified_only,
     )  # fmt: skip
 
 

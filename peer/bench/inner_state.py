@@ -42,7 +42,7 @@ def variants(phase_warmup: int, validators: int) -> list[Variant]:
 
 def simulate(
     task: str, options: str, variant: Variant, *, peers: int, inner_steps: int, rounds: int, seed: int, metric: str,
-    outer_lr: float = 0.7, outer_momentum: float = 0.9,
+    outer_lr: float = 0.7, outer_momentum: float = 0.9, lr: float | None = None,
 ) -> list[float]:
     """The metric after each of `rounds` outer steps of `peers` peers, for `variant`."""
     from phalanx.peer.config import PeerConfig
@@ -55,7 +55,7 @@ def simulate(
 
     plan = make_plan(
         PeerConfig(task=task, task_options=options, mode="diloco", inner_steps=inner_steps, device="cpu",
-                   outer_lr=outer_lr, outer_momentum=outer_momentum)
+                   outer_lr=outer_lr, outer_momentum=outer_momentum, lr=lr)
     )  # fmt: skip
     config = plan.training
     resolved = resolve_task(task, **task_options(config))
@@ -106,6 +106,8 @@ def run_inner_state_bench(
     validators: int,
     outer_lr: float = 0.7,
     outer_momentum: float = 0.9,
+    lr: float | None = None,
+    unverified_only: bool = False,
     console=None,
 ) -> dict[str, list[list[float]]]:
     from rich.table import Table
@@ -113,10 +115,11 @@ def run_inner_state_bench(
     console = console or bench_console()
     torch.set_num_threads(1)
     results: dict[str, list[list[float]]] = {}
-    for variant in variants(phase_warmup, validators):
+    inner_lr = "the task's inner learning rate" if lr is None else f"inner learning rate {lr:g}"
+    for variant in variants(phase_warmup, validators)[: 1 if unverified_only else None]:
         console.print(
-            f"simulating {variant.label}: {peers} peers, H = {inner_steps}, outer lr {outer_lr:g}, outer momentum"
-            f" {outer_momentum:g}, {rounds} outer steps, {seeds} seed(s)…"
+            f"simulating {variant.label}: {peers} peers, H = {inner_steps}, {inner_lr}, outer lr {outer_lr:g},"
+            f" outer momentum {outer_momentum:g}, {rounds} outer steps, {seeds} seed(s)…"
         )
         results[variant.label] = [
             simulate(
@@ -130,6 +133,7 @@ def run_inner_state_bench(
                 metric=goal.metric,
                 outer_lr=outer_lr,
                 outer_momentum=outer_momentum,
+                lr=lr,
             )  # fmt: skip
             for seed in range(seeds)
         ]

@@ -242,9 +242,10 @@ def test_bench_outer_lr_out_of_range_is_a_one_line_error(command):
     assert len(lines) == 1 and "--outer-lr 0: use a value above 0 and at most 10" in lines[0], lines
 
 
-def test_bench_diloco_lr_at_zero_is_a_one_line_error():
+@pytest.mark.parametrize("command", ["diloco", "inner-state"])
+def test_bench_lr_at_zero_is_a_one_line_error(command):
     result = subprocess.run(
-        [sys.executable, "-m", "phalanx", "bench", "diloco", "--lr", "0"], capture_output=True, text=True, timeout=120
+        [sys.executable, "-m", "phalanx", "bench", command, "--lr", "0"], capture_output=True, text=True, timeout=120
     )
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert result.returncode == 2 and len(lines) == 1 and "--lr 0: use a learning rate above 0" in lines[0], lines

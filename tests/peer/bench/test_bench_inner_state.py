@@ -57,3 +57,21 @@ def test_the_outer_step_follows_its_learning_rate_and_momentum():
     plain = simulate("digits-mlp", "", Variant("kept", False, 0, 0), **DIGITS, outer_lr=1.0, outer_momentum=0.0)
     default = simulate("digits-mlp", "", Variant("kept", False, 0, 0), **DIGITS)
     assert plain[0] != default[0] and plain[-1] > 0.5
+
+
+def test_the_inner_learning_rate_is_the_tasks_unless_given():
+    """lr None is the task's own rate (digits-mlp: 0.1): giving that rate changes nothing, another does."""
+    default = simulate("digits-mlp", "", Variant("kept", False, 0, 0), **DIGITS)
+    assert simulate("digits-mlp", "", Variant("kept", False, 0, 0), **DIGITS, lr=0.1) == default
+    assert simulate("digits-mlp", "", Variant("kept", False, 0, 0), **DIGITS, lr=0.02) != default
+
+
+def test_unverified_only_simulates_the_kept_variant_alone():
+    out = io.StringIO()
+    goal = Goal.for_task("inner-state", "digits-mlp", "", 0.99, 0.0)
+    results = run_inner_state_bench(
+        goal, peers=2, inner_steps=3, rounds=2, seeds=1, phase_warmup=2, validators=1, lr=0.05,
+        unverified_only=True, console=Console(file=out, width=250),
+    )  # fmt: skip
+    assert list(results) == ["kept (unverified)"]
+    assert "inner learning rate 0.05" in out.getvalue()
