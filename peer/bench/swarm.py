@@ -60,6 +60,24 @@ def rounds_cost_s(events: list[dict[str, Any]]) -> Optional[float]:
     return sum(min(times) for times in by_step.values()) if by_step else None
 
 
+def phase_times_s(events: list[dict[str, Any]], started: float) -> Optional[list[float]]:
+    """A diloco run's training between its rounds: for each outer step, from the one before (the first:
+    `started`) to the first member's applying it, less its round (rounds_cost_s's). Where a cost beyond
+    the rounds sits: in the first phase (start-up), or in every phase."""
+    ends: dict[int, list[float]] = {}
+    rounds: dict[int, list[float]] = {}
+    for e in events:
+        if e["event"] == "outer" and e.get("round_s") is not None:
+            ends.setdefault(e["outer_step"], []).append(e["t"])
+            rounds.setdefault(e["outer_step"], []).append(e["round_s"])
+    phases, before = [], started
+    for step in sorted(ends):
+        end = min(ends[step])
+        phases.append(end - before - min(rounds[step]))
+        before = end
+    return phases or None
+
+
 def _peak_rss() -> int:
     import resource
 
@@ -256,9 +274,11 @@ def _run_phalanx(world: int, goal: Goal, extra_args: list[str]) -> dict[str, Any
     hits = [e for e in events if e["event"] == "eval" and _met(e, goal.metric, goal.target)]
     reports = [v.report or {} for v in result.peers]
     failures = sum(r.get("rounds_failed", 0) + r.get("rounds_partial", 0) for r in reports)
+    phases = phase_times_s(events, min(starts)) if starts else None
     return {
         "impl": "phalanx",
         "time_s": (min(h["t"] for h in hits) - min(starts)) if hits and starts else None,
+        "phases_s": phases,
         "steps": min(h["step"] for h in hits) if hits else 0,
         "failures": failures,
         "resyncs": sum(r.get("resyncs", 0) for r in reports),
@@ -394,11 +414,19 @@ def summarize_case(label: str, runs: list[dict[str, Any]]) -> dict[str, Any]:
         "spread": (min(times), max(times)) if every else None,
         "times": [r["time_s"] for r in runs],  # in run order: the cases' i-th runs ran side by side in time
         "rounds_s": statistics.median(in_rounds) if in_rounds and len(in_rounds) == len(runs) else None,
+        "phases_s": _phase_medians([r.get("phases_s") for r in runs]),
         "steps": statistics.median(r["steps"] for r in runs),
         "bytes_sent": statistics.median(r["bytes_sent"] for r in runs),
         "rounds": statistics.median(r["rounds"] for r in runs),
         "failures": sum(r["failures"] for r in runs),
     }
+
+
+def _phase_medians(runs: list[Optional[list[float]]]) -> Optional[list[float]]:
+    """Each phase's median over the runs, if every run had the same number of phases."""
+    if not runs or any(p is None or len(p) != len(runs[0]) for p in runs):
+        return None
+    return [statistics.median(times) for times in zip(*runs)]
 
 
 def paired_ratio(reference: dict[str, Any], case: dict[str, Any]) -> dict[str, Any]:
@@ -487,6 +515,15 @@ def print_diloco_goals(
                 f"  its rounds took {verified['rounds_s']:.2f} s against {int8['rounds_s']:.2f} s: "
                 f"{cost['rounds_share']:+.1%} of the unverified wall time, the part of the ratio that is verification's own"
             )
+        if verified["phases_s"] is not None and int8["phases_s"] is not None:
+            console.print(
+                f"  training between rounds, phase by phase: {_phases_text(verified['phases_s'])} s against"
+                f" {_phases_text(int8['phases_s'])} s (the first from the first peer's start)"
+            )
+
+
+def _phases_text(phases: list[float]) -> str:
+    return " / ".join(f"{p:.2f}" for p in phases)
 
 
 if __name__ == "__main__":

@@ -2,11 +2,11 @@
 
 import pytest
 
-from phalanx.peer.bench.swarm import rounds_cost_s, summarize_case, verification_cost
+from phalanx.peer.bench.swarm import phase_times_s, rounds_cost_s, summarize_case, verification_cost
 
 
-def _outer(step: int, round_s: float) -> dict:
-    return {"event": "outer", "outer_step": step, "round_s": round_s, "t": 0.0}
+def _outer(step: int, round_s: float, t: float = 0.0) -> dict:
+    return {"event": "outer", "outer_step": step, "round_s": round_s, "t": t}
 
 
 def test_rounds_cost_takes_each_outer_steps_last_arrival_and_sums_them():
@@ -23,6 +23,17 @@ def test_rounds_cost_of_a_run_without_outer_steps_is_unknown_not_zero():
     assert rounds_cost_s([{"event": "eval", "step": 10, "loss": 2.0, "t": 0.0}]) is None
 
 
+def test_phase_times_are_the_gaps_between_outer_steps_less_their_rounds():
+    events = [
+        {"event": "training", "t": 100.0},
+        _outer(1, 0.30, 103.1), _outer(1, 0.10, 103.0),  # the first to apply it did at 103.0; the round took 0.1 s
+        {"event": "eval", "step": 50, "loss": 3.0, "t": 103.2},
+        _outer(2, 0.20, 105.4), _outer(2, 0.05, 105.5),
+    ]  # fmt: skip
+    assert phase_times_s(events, 100.0) == pytest.approx([2.9, 2.35])
+    assert phase_times_s([{"event": "training", "t": 1.0}], 1.0) is None  # sync: no outer steps
+
+
 def _run(time_s, rounds_s=0.2, **fields) -> dict:
     return {"time_s": time_s, "rounds_s": rounds_s, "steps": 200, "bytes_sent": 1000, "rounds": 4, "failures": 0, **fields}
 
@@ -37,6 +48,13 @@ def test_a_case_has_a_time_only_if_every_run_reached_the_target():
 def test_a_case_has_a_rounds_time_only_if_every_run_has_one():
     assert summarize_case("x", [_run(10.0, 0.1), _run(10.0, 0.3)])["rounds_s"] == pytest.approx(0.2)
     assert summarize_case("x", [_run(10.0, 0.1), _run(10.0, None)])["rounds_s"] is None
+
+
+def test_a_case_has_phase_times_only_if_every_run_had_as_many_phases():
+    row = summarize_case("x", [_run(10.0, phases_s=p) for p in ([3.0, 2.0], [3.4, 2.2], [3.2, 2.6])])
+    assert row["phases_s"] == pytest.approx([3.2, 2.2])
+    assert summarize_case("x", [_run(10.0, phases_s=[3.0, 2.0]), _run(10.0, phases_s=[3.0])])["phases_s"] is None
+    assert summarize_case("x", [_run(10.0, phases_s=[3.0]), _run(10.0)])["phases_s"] is None
 
 
 def test_verification_cost_pairs_runs_by_order_and_charges_only_the_extra_round_time():
@@ -90,6 +108,13 @@ def test_the_verdict_says_when_the_goal_is_met_only_at_the_median():
     steady = verdict([(t, 1.03 * t) for t in (9.0, 10.0, 11.0, 12.0, 14.0)])
     assert "1.03×: met\n" in steady and "90% interval of that ratio: 1.03–1.03×" in steady
     assert "+1.8% of the unverified wall time" in steady  # (0.3 - 0.1) s of the median int8 run, 11 s
+    assert "phase by phase" not in steady  # the runs had no phase times
+
+    int8, verified = _cases([(10.0, 10.3)])
+    console = Console(record=True, width=300)
+    int8, verified = {**int8, "phases_s": [3.0, 2.5]}, {**verified, "phases_s": [3.25, 2.5]}
+    print_diloco_goals(None, int8, verified, 100.0, console=console)
+    assert "phase by phase: 3.25 / 2.50 s against 3.00 / 2.50 s" in console.export_text()
     doubtful = verdict([(10.0, 10.2), (10.0, 10.3), (10.0, 10.6), (10.0, 13.0), (10.0, 13.5), (10.0, 9.5)])
     assert "met at the median, not beyond doubt" in doubtful
     assert "NOT met" in verdict([(10.0, 12.0)] * 5)
