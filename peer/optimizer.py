@@ -49,6 +49,7 @@ from typing import Any, Optional, TypeVar, Union
 import torch
 from pydantic import ValidationError
 
+from phalanx.aggregation.compression import ErrorFeedback
 from phalanx.aggregation.errors import ConfigError, PhalanxError
 from phalanx.peer.config import PeerConfig
 from phalanx.peer.global_step import GlobalStep
@@ -507,9 +508,36 @@ class Optimizer(torch.optim.Optimizer):
         if self._local is not None:  # the base the next exchange measures progress from, and its version
             state["local_base"] = self._local.state.base.clone()
             state["local_steps"] = self._local_steps
+        feedback = self._feedback()
+        if feedback is not None:  # top-k: what this peer contributed and has not sent yet
+            state["topk_residual"] = feedback.residual.detach().cpu().clone()
         if self.scheduler is not None:
             state["scheduler"] = self.scheduler.state_dict()
         return state
+
+    def _feedback(self) -> Optional[ErrorFeedback]:
+        """--compression topk: the error-feedback residual (diloco's, or lasgd's and gossip's)."""
+        if self._outer is not None:
+            return self._outer.feedback
+        return self._local.feedback if self._local is not None else None
+
+    def _load_residual(self, residual: Optional[torch.Tensor]) -> None:
+        """A checkpoint's top-k residual, so a resumed peer still sends what it had not (one without it, from
+        before top-k or an older phalanx, leaves the residual empty)."""
+        feedback = self._feedback()
+        if feedback is None:
+            if residual is not None:
+                logger.info("the checkpoint's top-k residual is dropped: this run does not use --compression topk")
+            return
+        if residual is None:
+            feedback.residual.zero_()
+            return
+        if residual.numel() != feedback.residual.numel():
+            raise ConfigError(
+                f"phalanx.Optimizer.load_state_dict: the checkpoint's top-k residual has {residual.numel()} values, "
+                f"the model {feedback.residual.numel()}; load a checkpoint of this model"
+            )
+        feedback.residual.copy_(residual.reshape(-1).to(feedback.residual.device, torch.float32))
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a checkpoint of `state_dict()`; peers that load the same one (and the same parameters)
@@ -538,6 +566,7 @@ class Optimizer(torch.optim.Optimizer):
                 write_flat(self._outer.params, self._outer.anchor)
             else:
                 self._outer.inner = int(state_dict.get("inner_steps_taken", 0))
+        self._load_residual(state_dict.get("topk_residual"))
         if self._local is not None:
             await self._local.publish()
         else:

@@ -370,6 +370,36 @@ def test_alone_in_diloco_with_overlap_a_checkpoint_lands_the_round_in_flight_fir
 
 @pytest.mark.integration
 @pytest.mark.timeout(300)
+def test_a_checkpoint_keeps_the_topk_residual_so_a_resumed_peer_still_sends_it():
+    """With top-k, what a peer contributed and did not send yet is in its residual: a checkpoint holds it and a
+    resumed peer picks it up (it was dropped, and with it up to a whole Δ's worth of the peer's work)."""
+    import phalanx
+    from phalanx.aggregation.errors import ConfigError
+
+    model, inner = _model_and_adamw()
+    settings = {"run_id": "alone-diloco-topk", "batch_size_per_step": 2, "mode": "diloco", "inner_steps": 2,
+                "compression": "topk:0.1", "host_maddrs": [LOOPBACK]}  # fmt: skip
+    with phalanx.Optimizer(inner, **settings) as opt:
+        while opt.global_step < 2:
+            F.mse_loss(model(torch.randn(2, 4)), torch.randn(2, 2)).backward()
+            opt.step()
+            opt.zero_grad()
+        state = opt.state_dict()
+    residual = state["topk_residual"]
+    assert residual.numel() == 10 and int((residual != 0).sum()) >= 8  # one entry of ten sent a round
+    _, again = _model_and_adamw()
+    with phalanx.Optimizer(again, **settings) as opt:
+        opt.load_state_dict(state)
+        assert torch.equal(opt.state_dict()["topk_residual"], residual)
+        older = {k: v for k, v in state.items() if k != "topk_residual"}  # a checkpoint from before
+        opt.load_state_dict(older)
+        assert not opt.state_dict()["topk_residual"].any()
+        with pytest.raises(ConfigError, match="top-k residual has 3 values, the model 10"):
+            opt.load_state_dict({**state, "topk_residual": torch.ones(3)})
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(300)
 @pytest.mark.parametrize("mode", ["sync", "diloco"])
 def test_interrupt_ends_a_step_waiting_for_a_round_that_cannot_form(mode):
     """Alone with groups of 2, a round never forms and step() would wait for ever: interrupt(),
