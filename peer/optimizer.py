@@ -549,6 +549,7 @@ class Optimizer(torch.optim.Optimizer):
     async def _load_state(self, state_dict: dict[str, Any]) -> None:
         """load_state_dict's work, on the node's loop while the caller's thread waits (the parameters hold still)."""
         step = int(state_dict["global_step"])
+        self._load_residual(state_dict.get("topk_residual"))  # first: its size check changes nothing else
         self.inner.load_state_dict(state_dict["optimizer"])
         if self._local is not None:
             if "local_base" not in state_dict:
@@ -566,7 +567,6 @@ class Optimizer(torch.optim.Optimizer):
                 write_flat(self._outer.params, self._outer.anchor)
             else:
                 self._outer.inner = int(state_dict.get("inner_steps_taken", 0))
-        self._load_residual(state_dict.get("topk_residual"))
         if self._local is not None:
             await self._local.publish()
         else:

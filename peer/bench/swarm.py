@@ -49,32 +49,33 @@ def _met(metrics: dict[str, float], metric: str, target: float) -> bool:
     return metrics["loss"] <= target if metric == "loss" else metrics["accuracy"] >= target
 
 
+def _outer_steps(events: list[dict[str, Any]]) -> dict[int, tuple[list[float], list[float]]]:
+    """Each outer step's `outer` events: when each member applied it, and its round time there."""
+    by_step: dict[int, tuple[list[float], list[float]]] = {}
+    for e in events:
+        if e["event"] == "outer" and e.get("round_s") is not None:
+            ends, rounds = by_step.setdefault(e["outer_step"], ([], []))
+            ends.append(e["t"])
+            rounds.append(e["round_s"])
+    return by_step
+
+
 def rounds_cost_s(events: list[dict[str, Any]]) -> Optional[float]:
     """Seconds a diloco run spent in its rounds rather than training: for each outer step the round time of
     the member that reached it last (the least of the members' times, since the others waited for it in
     matchmaking), summed. Far steadier than wall time on a shared machine: it leaves out the training."""
-    by_step: dict[int, list[float]] = {}
-    for e in events:
-        if e["event"] == "outer" and e.get("round_s") is not None:
-            by_step.setdefault(e["outer_step"], []).append(e["round_s"])
-    return sum(min(times) for times in by_step.values()) if by_step else None
+    by_step = _outer_steps(events)
+    return sum(min(rounds) for _, rounds in by_step.values()) if by_step else None
 
 
 def phase_times_s(events: list[dict[str, Any]], started: float) -> Optional[list[float]]:
     """A diloco run's training between its rounds: for each outer step, from the one before (the first:
     `started`) to the first member's applying it, less its round (rounds_cost_s's). Where a cost beyond
     the rounds sits: in the first phase (start-up), or in every phase."""
-    ends: dict[int, list[float]] = {}
-    rounds: dict[int, list[float]] = {}
-    for e in events:
-        if e["event"] == "outer" and e.get("round_s") is not None:
-            ends.setdefault(e["outer_step"], []).append(e["t"])
-            rounds.setdefault(e["outer_step"], []).append(e["round_s"])
     phases, before = [], started
-    for step in sorted(ends):
-        end = min(ends[step])
-        phases.append(end - before - min(rounds[step]))
-        before = end
+    for _, (ends, rounds) in sorted(_outer_steps(events).items()):
+        phases.append(min(ends) - before - min(rounds))
+        before = min(ends)
     return phases or None
 
 
@@ -274,11 +275,10 @@ def _run_phalanx(world: int, goal: Goal, extra_args: list[str]) -> dict[str, Any
     hits = [e for e in events if e["event"] == "eval" and _met(e, goal.metric, goal.target)]
     reports = [v.report or {} for v in result.peers]
     failures = sum(r.get("rounds_failed", 0) + r.get("rounds_partial", 0) for r in reports)
-    phases = phase_times_s(events, min(starts)) if starts else None
     return {
         "impl": "phalanx",
         "time_s": (min(h["t"] for h in hits) - min(starts)) if hits and starts else None,
-        "phases_s": phases,
+        "phases_s": phase_times_s(events, min(starts)) if starts else None,
         "steps": min(h["step"] for h in hits) if hits else 0,
         "failures": failures,
         "resyncs": sum(r.get("resyncs", 0) for r in reports),
