@@ -5,14 +5,15 @@ of its own (`--direct-port`), which a firewall or NAT may close while libp2p get
 asks another over libp2p to connect to a port at the address that libp2p connection comes from
 (never another host, so the service cannot be aimed at third parties) and to send the nonce it
 chose; it then checks the nonce arrived. One dial per asker at a time, a few at once in all, each
-bounded by CONNECT_TIMEOUT_S. Every peer serves it, bootstrap peers included.
+bounded by CONNECT_TIMEOUT_S. Every peer serves it, bootstrap peers included; in a private swarm,
+only to admitted peers (otherwise anyone could map which ports of their own address answer).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Annotated, Optional
+from typing import Annotated, Optional, Protocol
 
 from google.protobuf.wrappers_pb2 import BytesValue
 from hivemind.p2p import P2P, P2PContext, PeerID, ServicerBase
@@ -27,6 +28,7 @@ MAGIC = b"phalanx-dial-back"  # then the asker's nonce: all the dialer ever send
 NONCE_BYTES = 16
 CONNECT_TIMEOUT_S = 3.0
 MAX_DIALS = 4  # dials under way at once, all askers together
+NOT_ADMITTED = "not admitted to this swarm (no valid certificate): no dial-back"
 
 
 class DialBackRequest(WireModel):
@@ -40,23 +42,33 @@ class DialBackReply(WireModel):
     error: Annotated[str, Field(max_length=200)] = ""  # why not, when not reached
 
 
+class Admission(Protocol):
+    """Who may call in a private swarm (protocol.admission.AdmissionGate)."""
+
+    async def admitted(self, peer: str) -> bool: ...
+
+
 class DialBackService(ServicerBase):
     """The serving side. Open with `await DialBackService.open(p2p)`; it lives as long as the daemon."""
 
-    def __init__(self, p2p: P2P) -> None:
+    def __init__(self, p2p: P2P, admission: Optional[Admission] = None) -> None:
         self.p2p = p2p
+        self.admission = admission
         self._dialing: set[str] = set()
 
     @classmethod
-    async def open(cls, p2p: P2P) -> DialBackService:
-        self = cls(p2p)
+    async def open(cls, p2p: P2P, admission: Optional[Admission] = None) -> DialBackService:
+        """`admission`: a private swarm's gate; callers it does not admit are refused without a dial."""
+        self = cls(p2p, admission)
         await self.add_p2p_handlers(p2p, namespace=NAMESPACE)
         return self
 
     async def rpc_dial_back(self, request: BytesValue, context: P2PContext) -> BytesValue:
         asker = context.remote_id
-        ask = unpack(request.value, DialBackRequest, peer=asker.to_base58())
         key = asker.to_base58()
+        if self.admission is not None and not await self.admission.admitted(key):
+            return BytesValue(value=pack(DialBackReply(reached=False, error=NOT_ADMITTED)))
+        ask = unpack(request.value, DialBackRequest, peer=key)
         if key in self._dialing or len(self._dialing) >= MAX_DIALS:
             return BytesValue(value=pack(DialBackReply(reached=False, error="busy with other dial-backs; ask again")))
         self._dialing.add(key)

@@ -1,14 +1,22 @@
-"""The dial-back service's input checks and whom it dials: only the asker's own observed address."""
+"""The dial-back service's input checks and whom it dials: only the asker's own observed address, and
+in a private swarm only an admitted asker."""
 
 import asyncio
 
 import pytest
-from hivemind.p2p import PeerID
+from hivemind.p2p import P2P, PeerID
 from hivemind.p2p.p2p_daemon_bindings.datastructures import PeerInfo
 from hivemind.utils.multiaddr import Multiaddr
 
 from phalanx.aggregation.errors import PeerProtocolError
-from phalanx.protocol.dial_back import DialBackRequest, observed_host
+from phalanx.protocol.dial_back import (
+    MAGIC,
+    NONCE_BYTES,
+    DialBackRequest,
+    DialBackService,
+    observed_host,
+    request_dial_back,
+)
 from phalanx.security.wire import pack, unpack
 
 ASKER = PeerID.from_base58("12D3KooWD2XqoBLqVUdzF3AGJudaRZg9NNrpxRnvhMDWD3BTdPQN")
@@ -42,3 +50,64 @@ def test_the_host_dialed_is_the_askers_own_connection_address(addrs, host):
     infos = [PeerInfo(OTHER, [Multiaddr("/ip4/198.51.100.1/tcp/1")]), PeerInfo(ASKER, [Multiaddr(a) for a in addrs])]
     assert asyncio.run(observed_host(_P2P(infos), ASKER)) == host
     assert asyncio.run(observed_host(_P2P(infos[:1]), ASKER)) is None  # not connected to us: nothing to dial
+
+
+class _Gate:
+    """A private swarm's admission gate that admits a fixed set of peers and remembers whom it was asked about."""
+
+    def __init__(self, admitted: set[str]):
+        self.admitted_peers, self.asked = admitted, []
+
+    async def admitted(self, peer: str) -> bool:
+        self.asked.append(peer)
+        return peer in self.admitted_peers
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("admit", [False, True])
+def test_in_a_private_swarm_only_admitted_peers_are_dialed_back(admit):
+    async def main():
+        seen: list[tuple] = []  # the peer address of each connection the listener accepted, in order
+        received: list[bytes] = []
+
+        async def on_connection(reader, writer):
+            seen.append(writer.get_extra_info("peername"))
+            try:
+                received.append(await reader.read(len(MAGIC) + NONCE_BYTES))
+            finally:
+                writer.close()
+
+        listener = await asyncio.start_server(on_connection, "127.0.0.1", 0)
+        port = listener.sockets[0].getsockname()[1]
+        server = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+        asker = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=await server.get_visible_maddrs())
+        try:
+            gate = _Gate({asker.peer_id.to_base58()} if admit else set())
+            await DialBackService.open(server, admission=gate)
+            nonce = b"k" * NONCE_BYTES
+            reply = await request_dial_back(asker, server.peer_id, port, nonce, timeout_s=60)
+            assert gate.asked == [asker.peer_id.to_base58()]
+            if admit:
+                assert reply.reached and reply.address == f"127.0.0.1:{port}", reply
+            else:
+                assert not reply.reached and reply.address == "" and "not admitted" in reply.error, reply
+            # a dial, if any, connected before the reply came; the listener accepts in order, so once our own
+            # connection made after the reply is accepted, any dial's connection has been too
+            _, probe = await asyncio.open_connection("127.0.0.1", port)
+            mine = probe.get_extra_info("sockname")
+            async with asyncio.timeout(60):
+                while mine not in seen:
+                    await asyncio.sleep(0.01)
+            probe.close()
+            assert seen[-1] == mine and len(seen) == (2 if admit else 1), seen
+            if admit:
+                async with asyncio.timeout(60):  # the dial's bytes, sent before the reply
+                    while MAGIC + nonce not in received:
+                        await asyncio.sleep(0.01)
+        finally:
+            for p in (asker, server):
+                await p.shutdown()
+            listener.close()
+            await listener.wait_closed()
+
+    asyncio.run(asyncio.wait_for(main(), 100))
