@@ -25,10 +25,11 @@ from multiaddr import Multiaddr
 
 from phalanx.aggregation.errors import ConfigError, PeerProtocolError, PhalanxError
 from phalanx.peer.config import NetworkSettings
+from phalanx.peer.dht_keys import DhtKey, install, run_keys
 from phalanx.peer.lifeline import exit_with_parent
 from phalanx.peer.ports import check_listen_ports
 from phalanx.protocol.admission import AdmissionGate
-from phalanx.protocol.bans import BanBook, BanVoteValidator
+from phalanx.protocol.bans import BanBook
 from phalanx.protocol.dht_calls import DHT_DIED, in_dht
 from phalanx.protocol.dial_back import DialBackService
 from phalanx.protocol.engine import RoundEngine
@@ -252,10 +253,6 @@ async def _get_visible_maddrs(_dht: hivemind.DHT, node: DHTNode) -> list[Multiad
     return await node.get_visible_maddrs()
 
 
-async def _add_validators(_dht: hivemind.DHT, node: DHTNode, validators: list) -> None:
-    node.protocol.record_validator.extend(validators)
-
-
 async def _daemon_maddr(_dht: hivemind.DHT, node: DHTNode) -> Multiaddr:
     return node.p2p.daemon_listen_maddr
 
@@ -276,11 +273,6 @@ async def replicate_p2p(dht: hivemind.DHT) -> P2P:
 
 async def visible_maddrs(dht: hivemind.DHT) -> list[str]:
     return [str(m) for m in await in_dht(dht, _get_visible_maddrs)]
-
-
-async def add_validators(dht: hivemind.DHT, validators: list) -> None:
-    """Make this peer's DHT node refuse records that `validators` reject."""
-    await in_dht(dht, partial(_add_validators, validators=validators))
 
 
 async def direct_hosts(dht: hivemind.DHT, settings: NetworkSettings) -> tuple[str, list[str]]:
@@ -375,6 +367,7 @@ class Node:
     membership: Membership
     engine: RoundEngine
     redialer: Redialer
+    keys: dict[str, DhtKey]  # the run's DHT keys, each with its validator installed (peer/dht_keys.py)
 
     @property
     def peer_id(self) -> str:
@@ -416,19 +409,20 @@ async def open_node(plan: PeerPlan, *, loss: Callable[[], Optional[float]] = lam
             announce_hosts=hosts,
             upload_limit_bytes_per_s=config.upload_limit_mbps * 1e6 / 8,
         )
+        owner = load_owner_public(plan.private.owner_key) if plan.private is not None else None
+        keys = run_keys(config.run_id, key, owner)
+        await install(dht, keys)
         leader_period_s = LEADER_PERIOD_S if plan.round.verify is not None else None
-        membership = Membership(dht, key + ".peers", transport.peer_id, leader_period_s=leader_period_s)
-        await add_validators(dht, [BanVoteValidator(key + ".bans")])
-        bans = BanBook(dht, key + ".bans", membership.banned)
+        membership = Membership(dht, keys["peers"].name, transport.peer_id, identity=identity, leader_period_s=leader_period_s)
+        bans = BanBook(dht, keys["bans"].name, membership.banned)
         engine = RoundEngine(
             transport, membership, plan.round, plan.run_hash, identity=identity, bans=bans,
             behavior=plan.attack.behavior, sync_policy=plan.sync_policy, loss=loss,
         )  # fmt: skip
         if plan.private is not None:
             gate = AdmissionGate(
-                dht, key + ".certs", load_owner_public(plan.private.owner_key), config.run_id, transport.peer_id,
-                plan.private.certificate.read_bytes(),
-            )  # fmt: skip
+                dht, keys["certs"].name, owner, config.run_id, transport.peer_id, plan.private.certificate.read_bytes()
+            )
             try:
                 await gate.start()
             except PeerProtocolError as e:
@@ -443,7 +437,7 @@ async def open_node(plan: PeerPlan, *, loss: Callable[[], Optional[float]] = lam
     except BaseException:
         dht.shutdown()
         raise
-    return Node(dht, identity, transport, membership, engine, redialer)
+    return Node(dht, identity, transport, membership, engine, redialer, keys)
 
 
 def _membership_view(membership: Membership) -> tuple[dict[str, tuple[str, ...]], list[str]]:

@@ -1,5 +1,6 @@
 """Private swarms: every peer publishes its owner-signed certificate in the DHT, and every peer
-refuses calls from, and never groups with, a peer whose certificate it cannot verify."""
+refuses calls from, and never groups with, a peer whose certificate it cannot verify. DHT nodes of
+the run store, under the certificate key, only certificates of their subkey's peer (`CertificateValidator`)."""
 
 from __future__ import annotations
 
@@ -7,13 +8,17 @@ import logging
 import time
 from dataclasses import dataclass, field
 
+from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ed25519
 from hivemind import DHT
+from hivemind.dht.routing import DHTID
+from hivemind.dht.validation import DHTRecord, RecordValidatorBase
 from hivemind.utils import get_dht_time
 
 from phalanx.aggregation.errors import PeerProtocolError
 from phalanx.protocol.dht_calls import dht_get, dht_store
-from phalanx.security.admission import verify_certificate
+from phalanx.protocol.dht_records import load_subkey, load_value
+from phalanx.security.admission import open_certificate, verify_certificate
 
 logger = logging.getLogger(__name__)
 
@@ -63,3 +68,36 @@ class AdmissionGate:
                 logger.debug(f"ignoring a certificate for {subkey[-8:]}: {e}")
                 continue
             self._valid_until[subkey] = body.not_after
+
+
+class CertificateValidator(RecordValidatorBase):
+    """At every DHT node of the run: values under the certificate key are certificates the owner signed
+    for their subkey's peer and this run, stored to expire no later than the certificate. It checks no
+    clock (a certificate that lapses while stored would void every answer that holds it): readers do."""
+
+    def __init__(self, key: str, owner: ed25519.Ed25519PublicKey, run_id: str) -> None:
+        self.key, self.owner, self.run_id = key, owner, run_id
+        self._key_id = DHTID.generate(source=key).to_bytes()
+
+    def validate(self, record: DHTRecord) -> bool:
+        if record.key != self._key_id:
+            return True
+        try:
+            subkey, raw = load_subkey(record.subkey), load_value(record.value)
+            if not isinstance(subkey, str) or not isinstance(raw, bytes):
+                return False
+            body = open_certificate(self.owner, raw, peer_id=subkey, run_id=self.run_id)
+        except (PeerProtocolError, ValueError, TypeError) as e:  # msgpack's errors are ValueErrors
+            logger.debug(f"refused a certificate record: {e!r}")
+            return False
+        return record.expiration_time <= body.not_after
+
+    def merge_with(self, other: RecordValidatorBase) -> bool:
+        return isinstance(other, CertificateValidator) and other._key_id == self._key_id
+
+    def __getstate__(self) -> dict:  # sent to the DHT process: keys travel as raw bytes
+        raw = self.owner.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
+        return {"key": self.key, "owner": raw, "run_id": self.run_id}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(state["key"], ed25519.Ed25519PublicKey.from_public_bytes(state["owner"]), state["run_id"])

@@ -22,7 +22,9 @@ from hivemind.utils.serializer import MSGPackSerializer
 
 from phalanx.aggregation.errors import PeerProtocolError
 from phalanx.protocol.dht_calls import dht_get, dht_store
+from phalanx.protocol.dht_records import load_subkey
 from phalanx.security.evidence import BanVote, Vote, banned
+from phalanx.security.records import MAX_SKEW_S
 from phalanx.security.statements import Signed, Statement, open_statement
 from phalanx.security.wire import pack, unpack
 
@@ -43,29 +45,34 @@ def open_vote(raw: bytes) -> Vote:
 
 
 class BanVoteValidator(RecordValidatorBase):
-    """Refuses, at every DHT node, values under the ban key that are not votes signed by their subkey's judge."""
+    """Refuses, at every DHT node, values under the ban key that are not votes signed by their subkey's judge,
+    or that are to live longer than a ban (votes carry no time of their own: the bound is the node's clock)."""
 
-    def __init__(self, raw_key: str) -> None:
-        self.raw_key = raw_key
+    def __init__(self, raw_key: str, ttl_s: float = BAN_TTL_S) -> None:
+        self.raw_key, self.ttl_s = raw_key, ttl_s
         self.key_id = DHTID.generate(source=raw_key).to_bytes()
 
     def validate(self, record: DHTRecord) -> bool:
         if record.key != self.key_id:
             return True  # not a ban record: other validators decide
         try:
-            subkey = MSGPackSerializer.loads(record.subkey)
+            subkey = load_subkey(record.subkey)
             raw = MSGPackSerializer.loads(record.value)
             vote = open_vote(raw)
-            return isinstance(subkey, str) and subkey.split("/", 1)[0] == vote.judge
+            fresh = record.expiration_time <= get_dht_time() + self.ttl_s + MAX_SKEW_S
+            return isinstance(subkey, str) and subkey.split("/", 1)[0] == vote.judge and fresh
         except Exception as e:  # anything a peer sends may be malformed
             logger.debug(f"refused a ban record: {e!r}")
             return False
 
+    def merge_with(self, other: RecordValidatorBase) -> bool:
+        return isinstance(other, BanVoteValidator) and other.key_id == self.key_id  # the same check twice
+
     def __getstate__(self):
-        return {"raw_key": self.raw_key}
+        return {"raw_key": self.raw_key, "ttl_s": self.ttl_s}
 
     def __setstate__(self, state):
-        self.__init__(state["raw_key"])
+        self.__init__(state["raw_key"], state["ttl_s"])
 
 
 @dataclass

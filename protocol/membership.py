@@ -1,8 +1,10 @@
 """Who is in the swarm: each trainer announces itself in the DHT; everyone keeps a view.
 
 Records live under one DHT key per run (subkey = peer ID) and expire unless refreshed,
-so a crashed peer disappears from every view within `ttl_s`. The view feeds leader
-choice and the set of peers a group waits for. Banned peers are never in the view.
+so a crashed peer disappears from every view within `ttl_s`. Each is signed by the peer it
+names, for this key and its expiration (security.records), so nobody else can add, change or
+evict a peer. The view feeds leader choice and the set of peers a group waits for. Banned
+peers are never in the view.
 """
 
 from __future__ import annotations
@@ -16,9 +18,12 @@ from typing import Callable, Literal, Optional
 
 from hivemind import DHT
 from hivemind.utils import get_dht_time
-from pydantic import Field, ValidationError
+from pydantic import Field
 
 from phalanx.protocol.dht_calls import dht_get, dht_store
+from phalanx.protocol.dht_records import SignedRecordValidator, read_signed
+from phalanx.security.identity import Identity
+from phalanx.security.records import sign_record
 from phalanx.security.wire import PeerIdStr, WireModel
 
 logger = logging.getLogger(__name__)
@@ -27,6 +32,7 @@ PeerState = Literal["joining", "online", "leaving"]
 LEADER_PERIOD_S = 600.0  # verified runs: how long one leader serves (a change redirects a forming group's joiners)
 MAX_SLOW_MARKS = 16  # peers one record may name as slow
 REREAD_S = 0.5  # the least time between two early re-reads of the view (see Membership.reread)
+MAX_TTL_S = 60.0  # DHT nodes refuse records that live longer: a peer gone silent leaves every view within this
 
 
 class PeerRecord(WireModel):
@@ -56,6 +62,7 @@ class Membership:
     dht: DHT
     key: str  # the run's DHT key, derived from its configuration hash
     peer_id: str
+    identity: Optional[Identity] = None  # signs this peer's records (None: a view that never announces)
     refresh_s: float = 2.0
     ttl_s: float = 8.0
     state: PeerState = "joining"
@@ -132,27 +139,21 @@ class Membership:
 
     async def _read(self) -> None:
         found = await dht_get(self.dht, self.key)
-        view: dict[str, tuple[PeerRecord, float]] = {}
-        if found is not None and isinstance(found.value, dict):
-            for subkey, entry in found.value.items():
-                try:
-                    peer = _valid_peer_id(subkey)
-                    record = PeerRecord.model_validate(entry.value)
-                except (ValueError, ValidationError, AttributeError, TypeError):
-                    self.stats.invalid_records += 1
-                    continue
-                if peer not in self.banned:
-                    view[peer] = (record, float(entry.expiration_time))
-        self._view = view
+        records, invalid = read_signed(found, PeerRecord, key=self.key, max_ttl_s=MAX_TTL_S, now=get_dht_time())
+        self.stats.invalid_records += invalid
+        self._view = {peer: entry for peer, entry in records.items() if peer not in self.banned}
         self.stats.refreshes += 1
         if self._refreshed is not None:
             self._refreshed.set()
 
     async def _announce(self, expire_in_s: float) -> None:
+        if self.identity is None:
+            raise ValueError("a membership without an identity cannot announce")
         record = PeerRecord(
             state=self.state, step=self.step, slow=sorted(self.slow_marks())[:MAX_SLOW_MARKS], probation=self.on_probation()
         )
-        await dht_store(self.dht, self.key, record.model_dump(), get_dht_time() + expire_in_s, subkey=self.peer_id)
+        value, expiration = sign_record(self.identity, self.key, record, signed_at=get_dht_time(), ttl_s=expire_in_s)
+        await dht_store(self.dht, self.key, value, expiration, subkey=self.peer_id)
 
     def peers(self, *, states: tuple[PeerState, ...] = ("joining", "online")) -> dict[str, PeerRecord]:
         """Unexpired, unbanned records in the given states (ourselves included once announced)."""
@@ -237,10 +238,7 @@ class Membership:
         return min(candidates, key=lambda p: hashlib.sha256(period + p.encode()).digest())
 
 
-def _valid_peer_id(value: object) -> str:
-    if not isinstance(value, str) or not 0 < len(value) <= 128:
-        raise ValueError("bad peer id")
-    from hivemind.p2p import PeerID
 
-    PeerID.from_base58(value)  # raises ValueError on anything that is not base58
-    return value
+def membership_validator(key: str) -> SignedRecordValidator:
+    """What every DHT node of the run checks of the records under `key` (see peer/dht_keys.py)."""
+    return SignedRecordValidator(key, PeerRecord, MAX_TTL_S)

@@ -75,21 +75,28 @@ def issue(owner: ed25519.Ed25519PrivateKey, peer_id: str, run_id: str, valid_s: 
     return pack(Certificate(body=body, signature=owner.sign(DOMAIN + body)))
 
 
-def verify_certificate(
-    owner: ed25519.Ed25519PublicKey, raw: bytes, *, peer_id: str, run_id: str, now: float | None = None
-) -> CertificateBody:
-    """The certificate's body if `raw` admits `peer_id` to `run_id` now; PeerProtocolError otherwise."""
+def open_certificate(owner: ed25519.Ed25519PublicKey, raw: bytes, *, peer_id: str, run_id: str) -> CertificateBody:
+    """The body of `raw` if the owner signed it for `peer_id` and `run_id`, whenever it is valid;
+    PeerProtocolError otherwise."""
     cert = unpack(raw, Certificate, peer=peer_id)
     try:
         owner.verify(cert.signature, DOMAIN + cert.body)
     except InvalidSignature:
         raise PeerProtocolError("certificate not signed by the swarm's owner", peer=peer_id) from None
     body = unpack(cert.body, CertificateBody, peer=peer_id)
-    now = time.time() if now is None else now
     if body.peer_id != peer_id:
         raise PeerProtocolError("certificate of another peer", peer=peer_id)
     if body.run_id != run_id:
         raise PeerProtocolError(f"certificate for run {body.run_id!r}, not {run_id!r}", peer=peer_id)
+    return body
+
+
+def verify_certificate(
+    owner: ed25519.Ed25519PublicKey, raw: bytes, *, peer_id: str, run_id: str, now: float | None = None
+) -> CertificateBody:
+    """The certificate's body if `raw` admits `peer_id` to `run_id` now; PeerProtocolError otherwise."""
+    body = open_certificate(owner, raw, peer_id=peer_id, run_id=run_id)
+    now = time.time() if now is None else now
     if not body.issued_at - 300 <= now <= body.not_after:
         raise PeerProtocolError("certificate expired or not yet valid", peer=peer_id)
     return body

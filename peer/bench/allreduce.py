@@ -110,9 +110,13 @@ def _run_phalanx(args) -> dict[str, Any]:
     import uvloop
 
     from phalanx.peer.config import PeerConfig
+    from phalanx.peer.dht_keys import BENCH_RANK_TTL_S, BenchRank
     from phalanx.peer.node import open_node
     from phalanx.peer.plan import make_plan
+    from phalanx.protocol.dht_calls import dht_get, dht_store
+    from phalanx.protocol.dht_records import read_signed
     from phalanx.protocol.engine import Averaged
+    from phalanx.security.records import sign_record
 
     config = PeerConfig(
         initial_peers=args.initial_peers,
@@ -133,6 +137,7 @@ def _run_phalanx(args) -> dict[str, Any]:
         from hivemind.utils import get_dht_time
 
         node = await open_node(make_plan(config))
+        ranks_key = node.keys["bench"].name
         engine = node.engine
         engine.set_state(b"bench", 0)
         base = _worker_tensor(args.rank, args.numel)
@@ -145,12 +150,15 @@ def _run_phalanx(args) -> dict[str, Any]:
             return _worker_tensor(ranks[peer], args.numel)
 
         try:
-            await node.dht.store("bench.ranks", args.rank, get_dht_time() + 600, subkey=node.peer_id, return_future=True)
+            mine, expiration = sign_record(
+                node.identity, ranks_key, BenchRank(rank=args.rank), signed_at=get_dht_time(), ttl_s=BENCH_RANK_TTL_S
+            )
+            await dht_store(node.dht, ranks_key, mine, expiration, subkey=node.peer_id)
             while len(node.membership.peers()) < args.world or len(ranks) < args.world:
                 await node.membership.refresh()
-                found = await node.dht.get("bench.ranks", latest=True, return_future=True)
-                if found is not None:
-                    ranks = {k: v.value for k, v in found.value.items()}
+                found = await dht_get(node.dht, ranks_key)
+                records, _ = read_signed(found, BenchRank, key=ranks_key, max_ttl_s=BENCH_RANK_TTL_S, now=get_dht_time())
+                ranks = {peer: record.rank for peer, (record, _) in records.items()}
             sent0, cpu0, measuring = 0, 0.0, False
             r, partial = 0, 0
             while r <= args.rounds:

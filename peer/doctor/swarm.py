@@ -9,7 +9,7 @@ from typing import Optional
 from phalanx.peer.config import PROTOCOL_VERSION, PeerConfig
 from phalanx.peer.doctor.local import short
 from phalanx.peer.doctor.rows import Row, failed, ok, skipped, warned
-from phalanx.peer.health.record import TTL_S, HealthRecord, health_key, read_records
+from phalanx.peer.health.record import TTL_S, HealthRecord, read_records
 from phalanx.protocol.engine import GROUP_FRESH_S
 
 CLOCK_OK_S = TTL_S  # further off, the peers' health records expire (or come from the future) in each other's views
@@ -38,11 +38,17 @@ def clock_row(offsets_s: dict[str, float], *, strict: bool) -> Row:
 async def fetch_records(p2p, initial_peers: list[str], run_id: str) -> tuple[dict[str, HealthRecord], int]:
     """Every valid health record of the run, read through a client-mode DHT node on our own p2pd."""
     from hivemind.dht.node import DHTNode
+    from hivemind.dht.validation import CompositeValidator
     from hivemind.utils import get_dht_time
 
-    node = await asyncio.wait_for(DHTNode.create(p2p=p2p, initial_peers=initial_peers, client_mode=True), RECORDS_TIMEOUT_S)
+    from phalanx.peer.dht_keys import run_keys
+
+    keys = run_keys(run_id)  # the answers it gets are checked as a peer of the run checks them
+    validator = CompositeValidator(key.validator for key in keys.values())
+    create = DHTNode.create(p2p=p2p, initial_peers=initial_peers, client_mode=True, record_validator=validator)
+    node = await asyncio.wait_for(create, RECORDS_TIMEOUT_S)
     try:
-        found = await asyncio.wait_for(node.get(health_key(run_id), latest=True), RECORDS_TIMEOUT_S)
+        found = await asyncio.wait_for(node.get(keys["health"].name, latest=True), RECORDS_TIMEOUT_S)
     finally:
         await node.shutdown()
     records, invalid = read_records(found, now=get_dht_time())

@@ -20,6 +20,7 @@ import hivemind
 from hivemind.utils import get_dht_time
 
 from phalanx.peer.config import PROTOCOL_VERSION, NetworkSettings
+from phalanx.peer.dht_keys import install, run_keys
 from phalanx.peer.health.legality import LocalView, check_legality
 from phalanx.peer.health.metrics import NodeCollector, PeerMetrics, package_version, render
 from phalanx.peer.health.record import (
@@ -28,14 +29,13 @@ from phalanx.peer.health.record import (
     PUBLISH_EVERY_S,
     TTL_S,
     HealthRecord,
-    HealthRecordValidator,
     bans_digest,
     health_key,
     read_records,
     sign_record,
 )
 from phalanx.peer.health.swarm_view import RecentPeers, Self, swarm_reasons, training_groups
-from phalanx.peer.node import add_validators, visible_maddrs
+from phalanx.peer.node import visible_maddrs
 from phalanx.protocol.dht_calls import dht_get, dht_store
 from phalanx.protocol.redial import Redialer
 from phalanx.security.identity import Identity
@@ -56,7 +56,7 @@ async def fetch_records(dht: hivemind.DHT, run_id: str) -> tuple[dict[str, tuple
 
 async def install_validator(dht: hivemind.DHT, run_id: str) -> None:
     """Make this peer's DHT node refuse forged health records it is asked to store or is sent."""
-    await add_validators(dht, [HealthRecordValidator(run_id)])
+    await install(dht, run_keys(run_id))
 
 
 def reachability(maddrs: list[str], client_mode: bool) -> str:
@@ -113,7 +113,10 @@ class HealthService:
         await self._cycle()
         self._task = asyncio.create_task(self._run(), name="health-publisher")
         if self.settings.http_port:
-            from phalanx.peer.health.server import open_http, peer_app  # aiohttp: only peers that serve HTTP pay its import
+            from phalanx.peer.health.server import (  # aiohttp: only peers that serve HTTP pay its import
+                open_http,
+                peer_app,
+            )
 
             self.http = await open_http(peer_app(self), self.settings.http_host, self.settings.http_port)
 
@@ -353,6 +356,8 @@ class HealthService:
             "bytes_sent": node.transport.stats.bytes_sent if node is not None else 0,
             "bytes_received": node.transport.stats.bytes_received if node is not None else 0,
             "peers_seen": self.peers_seen(),
+            # reads of the membership key, and records in them that failed their signature or bounds
+            "membership_reads": asdict(node.membership.stats) if node is not None else {},
             "membership": (
                 {p: {"state": r.state, "step": r.step} for p, r in sorted(node.membership.peers().items())}
                 if node is not None

@@ -12,15 +12,14 @@ import pytest
 from trainer_procs import LOOPBACK, children
 
 from phalanx.aggregation.errors import PhalanxError
+from phalanx.peer.dht_keys import install, run_keys
 from phalanx.peer.node import (
-    add_validators,
     daemon_socket_file,
     in_dht,
     quiet_p2p_daemon_noise,
     remove_if_stale,
     visible_maddrs,
 )
-from phalanx.protocol.bans import BanVoteValidator
 
 
 async def _never_returns(_dht, _node) -> None:
@@ -40,7 +39,7 @@ def test_dht_calls_are_bounded_and_refused_once_the_dht_process_is_gone():
 
         async def main() -> None:
             assert all("/127.0.0.1/" in m for m in await visible_maddrs(dht))
-            await add_validators(dht, [BanVoteValidator("run.bans")])
+            await install(dht, run_keys("run", "phalanx.run.0"))
             with pytest.raises(asyncio.TimeoutError):
                 await in_dht(dht, _never_returns, timeout=1.0)
             daemon_socket = await daemon_socket_file(dht)

@@ -12,8 +12,9 @@ from typing import AsyncIterator, Optional
 
 import hivemind
 
+from phalanx.peer.dht_keys import install, run_keys
+from phalanx.protocol.bans import BanBook
 from phalanx.protocol.btard.behavior import Behavior
-from phalanx.protocol.bans import BanBook, BanVoteValidator
 from phalanx.protocol.config import RoundConfig
 from phalanx.protocol.engine import RoundEngine
 from phalanx.protocol.membership import Membership
@@ -23,6 +24,7 @@ from phalanx.security.identity import Identity
 
 LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
 RUN_HASH = hashlib.sha256(b"test-run").digest()
+RUN_ID = "test"
 KEY = "phalanx.test"
 
 
@@ -57,14 +59,15 @@ async def open_peer(
             host_maddrs=LOOPBACK,
             identity_path=str(Path(scratch.name) / "identity.key"),
             check_if_identity_free=False,
-            record_validators=[BanVoteValidator(KEY + ".bans")],
             start=True,
         ),
     )
+    keys = run_keys(RUN_ID, KEY)
+    await install(dht, keys)
     p2p = await dht.replicate_p2p()
     transport = await Transport.open(p2p, namespace=KEY, direct_host="127.0.0.1" if direct else None)
-    membership = Membership(dht, KEY + ".peers", transport.peer_id, refresh_s=1.0, ttl_s=6.0)
-    bans = BanBook(dht, KEY + ".bans", membership.banned)
+    membership = Membership(dht, keys["peers"].name, transport.peer_id, identity=identity, refresh_s=1.0, ttl_s=6.0)
+    bans = BanBook(dht, keys["bans"].name, membership.banned)
     engine = RoundEngine(
         transport, membership, config, RUN_HASH, identity=identity, bans=bans, behavior=behavior, sync_policy=sync_policy
     )

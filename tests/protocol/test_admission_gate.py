@@ -6,6 +6,7 @@ import asyncio
 import hivemind
 import pytest
 
+from phalanx.peer.dht_keys import install, run_keys
 from phalanx.protocol.admission import AdmissionGate
 from phalanx.protocol.membership import Membership
 from phalanx.protocol.transport import CallFailed, Transport
@@ -35,14 +36,17 @@ def test_gate_refuses_callers_without_a_certificate(tmp_path):
                 return b"ok", b""
 
             ta.register("echo", echo, max_payload=10)
+            keys = run_keys("run", "t", public)
+            for dht in (a, b):
+                await install(dht, keys)
             gate = AdmissionGate(a, "t.certs", public, "run", ids[0].peer_id, issue(owner, ids[0].peer_id, "run", 3600))
             await gate.start()
             ta.admission = gate
             with pytest.raises(CallFailed, match="not admitted to this swarm"):
                 await tb.call(ta.peer_id, "echo", b"", b"", max_reply_payload=0, timeout_s=20)
 
-            membership = Membership(a, "t.peers", ta.peer_id, admitted=gate.knows)
-            other = Membership(b, "t.peers", tb.peer_id)
+            membership = Membership(a, "t.peers", ta.peer_id, identity=ids[0], admitted=gate.knows)
+            other = Membership(b, "t.peers", tb.peer_id, identity=ids[1])
             await other.refresh()
             await membership.refresh()
             assert set(membership.peers()) == {ta.peer_id}  # b announced itself but is invisible

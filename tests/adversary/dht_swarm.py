@@ -1,0 +1,139 @@
+"""A live swarm to attack through the DHT: a bootstrap and trainers as real `phalanx` processes on
+loopback (public, or private with an owner's certificates), an attacker's own DHT node, and the
+checks that the swarm did not notice: every trainer still sees every other, is ready, and trains in
+one group."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import hivemind
+from health_swarm import LOOPBACK, Proc, free_port, get_json, http_get, spawn, wait_until
+
+from phalanx.security.admission import generate_owner_key, issue, load_owner_private
+from phalanx.security.identity import Identity
+
+REREADS = 4  # membership reads every trainer makes after an attack before it is judged (one every 2 s)
+
+
+@dataclass
+class DhtSwarm:
+    workdir: Path
+    initial_peers: list[str]
+    bootstrap: Proc
+    trainers: list[Proc]
+    run_key: str  # phalanx.<run id>.<config hash prefix>: what an outsider reads off /api/v1/status
+    run_id: str
+
+    @property
+    def procs(self) -> list[Proc]:
+        return [self.bootstrap, *self.trainers]
+
+    def status(self, trainer: Proc) -> dict:
+        return get_json(trainer.url + "/api/v1/status")[1]
+
+    def reads(self) -> dict[str, int]:
+        return {t.name: self.status(t)["membership_reads"]["refreshes"] for t in self.trainers}
+
+    def assert_whole(self) -> None:
+        """Every trainer sees all trainers (and no one else), is ready and reports no split."""
+        ids = {t.peer_id for t in self.trainers}
+        for t in self.trainers:
+            s = self.status(t)
+            assert set(s["membership"]) == ids, f"{t.name} sees {sorted(s['membership'])}, not the {len(ids)} trainers"
+            assert s["peers_seen"] == len(ids), f"{t.name}: peers_seen {s['peers_seen']}"
+            assert s["ready"], f"{t.name} not ready: {s['not_ready_because']}"
+            assert not [p for p in s["swarm"]["problems"] if "split" in p], f"{t.name}: {s['swarm']['problems']}"
+
+    def hold_whole(self, rereads: int = REREADS) -> None:
+        """Check `assert_whole` at every poll until each trainer re-read the membership `rereads` times,
+        then that the trainers still train together (each completes another round with all of them)."""
+        start, rounds = self.reads(), {t.name: self.status(t)["rounds"]["ok"] for t in self.trainers}
+
+        def done() -> bool:
+            self.assert_whole()
+            return all(n >= start[name] + rereads for name, n in self.reads().items())
+
+        wait_until(done, f"{rereads} membership reads after the attack", self.procs)
+
+        def trained_together() -> bool:
+            self.assert_whole()
+            statuses = {t.name: self.status(t) for t in self.trainers}
+            return all(
+                s["rounds"]["ok"] > rounds[name] and s["rounds"]["last_group_size"] == len(self.trainers)
+                for name, s in statuses.items()
+            )
+
+        wait_until(trained_together, "a round of all trainers after the attack", self.procs)
+
+
+@contextlib.contextmanager
+def open_dht_swarm(workdir: Path, trainers: int = 3, private: bool = False) -> Iterator[DhtSwarm]:
+    """Bootstrap + `trainers` trainers (digits-mlp, sync), each ready; with `private`, each holds the
+    owner's certificate and refuses peers without one."""
+    procs: list[Proc] = []
+    try:
+        port = free_port()
+        boot = spawn(
+            "bootstrap",
+            ["--log-format", "json", "bootstrap", "--host-maddrs", LOOPBACK, "--identity-path", str(workdir / "bootstrap.id"), "--http-port", str(port)],
+            workdir, port,
+        )  # fmt: skip
+        procs.append(boot)
+        line = wait_until(
+            lambda: next((x for x in boot.stdout.read_text().splitlines() if x.startswith("--initial-peers ")), None),
+            "the bootstrap's --initial-peers line",
+            procs,
+        )
+        initial_peers = line.split(maxsplit=1)[1].split(",")
+        private_flags: list[str] = []
+        if private:
+            generate_owner_key(workdir / "owner.key", workdir / "owner.pub")
+            private_flags = ["--admission", str(workdir / "owner.pub")]
+        started = []
+        for i in range(trainers):
+            name, port = f"trainer-{i}", free_port()
+            identity = workdir / f"{name}.id"
+            flags = list(private_flags)
+            if private:
+                peer_id = Identity.generate_ed25519(identity).peer_id
+                (workdir / f"{name}.cert").write_bytes(issue(load_owner_private(workdir / "owner.key"), peer_id, "phalanx", 3600))
+                flags += ["--certificate", str(workdir / f"{name}.cert")]
+            t = spawn(
+                name,
+                ["--log-format", "json", "join", "--initial-peers", ",".join(initial_peers), "--host-maddrs", LOOPBACK,
+                 "--identity-path", str(identity), "--http-port", str(port), "--wait-for-peers", str(trainers),
+                 "--eval-every", "50", *flags],
+                workdir, port,
+            )  # fmt: skip
+            procs.append(t)
+            started.append(t)
+        for p in procs:
+            p.peer_id = wait_until(lambda p=p: get_json(p.url + "/api/v1/status")[1]["peer_id"], f"{p.name}'s status", procs)
+        for t in started:
+            wait_until(lambda t=t: http_get(t.url + "/readyz")[0] == 200, f"{t.name} ready", procs)
+        status = get_json(started[0].url + "/api/v1/status")[1]
+        run_key = f"phalanx.{status['run_id']}.{status['config_hash'][:16]}"
+        swarm = DhtSwarm(workdir, initial_peers, boot, started, run_key, status["run_id"])
+        swarm.hold_whole(rereads=1)
+        yield swarm
+    finally:
+        for p in procs:
+            p.terminate()
+        for p in reversed(procs):
+            p.stop()
+
+
+@contextlib.contextmanager
+def open_attacker(initial_peers: list[str], identity: Optional[Path] = None) -> Iterator[hivemind.DHT]:
+    """An outsider's DHT node: no validator, stores whatever it is told to, wherever it likes."""
+    kwargs = {"identity_path": str(identity), "check_if_identity_free": False} if identity is not None else {}
+    dht = hivemind.DHT(initial_peers=initial_peers, host_maddrs=[LOOPBACK], start=True, **kwargs)
+    try:
+        yield dht
+    finally:
+        dht.shutdown()
