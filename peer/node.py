@@ -399,8 +399,18 @@ async def open_node(plan: PeerPlan, *, loss: Callable[[], Optional[float]] = lam
     try:
         p2p = await replicate_p2p(dht)
         key = plan.run_key
+        owner = load_owner_public(plan.private.owner_key) if plan.private is not None else None
+        keys = run_keys(config.run_id, key, owner)
+        await install(dht, keys)
+        gate = None
+        if plan.private is not None:
+            gate = AdmissionGate(dht, keys["certs"].name, owner, config.run_id, identity.peer_id, plan.private.certificate.read_bytes())
+            try:
+                await gate.start()
+            except PeerProtocolError as e:
+                raise ConfigError(f"--certificate: {e} (ask the owner for a certificate of {identity.peer_id})") from None
         listen, hosts = await direct_hosts(dht, config)
-        await DialBackService.open(p2p)  # `phalanx doctor` of other peers asks us to dial their data port
+        await DialBackService.open(p2p, admission=gate)  # `phalanx doctor` of other peers asks us to dial their data port
         transport = await Transport.open(
             p2p,
             namespace=key,
@@ -409,25 +419,17 @@ async def open_node(plan: PeerPlan, *, loss: Callable[[], Optional[float]] = lam
             announce_hosts=hosts,
             upload_limit_bytes_per_s=config.upload_limit_mbps * 1e6 / 8,
         )
-        owner = load_owner_public(plan.private.owner_key) if plan.private is not None else None
-        keys = run_keys(config.run_id, key, owner)
-        await install(dht, keys)
+        transport.admission = gate
         leader_period_s = LEADER_PERIOD_S if plan.round.verify is not None else None
-        membership = Membership(dht, keys["peers"].name, transport.peer_id, identity=identity, leader_period_s=leader_period_s)
+        membership = Membership(
+            dht, keys["peers"].name, transport.peer_id, identity=identity, leader_period_s=leader_period_s,
+            admitted=gate.knows if gate is not None else None,
+        )  # fmt: skip
         bans = BanBook(dht, keys["bans"].name, membership.banned)
         engine = RoundEngine(
             transport, membership, plan.round, plan.run_hash, identity=identity, bans=bans,
             behavior=plan.attack.behavior, sync_policy=plan.sync_policy, loss=loss,
         )  # fmt: skip
-        if plan.private is not None:
-            gate = AdmissionGate(
-                dht, keys["certs"].name, owner, config.run_id, transport.peer_id, plan.private.certificate.read_bytes()
-            )
-            try:
-                await gate.start()
-            except PeerProtocolError as e:
-                raise ConfigError(f"--certificate: {e} (ask the owner for a certificate of {transport.peer_id})") from None
-            transport.admission, membership.admitted = gate, gate.knows
         await membership.start()
         await engine.start()
         if transport.peer_id != identity.peer_id:
