@@ -5,7 +5,7 @@ theirs. Messages may arrive before this peer reaches the phase: they wait in a m
 keyed by (round, phase, sender). Only members of a round this peer opened can fill its
 mailbox, one message per phase of the round (RoundPhase) each, so a mailbox holds at most
 members × phases messages; a call for a round not opened yet is held (a bounded number of
-them, for a bounded time) until it opens.
+them, fewer from any one caller, for a bounded time) until it opens.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from pydantic import Strict
 
 from phalanx.aggregation.errors import PeerProtocolError, RoundAbortedError
 from phalanx.protocol.transport import CallFailed, Transport
+from phalanx.protocol.waiting import WaitingCalls
 from phalanx.security.phases import RoundPhase
 from phalanx.security.wire import RoundId, WireModel, pack, unpack
 
@@ -28,7 +29,8 @@ logger = logging.getLogger(__name__)
 EXCHANGE_METHOD = "exchange"
 MAX_PHASE_BYTES = 512 << 10
 MAX_OPEN_ROUNDS = 64
-MAX_WAITING_CALLS = 64  # calls held for rounds not opened yet (each holds at most MAX_PHASE_BYTES)
+# calls held for rounds not opened yet (each holds at most MAX_PHASE_BYTES), MAX_WAITING_PER_CALLER of them a caller
+MAX_WAITING_CALLS = 64
 
 
 class ExchangeHeader(WireModel):
@@ -51,7 +53,7 @@ class ExchangeService:
         self.wait_for_round_s = wait_for_round_s
         self._rounds: dict[bytes, _Mailbox] = {}
         self._opened: dict[bytes, asyncio.Event] = {}
-        self._waiting = 0
+        self._waiting = WaitingCalls(MAX_WAITING_CALLS)
         transport.register(EXCHANGE_METHOD, self._serve, max_payload=MAX_PHASE_BYTES)
 
     def open_round(self, round_id: bytes, members: tuple[str, ...]) -> None:
@@ -64,22 +66,18 @@ class ExchangeService:
         self._rounds.pop(round_id, None)
         self._opened.pop(round_id, None)
 
-    async def _round(self, round_id: bytes) -> _Mailbox:
+    async def _round(self, round_id: bytes, peer: str) -> _Mailbox:
         box = self._rounds.get(round_id)
         if box is not None:
             return box
-        if self._waiting >= MAX_WAITING_CALLS:
-            raise RoundAbortedError("too many calls for rounds not opened here")
-        event = self._opened.setdefault(round_id, asyncio.Event())
-        self._waiting += 1
-        try:
-            await asyncio.wait_for(event.wait(), timeout=self.wait_for_round_s)
-        except asyncio.TimeoutError:
-            if self._opened.get(round_id) is event and not event.is_set():
-                del self._opened[round_id]
-            raise RoundAbortedError("unknown round") from None
-        finally:
-            self._waiting -= 1
+        with self._waiting.hold(peer):  # one caller's made-up round ids cannot fill the list for everyone
+            event = self._opened.setdefault(round_id, asyncio.Event())
+            try:
+                await asyncio.wait_for(event.wait(), timeout=self.wait_for_round_s)
+            except asyncio.TimeoutError:
+                if self._opened.get(round_id) is event and not event.is_set():
+                    del self._opened[round_id]
+                raise RoundAbortedError("unknown round") from None
         box = self._rounds.get(round_id)
         if box is None:
             raise RoundAbortedError("round already closed")
@@ -87,7 +85,7 @@ class ExchangeService:
 
     async def _serve(self, peer: str, header: bytes, payload) -> tuple[bytes, bytes]:
         head = unpack(header, ExchangeHeader, peer=peer)
-        box = await self._round(head.round_id)  # the sender may be a phase ahead of us
+        box = await self._round(head.round_id, peer)  # the sender may be a phase ahead of us
         if peer not in box.members:
             raise PeerProtocolError("sent a phase message for a round it is not a member of", peer=peer)
         if (head.phase, peer) in box.messages:

@@ -24,6 +24,7 @@ from pydantic import Field
 
 from phalanx.aggregation.errors import PeerProtocolError, RoundAbortedError
 from phalanx.protocol.transport import Transport
+from phalanx.protocol.waiting import WaitingCalls
 from phalanx.security.projection import state_fingerprint
 from phalanx.security.wire import RoundId, WireModel, pack, unpack
 
@@ -33,6 +34,9 @@ STATE_METHOD = "state"
 CHECK_METHOD = "state_check"
 SNAPSHOT_TTL_S = 120.0
 UNKNOWN_ROUND_GRACE_S = 5.0  # a resync order may reach the donor's state request before the donor's own group reply
+# requests waiting for a snapshot at once (MAX_WAITING_PER_CALLER a caller: a recipient asks each member
+# once for the state and once for a check): a swarm's newcomers fit, one peer's made-up round ids do not
+MAX_WAITING_REQUESTS = 1024
 _DTYPES = {
     "float32": torch.float32,
     "float16": torch.float16,
@@ -95,6 +99,7 @@ class StateService:
         self._joined: dict[bytes, float] = {}  # rounds this peer is in or was in -> expiry
         self._standing: set[bytes] = set()  # keys published again and again (lasgd's base), not once per round
         self._abandoned: dict[bytes, float] = {}  # rounds this peer left without a snapshot -> expiry
+        self._waiting = WaitingCalls(MAX_WAITING_REQUESTS)
         transport.register(STATE_METHOD, self._serve, max_payload=0)
         transport.register(CHECK_METHOD, self._serve_check, max_payload=0)
 
@@ -135,8 +140,13 @@ class StateService:
         async with self._published:
             self._published.notify_all()
 
-    async def _snapshot_of(self, round_id: Optional[bytes]) -> tuple[StateHeader, bytes]:
-        """The snapshot published after `round_id` (None: the latest), once it is."""
+    async def _snapshot_of(self, round_id: Optional[bytes], peer: str) -> tuple[StateHeader, bytes]:
+        """The snapshot published after `round_id` (None: the latest), once it is; `peer`'s requests wait
+        for one a few at a time."""
+        with self._waiting.hold(peer):
+            return await self._wait_for_snapshot(round_id)
+
+    async def _wait_for_snapshot(self, round_id: Optional[bytes]) -> tuple[StateHeader, bytes]:
 
         def ready() -> Optional[tuple[StateHeader, bytes]]:
             if round_id is None:
@@ -162,7 +172,7 @@ class StateService:
 
     async def _serve(self, peer: str, header: bytes, payload: bytearray) -> tuple[bytes, bytes]:
         request = unpack(header, StateRequest, peer=peer)
-        found = await self._snapshot_of(request.round_id)
+        found = await self._snapshot_of(request.round_id, peer)
         return pack(found[0]), found[1]
 
     async def _serve_check(self, peer: str, header: bytes, payload: bytearray) -> tuple[bytes, bytes]:
@@ -170,7 +180,7 @@ class StateService:
         if (peer, request.round_id) in self._checked:  # a pass over the whole state each: once per recipient
             raise PeerProtocolError("asked twice to check one round's state", peer=peer)
         self._checked.add((peer, request.round_id))
-        state_header, data = await self._snapshot_of(request.round_id)
+        state_header, data = await self._snapshot_of(request.round_id, peer)
         tensors = list(_tensors_from(state_header.tensors, data, copy=False).values())
         fingerprint = await asyncio.get_running_loop().run_in_executor(None, state_fingerprint, request.seed, tensors)
         return pack(CheckReply(fingerprint=fingerprint)), b""

@@ -8,6 +8,7 @@ import pytest
 
 from phalanx.aggregation.errors import PeerProtocolError
 from phalanx.protocol.exchange import EXCHANGE_METHOD, ExchangeHeader, ExchangeService
+from phalanx.protocol.waiting import MAX_WAITING_PER_CALLER
 from phalanx.security.phases import RoundPhase
 from phalanx.security.wire import pack
 
@@ -58,5 +59,32 @@ def test_made_up_phases_are_refused_and_the_mailbox_stays_bounded():
         assert len(service._rounds[round_id].messages) == len(RoundPhase)  # members × phases at most
         for phase in RoundPhase:  # each one reached its phase
             assert await service.arrivals(round_id, phase, set()) == {OTHER: b"m"}
+
+    asyncio.run(main())
+
+
+def test_one_callers_calls_for_made_up_rounds_leave_room_for_the_others():
+    """A member may be a phase ahead of us: its message waits for the round to open here. Made-up round
+    ids cost their sender nothing, so one caller may hold only a few waiting slots."""
+
+    async def main():
+        transport = _Transport()
+        service = ExchangeService(transport, wait_for_round_s=30.0)
+        serve = transport.handlers[EXCHANGE_METHOD]
+        flood = [asyncio.create_task(serve(OUTSIDER, _header(os.urandom(16), "commit"), b"m")) for _ in range(300)]
+        await asyncio.sleep(0)  # every call reached the wait list
+        refused = [t for t in flood if t.done()]
+        assert len(refused) == 300 - MAX_WAITING_PER_CALLER
+        assert all("too many of this caller's calls" in str(t.exception()) for t in refused)
+        round_id = os.urandom(16)
+        early = asyncio.create_task(serve(OTHER, _header(round_id, "commit"), b"m"))  # before the round opens here
+        await asyncio.sleep(0)
+        assert not early.done()
+        service.open_round(round_id, (ME, OTHER))
+        assert await early == (b"", b"")
+        assert await service.arrivals(round_id, RoundPhase.COMMIT, set()) == {OTHER: b"m"}
+        for task in flood:
+            task.cancel()
+        await asyncio.gather(*flood, return_exceptions=True)
 
     asyncio.run(main())
