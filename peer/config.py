@@ -25,7 +25,7 @@ from phalanx.aggregation.spec import aggregator_params, parse_aggregator_params,
 from phalanx.peer.modes import MODES, modes_help
 from phalanx.protocol.config import Codec, MatchmakingConfig, RoundConfig, topk_fraction, verify_config_for
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 BUILTIN_TASKS = ("digits-mlp", "mnist-cnn", "cifar10-resnet18", "tiny-gpt")
 """phalanx.tasks.TASKS's names (a test keeps them equal): known here without importing torch."""
 ENV_PREFIX = "PHALANX_"

@@ -166,6 +166,16 @@ class InflateWeight(Behavior):
         return 1000.0
 
 
+class OversizedPart(Behavior):
+    """Signs 1 GiB as the size of each of its parts, so that reducers that believed it would allocate that
+    much before reading a byte: the signed size is more than the codec takes for the signed numel."""
+
+    name = "oversized_part"
+
+    def signed_part_size(self, size):
+        return 1 << 30
+
+
 class DeflateWeight(Behavior):
     """Claims a weight of 0 for its parts: a reducer that honoured it would compute an aggregate that
     fails the projection check (which counts every member once), and be convicted for it."""
@@ -197,5 +207,6 @@ PROTOCOL_ATTACKS: Registry[type[Behavior]] = Registry("protocol attack")
 for _cls in (
     WrongAggregate, Equivocate, FalseReport, FalseAccusation, WithholdReveal, BadCommitment, Silent, InflateWeight,
     WithholdAggregate, FalseDispute, LeaveOut, DeflateWeight, CoverUp, EquivocateReport, WithholdReport, PoisonState,
+    OversizedPart,
 ):  # fmt: skip
     PROTOCOL_ATTACKS.register(_cls.name, _cls)

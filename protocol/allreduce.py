@@ -23,7 +23,8 @@ import torch
 
 from phalanx.aggregation.errors import AggregationInputError, PeerProtocolError, RoundAbortedError
 from phalanx.protocol.channel import Activity, Hasher
-from phalanx.protocol.codec import Codec, decode, encode, encoded_size_bound
+from phalanx.protocol.codec import MAX_PART_NUMEL, Codec, check_payload_size, decode, encode, encoded_size_bound
+from phalanx.protocol.quarantine import Quarantine
 from phalanx.protocol.reduction import Reduction
 from phalanx.protocol.round_spec import (
     AggregateHeader,
@@ -36,6 +37,7 @@ from phalanx.protocol.round_spec import (
     RoundSpec,
 )
 from phalanx.protocol.transport import CallFailed, Landing, Transport
+from phalanx.protocol.waiting import WaitingCalls
 from phalanx.security.wire import pack, unpack
 
 logger = logging.getLogger(__name__)
@@ -44,24 +46,40 @@ PART_METHOD = "part"
 ALIVE_METHOD = "alive"
 REDUCER_PROBE_S = 1.0  # once our part is reduced, a reducer whose reply has not come is probed this often ...
 REDUCER_ALIVE_S = 4.0  # ... and given up on when a probe is not answered within this (cut off, frozen)
-MAX_WAITING_CALLS = 256  # calls for rounds we have not registered yet, held at most this many
+MAX_WAITING_CALLS = 256  # calls for rounds we have not registered yet, held at most this many (see WaitingCalls)
+# The transport's limit on a part, checked before its round is known (the sink then holds it to the round's
+# exact bound): the largest codec's bytes for the most values a part can hold.
+MAX_PART_BYTES = max(encoded_size_bound(MAX_PART_NUMEL, codec) for codec in Codec)
+# A member that declared more bytes for its part than its codec can take (to make reducers allocate them)
+# is kept out of this peer's groups this long: a dozen rounds of a few seconds, and an honest peer never does it.
+OVERSIZED_QUARANTINE_S = 60.0
 CLOSED_ROUNDS_KEPT = 64  # closed rounds whose counted senders a probe may still ask about
 
 
 class AllReduceService:
     """Routes incoming parts to the round they belong to; one per peer."""
 
-    def __init__(self, transport: Transport, *, registration_wait_s: float = 30.0, part_idle_timeout_s: Optional[float] = None) -> None:
+    def __init__(
+        self,
+        transport: Transport,
+        *,
+        registration_wait_s: float = 30.0,
+        part_idle_timeout_s: Optional[float] = None,
+        quarantine: Optional[Quarantine] = None,
+    ) -> None:
+        """`quarantine`: peers whose parts are refused; senders of oversized parts go there (the round
+        engine shares it with its matchmaker, which keeps them out of the next groups)."""
         self.transport = transport
         self.registration_wait_s = registration_wait_s
         self.part_idle_timeout_s = part_idle_timeout_s  # None: wait for every part until the deadline
+        self.quarantine = quarantine if quarantine is not None else Quarantine()
         self._rounds: dict[bytes, Reduction] = {}
         self._registered: dict[bytes, asyncio.Event] = {}
-        self._waiting = 0
+        self._waiting = WaitingCalls(MAX_WAITING_CALLS)
         self._spare_rows: dict[tuple[int, int], torch.Tensor] = {}  # fresh memory costs page faults every round
         # closed rounds: their members and the senders counted, for probes of senders we left out
         self._closed: dict[bytes, tuple[tuple[str, ...], frozenset[int]]] = {}
-        transport.register(PART_METHOD, self._serve_part, max_payload=1 << 34, sink=self._part_sink)
+        transport.register(PART_METHOD, self._serve_part, max_payload=MAX_PART_BYTES, sink=self._part_sink)
         transport.register(ALIVE_METHOD, self._serve_alive, max_payload=0)
 
     async def _serve_alive(self, peer: str, header: bytes, payload: bytearray) -> tuple[bytes, bytes]:
@@ -334,11 +352,27 @@ class AllReduceService:
         return head, reduction, spec.members.index(peer)
 
     async def _part_sink(self, peer: str, header: bytes, payload_len: int) -> Landing:
-        """Check a part before its payload is read; raw float32 parts are received straight into their row
-        (and, in verified rounds, hashed record by record on the way)."""
+        """Check a part before its payload is read, its declared size above all: the transport allocates what
+        the sender declares. Raw float32 parts are received straight into their row (and, in verified rounds,
+        hashed record by record on the way). A sender that declared more than its codec can take for the
+        part is quarantined (verified rounds: one that signed such a size is proven, see `check_size`)."""
         head, reduction, index = await self._checked_part(peer, header)
-        if reduction.spec.codec is Codec.NONE and payload_len != 4 * head.numel:
-            raise PeerProtocolError(f"expected {4 * head.numel} bytes of float32, got {payload_len}", peer=peer)
+        if peer in self.quarantine:
+            _refuse(reduction, index)
+            raise PeerProtocolError(f"in quarantine for {self.quarantine.remaining_s(peer):.0f} s more", peer=peer)
+        try:
+            if reduction.guard is not None:
+                reduction.guard.check_size(index, reduction.my_index, head, payload_len)
+            check_payload_size(payload_len, head.numel, reduction.spec.codec, peer=peer)
+        except PeerProtocolError:
+            _refuse(reduction, index)
+            if payload_len > encoded_size_bound(head.numel, reduction.spec.codec):
+                logger.info(
+                    f"round {reduction.spec.round_id.hex()[:8]}: {peer[-8:]} declared {payload_len} bytes for a part "
+                    f"of {head.numel} values; quarantined for {OVERSIZED_QUARANTINE_S:.0f} s"
+                )
+                self.quarantine.add(peer, OVERSIZED_QUARANTINE_S)
+            raise
         reduction.claim(index)
         hasher = None
         if reduction.guard is not None:
@@ -371,20 +405,19 @@ class AllReduceService:
         return reply
 
     async def _wait_for_round(self, round_id: bytes, peer: str) -> Reduction:
+        """The round `round_id`, once this peer starts it: a sender may be a step ahead. Such calls wait in a
+        list capped in all and per caller, so made-up round ids from one peer cannot lock out the others."""
         reduction = self._rounds.get(round_id)
         if reduction is not None:
             return reduction
-        if self._waiting >= MAX_WAITING_CALLS:
-            raise RoundAbortedError("too many calls for unknown rounds")
-        event = self._registered.setdefault(round_id, asyncio.Event())
-        self._waiting += 1
-        try:
-            await asyncio.wait_for(event.wait(), timeout=self.registration_wait_s)
-        except TimeoutError:
-            self._registered.pop(round_id, None)
-            raise RoundAbortedError("unknown round") from None
-        finally:
-            self._waiting -= 1
+        with self._waiting.hold(peer):
+            event = self._registered.setdefault(round_id, asyncio.Event())
+            try:
+                await asyncio.wait_for(event.wait(), timeout=self.registration_wait_s)
+            except TimeoutError:
+                if self._registered.get(round_id) is event and not event.is_set():
+                    del self._registered[round_id]
+                raise RoundAbortedError("unknown round") from None
         reduction = self._rounds.get(round_id)
         if reduction is None:
             raise RoundAbortedError("round already finished")
@@ -523,6 +556,13 @@ async def _reply_or_relayed(call, guard: PartGuard, j: int, reducer: str, hasher
     if relayed is None:
         raise RoundAbortedError("stopped waiting for this aggregate")
     return relayed, True
+
+
+def _refuse(reduction: Reduction, index: int) -> None:
+    """Stop waiting for `index`'s part, refused at the sink, unless a part of its is still landing in its row:
+    then only this second call is refused (the row must not be reused under those bytes)."""
+    if index not in reduction.receiving:
+        reduction.refuse(index)
 
 
 def _bytes_of(tensor: torch.Tensor) -> memoryview:

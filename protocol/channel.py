@@ -332,7 +332,9 @@ class Channel:
         self, length: int, into: Optional[memoryview] = None, hasher: Optional[Hasher] = None
     ) -> bytearray | memoryview:
         """`length` payload bytes, written into `into` when given (it must be exactly that long).
-        `hasher` sees every record right after it is decrypted, instead of a second pass over memory later."""
+        `hasher` sees every record right after it is decrypted, instead of a second pass over memory later.
+        Without `into`, `length` bytes are allocated before the first record arrives: callers hold a length
+        the peer declared to what was agreed first (a method's max_payload and sink, a call's max_reply_payload)."""
         out = memoryview(bytearray(length)) if into is None else into
         if len(out) != length:
             raise PeerProtocolError(f"payload of {length} bytes where {len(out)} were agreed")

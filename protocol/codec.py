@@ -4,7 +4,9 @@ scales (little-endian float32 scales, one per INT8_BLOCK values, then the int8 c
 indices strictly ascending and their float32 values; whichever is smaller, so it is lossless).
 
 Decoding checks everything a peer controls (codec, dtype, shape, buffer size) against
-what the round agreed on, so a bad payload is a PeerProtocolError, never a crash.
+what the round agreed on, so a bad payload is a PeerProtocolError, never a crash. Every
+codec's size is bounded by the part's numel (encoded_size_bound, exact for raw float32 and
+int8), and receivers hold a peer's declared length to it before allocating anything.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from hivemind.proto.runtime_pb2 import CompressionType, Tensor as TensorProto
 from phalanx.aggregation.compression import INT8_BLOCK, int8_dequantize, int8_error_bound, int8_quantize
 from phalanx.aggregation.errors import PeerProtocolError
 from phalanx.protocol.config import Codec
+from phalanx.security.commitments import EXACT_SIZE_CODECS, max_part_bytes
 
 
 _HIVEMIND = {Codec.FP16: CompressionType.FLOAT16, Codec.UINT8: CompressionType.UNIFORM_8BIT}
@@ -57,14 +60,34 @@ def rounding_bound(decoded: torch.Tensor, codec: Codec) -> float:
     raise ValueError(f"no rounding bound for the {codec.value} codec")
 
 
+# hivemind's Tensor shapes are uint32: no part holds more values, and no part's bytes exceed the largest
+# codec's bound for it (sparse's dense form: 16 GiB). The transport's limit before a part's round is known.
+MAX_PART_NUMEL = (1 << 32) - 1
+
+
 def encoded_size_bound(numel: int, codec: Codec) -> int:
-    """Upper bound on encode()'s output size, used as the receive limit."""
-    if codec is Codec.INT8:
-        return 4 * -(-numel // INT8_BLOCK) + numel
-    if codec is Codec.SPARSE:
-        return 1 + 4 * numel  # the sparse form is chosen only when it is smaller than the dense one
-    per_elem = {Codec.NONE: 4, Codec.FP16: 2, Codec.UINT8: 1}[codec]
-    return numel * per_elem + (0 if codec is Codec.NONE else 4096)
+    """The most bytes encode() writes for `numel` values (security.commitments.max_part_bytes): the limit
+    a part or an aggregate is received under, checked before a byte of it is allocated."""
+    bound = max_part_bytes(numel, codec.value)
+    if bound is None:
+        raise ValueError(f"no size bound for {numel} values of {codec.value}")
+    return bound
+
+
+def exact_size(codec: Codec) -> bool:
+    """Whether every encoding of n values takes exactly encoded_size_bound(n) bytes (raw float32, int8)."""
+    return codec.value in EXACT_SIZE_CODECS
+
+
+def check_payload_size(length: int, numel: int, codec: Codec, *, peer: str | None = None) -> None:
+    """Refuse (PeerProtocolError) a declared payload that no encoding of `numel` values in `codec` takes,
+    before it is read: a length the peer states is allocated as stated."""
+    bound = encoded_size_bound(numel, codec)
+    if length > bound or (exact_size(codec) and length != bound):
+        expected = f"{bound}" if exact_size(codec) else f"at most {bound}"
+        raise PeerProtocolError(
+            f"{length} bytes declared for {numel} values of {codec.value}, expected {expected}", peer=peer
+        )
 
 
 def decode(data: bytes | bytearray | memoryview, codec: Codec, numel: int, *, peer: str | None = None) -> torch.Tensor:

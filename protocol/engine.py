@@ -32,6 +32,7 @@ from phalanx.protocol.config import Codec, RoundConfig
 from phalanx.protocol.exchange import ExchangeService
 from phalanx.protocol.matchmaking import GroupSpec, Matchmaker
 from phalanx.protocol.membership import Membership
+from phalanx.protocol.quarantine import Quarantine
 from phalanx.protocol.state_sync import StateService, StateSnapshot
 from phalanx.protocol.sync_policy import SyncPolicy
 from phalanx.protocol.transport import CallFailed, Transport
@@ -123,14 +124,20 @@ class RoundEngine:
         transport.banned = membership.banned  # one set: matchmaking, membership and every handler honor it
         if bans is not None:
             bans.banned = membership.banned
+        # members this peer's reducers caught declaring oversized parts: their parts are refused, and the
+        # matchmaker keeps them out of the groups it forms or joins, for a cool-off
+        self.quarantine = Quarantine()
         self.matchmaker = Matchmaker(
             transport, membership, config.matchmaking, run_hash, identity=identity, sync_policy=sync_policy, loss=loss,
-            majority_state=config.verify is not None,
+            majority_state=config.verify is not None, quarantine=self.quarantine,
         )  # fmt: skip
         membership.slow_marks = self.matchmaker.slow_peers  # published, so that a slow peer stops leading
         membership.on_probation = self.matchmaker.on_probation
         self.allreduce = AllReduceService(
-            transport, registration_wait_s=config.matchmaking.join_timeout_s, part_idle_timeout_s=config.part_idle_timeout_s
+            transport,
+            registration_wait_s=config.matchmaking.join_timeout_s,
+            part_idle_timeout_s=config.part_idle_timeout_s,
+            quarantine=self.quarantine,
         )
         self.state = StateService(transport)
         self.reducer = self.behavior.wrap_reducer(config.make_reducer())

@@ -33,6 +33,7 @@ from pydantic import Field
 from phalanx.aggregation.errors import PeerProtocolError, RoundTimeoutError
 from phalanx.protocol.config import MatchmakingConfig
 from phalanx.protocol.membership import Membership
+from phalanx.protocol.quarantine import Quarantine
 from phalanx.protocol.sync_policy import SyncPolicy
 from phalanx.protocol.transport import CallFailed, Transport
 from phalanx.security.commitments import GroupBody
@@ -147,6 +148,9 @@ class Matchmaker:
     majority_state: bool = False
     sync_policy: Optional[SyncPolicy] = None  # K per round; None: everyone expected (or target_group_size)
     loss: Callable[[], Optional[float]] = lambda: None  # this peer's recent training loss, for AdaSync
+    # peers this one caught misbehaving (protocol.quarantine): not admitted to the groups it leads, not
+    # waited for, and not followed as leaders while their cool-off lasts
+    quarantine: Quarantine = field(default_factory=Quarantine)
     stats: MatchmakingStats = field(default_factory=MatchmakingStats)
     last_leader: Optional[str] = None  # who answered the last successful join
     wall_clock: Callable[[], float] = time.time  # stamps the groups this peer leads (members check freshness)
@@ -178,6 +182,11 @@ class Matchmaker:
     def peer_id(self) -> str:
         return self.transport.peer_id
 
+    def _leader(self, *, excluding: frozenset[str] = frozenset(), trusting: bool = False) -> str:
+        """Who leads in our view, passing over the peers in quarantine (a quarantined leader gets no joins
+        of ours; we lead when it would otherwise, and so does every peer that caught it too)."""
+        return self.membership.leader(excluding=excluding | self.quarantine.peers(), trusting=trusting)
+
     async def aclose(self) -> None:
         if self._former is not None:
             self._former.cancel()
@@ -199,7 +208,7 @@ class Matchmaker:
         redirects = 0
         while time.monotonic() < deadline:
             self._recheck_leader()
-            leader = target or self.membership.leader()
+            leader = target or self._leader()
             target = None
             if leader == self.peer_id:
                 reply = await self._submit(self.peer_id, request)
@@ -216,7 +225,8 @@ class Matchmaker:
             if reply.kind == "redirect" and reply.leader is not None:
                 self.stats.redirects += 1
                 redirects += 1
-                if redirects <= MAX_REDIRECTS and not self.membership.is_suspect(reply.leader):
+                followed = not self.membership.is_suspect(reply.leader) and reply.leader not in self.quarantine
+                if redirects <= MAX_REDIRECTS and followed:
                     target = reply.leader
                 else:
                     await asyncio.sleep(0.2)
@@ -259,7 +269,7 @@ class Matchmaker:
                 # the peer this one would turn to next is probed too: a split or cut that took the leader away
                 # often took it as well, and finding that out only after the leader costs twice. When that peer
                 # is this one, it would wait for everyone it expects: those are probed instead.
-                fallback = self.membership.leader(excluding=frozenset({leader}))
+                fallback = self._leader(excluding=frozenset({leader}))
                 self._watch(self._expected() - {leader} if fallback == self.peer_id else {fallback})
                 done, _ = await asyncio.wait({call, probe}, return_when=asyncio.FIRST_COMPLETED)
                 if call in done:
@@ -291,7 +301,7 @@ class Matchmaker:
         if now - self._rechecked_at < RECHECK_LEADER_S:  # (every join passes here: the view is read once a second)
             return
         self._rechecked_at = now
-        trusted = self.membership.leader(trusting=True)
+        trusted = self._leader(trusting=True)
         if not self.membership.is_suspect(trusted) or trusted in self._probes:
             return
         self._probes[trusted] = asyncio.create_task(self._probe_watched(trusted, trust=True), name="recheck-probe")
@@ -323,7 +333,7 @@ class Matchmaker:
             raise PeerProtocolError("probe for a different run configuration", peer=peer)
         if peer in self._pending:
             self._heard[peer] = time.monotonic()
-        return pack(ProbeReply(leading=self.membership.leader() == self.peer_id)), b""
+        return pack(ProbeReply(leading=self._leader() == self.peer_id)), b""
 
     async def _serve_join(self, peer: str, header: bytes, payload: bytearray) -> tuple[bytes, bytes]:
         request = unpack(header, JoinRequest, peer=peer)
@@ -331,6 +341,8 @@ class Matchmaker:
             raise PeerProtocolError("join for a different run configuration", peer=peer)
         if peer in self.membership.banned:
             raise PeerProtocolError("banned peer", peer=peer)
+        if peer in self.quarantine:
+            raise PeerProtocolError(f"in quarantine for {self.quarantine.remaining_s(peer):.0f} s more", peer=peer)
         self.stats.joins_served += 1
         self._note_report(peer, request.overhead_ms / 1000)
         began = time.monotonic()
@@ -342,10 +354,10 @@ class Matchmaker:
         return pack(reply.model_copy(update=update)), b""
 
     async def _submit(self, peer: str, request: JoinRequest) -> JoinReply:
-        leader = self.membership.leader()
+        leader = self._leader()
         if leader != self.peer_id and peer != leader:
             await self.membership.reread()  # the joiner's view and ours disagree: read the records again first
-            leader = self.membership.leader()
+            leader = self._leader()
         if leader != self.peer_id and peer != leader:
             return JoinReply(kind="redirect", leader=leader)
         previous = self._pending.pop(peer, None)
@@ -459,7 +471,7 @@ class Matchmaker:
 
     def _expected(self) -> set[str]:
         view = set(self.membership.peers())
-        expected = (view | self._expected_next) - self.membership.banned
+        expected = (view | self._expected_next) - self.membership.banned - self.quarantine.peers()
         return {p for p in expected if not self.membership.is_suspect(p)} | {self.peer_id}
 
     def _k(self) -> Optional[int]:
@@ -484,10 +496,12 @@ class Matchmaker:
             now = time.monotonic()
             if now - ticked < FORMER_STALLED_S:
                 self._leave_out_silent(now)
+            self._leave_out_quarantined()
             ticked = now
             self._recheck_leader()
-            if self.membership.leader() != self.peer_id:
-                self._release_all(JoinReply(kind="redirect", leader=self.membership.leader()))
+            leader = self._leader()
+            if leader != self.peer_id:
+                self._release_all(JoinReply(kind="redirect", leader=leader))
                 return
             joined = set(self._pending)
             enough = len(joined) >= self.config.min_group_size
@@ -562,6 +576,14 @@ class Matchmaker:
             self.membership.suspect(peer, for_s=self.membership.ttl_s)
         if silent:
             logger.info(f"left out joiner(s) silent for over {JOINER_SILENT_S:g} s: {sorted(p[-8:] for p in silent)}")
+
+    def _leave_out_quarantined(self) -> None:
+        """Answer "retry" to joiners put in quarantine since they joined (their next join is refused)."""
+        caught = [p for p in self._pending if p in self.quarantine]
+        for peer in caught:
+            _resolve(self._pending.pop(peer).reply, JoinReply(kind="retry"))
+        if caught:
+            logger.info(f"left out joiner(s) in quarantine: {sorted(p[-8:] for p in caught)}")
 
     def _release_all(self, reply: JoinReply) -> None:
         pending, self._pending = self._pending, {}

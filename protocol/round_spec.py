@@ -51,6 +51,9 @@ class PartGuard(Protocol):
 
     def hasher(self) -> Hasher: ...
     def sign_part(self, part: int, payload: bytes | memoryview, weight: float) -> bytes: ...
+    def check_size(self, sender: int, part: int, header: PartHeader, payload_len: int) -> None:
+        """Before a byte of `sender`'s part is read: its signed size, numel and codec, against the round
+        and the `payload_len` the transport declared (a size the codec cannot take is proof)."""
     def accept_part(self, sender: int, part: int, payload: bytes | memoryview, header: PartHeader, digest: bytes) -> None: ...
     def counted(self, received: list[int]) -> list[int]:
         """Which of the received parts go into the aggregate (all of them, unless an attack says otherwise)."""

@@ -12,10 +12,11 @@ import hashlib
 import secrets
 
 import blake3
-from typing import Annotated
+from typing import Annotated, Optional
 
 from pydantic import Field
 
+from phalanx.aggregation.compression import INT8_BLOCK
 from phalanx.security.wire import PeerIdStr, WireModel
 
 HASH_BYTES = 32
@@ -57,12 +58,54 @@ class CommitBody(WireModel):
     sits_out: bool = False
 
 
+# The most bytes an honest encoder (protocol/codec.py) writes for a part, by codec name. They live here so
+# that anyone can check a signed part size against its signed numel and codec without knowing the round.
+# hivemind's Tensor message (fp16, 8bit) wraps its buffer in: the buffer's tag and length varint, the packed
+# shape (tag, length, one varint), dtype "float32" (tag, length, 7 bytes) and the compression enum (tag, value)
+HIVEMIND_FIXED_BYTES = 1 + 2 + 9 + 2
+HIVEMIND_SLACK_BYTES = 4  # room for the fields an honest encoder leaves at their defaults (requires_grad, chunks)
+UINT8_CODEBOOK_BYTES = 8 + 4 * 256  # hivemind's 8-bit buffer starts with its codebook: an int64 length, 256 float32
+EXACT_SIZE_CODECS = frozenset({"none", "int8"})  # every honest part of n values takes exactly max_part_bytes
+
+
+def _varint_bytes(value: int) -> int:
+    return max(1, -(-value.bit_length() // 7))
+
+
+def max_part_bytes(numel: int, codec: str) -> Optional[int]:
+    """The most bytes an honest part of `numel` values takes in `codec` (a Codec value); None for a codec
+    nobody speaks. Raw float32 and int8 (scales, then codes) take exactly this; sparse parts at most the
+    dense form (a form byte and float32 values); fp16 and 8bit hivemind's buffer and its framing."""
+    if numel < 0:
+        return None
+    if codec == "none":
+        return 4 * numel
+    if codec == "int8":
+        return 4 * -(-numel // INT8_BLOCK) + numel
+    if codec == "sparse":
+        return 1 + 4 * numel
+    if codec in ("fp16", "8bit"):
+        buffer = 2 * numel if codec == "fp16" else UINT8_CODEBOOK_BYTES + numel
+        return buffer + _varint_bytes(buffer) + _varint_bytes(numel) + HIVEMIND_FIXED_BYTES + HIVEMIND_SLACK_BYTES
+    return None
+
+
 class PartBody(WireModel):
-    """Kind "part": signed with every part sent; must match the commitment (else it is proof)."""
+    """Kind "part": signed with every part sent; must match the commitment (else it is proof). Its size,
+    numel and codec head the bytes, so a reducer refuses an oversized part before allocating it, and a
+    size beyond what the codec can take for that numel proves its signer lied (security.evidence)."""
 
     part: Annotated[int, Field(ge=0, lt=MAX_MEMBERS)]
     hash: Hash
     weight: float  # must be 1: the projection check counts every member once
+    numel: Annotated[int, Field(ge=0)]  # values in the part
+    codec: Annotated[str, Field(max_length=16)]  # the Codec value its bytes are encoded with
+    size: Annotated[int, Field(ge=0)]  # bytes of the encoded part: the payload that follows
+
+    def oversized(self) -> bool:
+        """Whether `size` exceeds what any honest encoding of `numel` values in `codec` takes."""
+        bound = max_part_bytes(self.numel, self.codec)
+        return bound is not None and self.size > bound
 
 
 class AggregateBody(WireModel):

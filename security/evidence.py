@@ -3,7 +3,8 @@
 Two kinds of proof:
   * self-contained — the offender's own signed statements contradict each other or a rule
     (a part that does not match its commitment, two different aggregates for one part, a
-    weight other than 1, a reveal that does not open its commitment). One honest judge's vote
+    weight other than 1, a part size its codec cannot take, a reveal that does not open its
+    commitment). One honest judge's vote
     carrying them is enough, for anyone who checks it.
   * by majority — offenses only the round's members can judge (false projection reports,
     wrong aggregates, contributions that do not recompute, silence): a ban holds once more
@@ -51,6 +52,7 @@ class Offense(str, enum.Enum):
         "inflated_weight"  # a signed part claims a weight other than 1 (verified rounds count everyone once)
     )
     BAD_REVEAL = "bad_reveal"  # the revealed share does not open the MPRNG commitment
+    OVERSIZED_PART = "oversized_part"  # a signed part claims more bytes than its codec takes for its numel
     FALSE_REPORT = "false_report"  # projection report differs from the committed data
     WRONG_AGGREGATE = "wrong_aggregate"  # the aggregate fails the fixed-point check
     BAD_CONTRIBUTION = "bad_contribution"  # the contribution does not recompute from the public batch
@@ -60,7 +62,13 @@ class Offense(str, enum.Enum):
 
     @property
     def self_contained(self) -> bool:
-        return self in (Offense.BAD_COMMITMENT, Offense.EQUIVOCATION, Offense.INFLATED_WEIGHT, Offense.BAD_REVEAL)
+        return self in SELF_CONTAINED
+
+
+# offenses the offender's own signed statements prove, to anyone: one judge's vote bans
+SELF_CONTAINED = frozenset(
+    {Offense.BAD_COMMITMENT, Offense.EQUIVOCATION, Offense.INFLATED_WEIGHT, Offense.BAD_REVEAL, Offense.OVERSIZED_PART}
+)
 
 
 class RevealBody(WireModel):
@@ -97,6 +105,9 @@ def check_self_contained(offense: Offense, accused: str, round_id: bytes, eviden
         if offense is Offense.INFLATED_WEIGHT and len(evidence) == 1:
             _, part = open_statement(evidence[0], PartBody, kind="part", round_id=round_id, sender=accused)
             return part.weight != 1.0
+        if offense is Offense.OVERSIZED_PART and len(evidence) == 1:
+            _, part = open_statement(evidence[0], PartBody, kind="part", round_id=round_id, sender=accused)
+            return part.oversized()
         if offense is Offense.BAD_REVEAL and len(evidence) == 2:
             _, commit = open_statement(evidence[0], CommitBody, kind=RoundPhase.COMMIT, round_id=round_id, sender=accused)
             _, reveal = open_statement(evidence[1], RevealBody, kind=RoundPhase.REVEAL, round_id=round_id, sender=accused)

@@ -30,6 +30,10 @@ class Behavior:
     def claimed_weight(self, weight: float) -> float:
         return weight
 
+    def signed_part_size(self, size: int) -> int:
+        """The byte size this member signs for a part of `size` bytes."""
+        return size
+
     def speaks(self, phase: RoundPhase) -> bool:
         """Whether this member sends its message of `phase` (it still collects the others')."""
         return True

@@ -36,7 +36,7 @@ from phalanx.protocol.btard.reports import Reporter
 from phalanx.protocol.btard.service import BtardService, Held
 from phalanx.protocol.btard.state import RoundState
 from phalanx.protocol.btard.validator import Validator
-from phalanx.protocol.codec import Codec, decode
+from phalanx.protocol.codec import Codec, decode, encoded_size_bound
 from phalanx.security.commitments import (
     AggregateBody,
     CommitBody,
@@ -113,8 +113,38 @@ class VerifiedRound(RoundState):
     # ---- phases 3-5: PartGuard hooks ----------------------------------------------------------
 
     def sign_part(self, part: int, payload: bytes | memoryview, weight: float) -> bytes:
-        body = PartBody(part=part, hash=self.my_hashes[part], weight=weight)
+        a, b = self.bounds[part]
+        if len(payload) > encoded_size_bound(b - a, self.codec):  # signing it would prove an offense of ours
+            raise RuntimeError(f"our {self.codec.value} part of {b - a} values takes {len(payload)} bytes: beyond its bound")
+        body = PartBody(
+            part=part, hash=self.my_hashes[part], weight=weight, numel=b - a, codec=self.codec.value,
+            size=self.behavior.signed_part_size(len(payload)),
+        )  # fmt: skip
         return pack(sign_statement(self.identity, "part", self.round_id, body))
+
+    def check_size(self, sender: int, part: int, header, payload_len: int) -> None:
+        """At the sink, before the part's bytes are allocated: a signed size beyond what the signed codec
+        takes for the signed numel is proof (self-contained: anyone can check it without the round); a
+        signed numel or codec other than the round's, or a declared length other than the signed size, is
+        refused (the transport's header is not signed)."""
+        peer = self.members[sender]
+        if peer not in self.commits:
+            raise PeerProtocolError("sent a part without a commitment", peer=peer)
+        signed = unpack(header.signature, Signed, peer=peer)
+        _, body = open_statement(signed, PartBody, kind="part", round_id=self.round_id, sender=peer)
+        if body.part != part:
+            raise PeerProtocolError("signed a part statement for another part", peer=peer)
+        if body.oversized():
+            self.prove(peer, Offense.OVERSIZED_PART, [signed])
+            raise PeerProtocolError(f"signed {body.size} bytes for {body.numel} values of {body.codec[:16]}", peer=peer)
+        a, b = self.bounds[part]
+        if body.numel != b - a or body.codec != self.codec.value:
+            raise PeerProtocolError(
+                f"signed a part of {body.numel} values of {body.codec[:16]}, the round's has {b - a} of {self.codec.value}",
+                peer=peer,
+            )
+        if payload_len != body.size:
+            raise PeerProtocolError(f"declared {payload_len} bytes, signed {body.size}", peer=peer)
 
     def hasher(self):
         return part_hasher()
@@ -136,6 +166,8 @@ class VerifiedRound(RoundState):
         if body.hash != commit.parts[part]:
             self.prove(peer, Offense.BAD_COMMITMENT, [commit_signed, signed])
             raise PeerProtocolError("part does not match its commitment", peer=peer)
+        if len(payload) != body.size:  # (the sink held the declared length to it; this is the bytes themselves)
+            raise PeerProtocolError(f"sent {len(payload)} bytes, signed {body.size}", peer=peer)
         if digest != body.hash:
             raise PeerProtocolError("part bytes do not match their signed hash", peer=peer)
         a, b = self.bounds[part]

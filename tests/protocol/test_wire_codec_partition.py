@@ -5,8 +5,10 @@ import pytest
 import torch
 
 from phalanx.aggregation.errors import PeerProtocolError
-from phalanx.protocol.codec import Codec, decode, encode
+from phalanx.protocol.allreduce import MAX_PART_BYTES
+from phalanx.protocol.codec import MAX_PART_NUMEL, Codec, check_payload_size, decode, encode, encoded_size_bound
 from phalanx.protocol.partition import partition_bounds
+from phalanx.security.commitments import HIVEMIND_SLACK_BYTES, max_part_bytes
 from phalanx.security.wire import MAX_MESSAGE_BYTES, PeerIdStr, RoundId, WireModel, pack, unpack
 
 
@@ -74,3 +76,58 @@ def test_partition_bounds_cover_exactly(numel, n):
     assert all(a[1] == b[0] for a, b in zip(bounds, bounds[1:]))
     sizes = [e - s for s, e in bounds]
     assert max(sizes) - min(sizes) <= 1
+
+
+# how far above what encode() writes the bound may lie: nothing for our own formats; hivemind's framing
+# leaves room for fields an honest encoder leaves at their defaults
+BOUND_SLACK = {
+    Codec.NONE: 0,
+    Codec.INT8: 0,
+    Codec.SPARSE: 0,
+    Codec.FP16: HIVEMIND_SLACK_BYTES,
+    Codec.UINT8: HIVEMIND_SLACK_BYTES,
+}
+
+
+@pytest.mark.parametrize("codec", list(Codec))
+@pytest.mark.parametrize("numel", [1, 2, 127, 128, 255, 256, 257, 16_383, 16_384, 100_003, 2_097_157])
+def test_each_codec_size_bound_holds_and_is_tight(codec, numel):
+    """A reducer refuses a part whose declared length exceeds the bound before reading it: an honest
+    encoding must never exceed it, and an over-declaring sender may make it allocate only a few bytes more."""
+    g = torch.Generator().manual_seed(numel)
+    for x in (torch.randn(numel, generator=g) * 10.0, torch.zeros(numel), torch.full((numel,), 65504.0 * 4)):
+        size = len(encode(x, codec))
+        bound = encoded_size_bound(numel, codec)
+        if codec is Codec.SPARSE and not x.any():
+            assert size == 5  # all zeros: the sparse form with no entries, far under the dense bound
+            continue
+        assert size <= bound <= size + BOUND_SLACK[codec], (size, bound)
+        check_payload_size(size, numel, codec)  # what an honest sender declares passes
+
+
+def test_sparse_vectors_stay_under_the_sparse_bound():
+    x = torch.zeros(10_000)
+    x[torch.randperm(10_000, generator=torch.Generator().manual_seed(0))[:100]] = 1.5
+    size = len(encode(x, Codec.SPARSE))
+    assert size == 5 + 8 * 100 <= encoded_size_bound(10_000, Codec.SPARSE)
+    check_payload_size(size, 10_000, Codec.SPARSE)
+
+
+@pytest.mark.parametrize("codec", list(Codec))
+def test_a_declared_size_beyond_the_bound_is_refused(codec):
+    bound = encoded_size_bound(1000, codec)
+    for declared in (bound + 1, 1 << 30):
+        with pytest.raises(PeerProtocolError, match=f"{declared} bytes declared for 1000 values"):
+            check_payload_size(declared, 1000, codec, peer="QmBad")
+    if codec in (Codec.NONE, Codec.INT8):  # exact codecs: any other length too
+        with pytest.raises(PeerProtocolError, match=f"expected {bound}$"):
+            check_payload_size(bound - 1, 1000, codec)
+    else:
+        check_payload_size(bound - 1, 1000, codec)
+
+
+def test_every_codec_has_a_bound_the_swarm_can_check_without_the_round():
+    assert all(max_part_bytes(1000, codec.value) == encoded_size_bound(1000, codec) for codec in Codec)
+    assert max_part_bytes(1000, "bogus") is None and max_part_bytes(-1, "none") is None
+    # the part method's coarse limit, before the round is known: the largest part any codec can take
+    assert MAX_PART_BYTES == encoded_size_bound(MAX_PART_NUMEL, Codec.SPARSE) < 1 << 34

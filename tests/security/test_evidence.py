@@ -14,6 +14,7 @@ from phalanx.security.commitments import (
     PartBody,
     ReportBody,
     ReportEntry,
+    max_part_bytes,
     members_digest,
     share_commitment,
 )
@@ -43,6 +44,10 @@ def commit(who: Identity, members: list[Identity], round_id: bytes = ROUND, part
     return sign_statement(who, "commit", round_id, body)
 
 
+def part_body(index: int, hash: bytes, weight: float = 1.0, *, numel: int = 100, codec: str = "none", size: int = 400):
+    return PartBody(part=index, hash=hash, weight=weight, numel=numel, codec=codec, size=size)
+
+
 def vote(judge: Identity, accused: Identity, offense: Offense, evidence, round_id: bytes = ROUND) -> Vote:
     body = BanVote(accused=accused.peer_id, offense=offense, round_id=round_id, evidence=evidence)
     sign_statement(judge, "ban", b"", body)  # what a judge publishes; `banned` takes the opened votes
@@ -55,8 +60,8 @@ def vote(judge: Identity, accused: Identity, offense: Offense, evidence, round_i
 def test_a_part_that_differs_from_its_commitment_is_proof(ids):
     a, members = ids[0], ids[:3]
     c = commit(a, members)
-    good = sign_statement(a, "part", ROUND, PartBody(part=1, hash=H[1], weight=1.0))
-    bad = sign_statement(a, "part", ROUND, PartBody(part=1, hash=H[5], weight=1.0))
+    good = sign_statement(a, "part", ROUND, part_body(1, H[1], 1.0))
+    bad = sign_statement(a, "part", ROUND, part_body(1, H[5], 1.0))
     assert check_self_contained(Offense.BAD_COMMITMENT, a.peer_id, ROUND, [c, bad])
     assert not check_self_contained(Offense.BAD_COMMITMENT, a.peer_id, ROUND, [c, good])
     # statements of someone else, or of another round, prove nothing about `a`
@@ -67,8 +72,33 @@ def test_a_part_that_differs_from_its_commitment_is_proof(ids):
 def test_a_weight_other_than_one_is_proof(ids):
     a = ids[0]
     for weight, proven in [(1.0, False), (0.0, True), (2.0, True), (0.5, True)]:
-        part = sign_statement(a, "part", ROUND, PartBody(part=0, hash=H[0], weight=weight))
+        part = sign_statement(a, "part", ROUND, part_body(0, H[0], weight))
         assert check_self_contained(Offense.INFLATED_WEIGHT, a.peer_id, ROUND, [part]) is proven
+
+
+@pytest.mark.parametrize(
+    "numel, codec, honest",
+    [(1000, "none", 4000), (1000, "int8", 4 * 4 + 1000), (1000, "sparse", 4001), (1000, "fp16", 2018), (0, "none", 0)],
+)
+def test_a_part_size_beyond_its_codec_bound_is_proof(ids, numel, codec, honest):
+    """Anyone can check a signed part size against the signed numel and codec, without the round."""
+    a = ids[0]
+
+    def signed(size: int, signer: Identity = a, round_id: bytes = ROUND):
+        return sign_statement(signer, "part", round_id, part_body(0, H[0], numel=numel, codec=codec, size=size))
+
+    bound = max_part_bytes(numel, codec)
+    assert honest <= bound <= honest + 8  # tight (the sizes are encode()'s: 2018 is hivemind's for 1000 fp16 values)
+    for size, proven in [(honest, False), (bound, False), (bound + 1, True), (1 << 30, True)]:
+        assert check_self_contained(Offense.OVERSIZED_PART, a.peer_id, ROUND, [signed(size)]) is proven
+    assert Offense.OVERSIZED_PART.self_contained
+    assert banned([vote(ids[5], a, Offense.OVERSIZED_PART, [signed(1 << 30)])]) == {a.peer_id}
+    # someone else's statement, another round's, two statements, or one with a codec nobody speaks prove nothing
+    assert not check_self_contained(Offense.OVERSIZED_PART, ids[1].peer_id, ROUND, [signed(1 << 30)])
+    assert not check_self_contained(Offense.OVERSIZED_PART, a.peer_id, b"x" * 16, [signed(1 << 30)])
+    assert not check_self_contained(Offense.OVERSIZED_PART, a.peer_id, ROUND, [signed(1 << 30)] * 2)
+    unknown = sign_statement(a, "part", ROUND, part_body(0, H[0], numel=numel, codec="bogus", size=1 << 30))
+    assert not check_self_contained(Offense.OVERSIZED_PART, a.peer_id, ROUND, [unknown])
 
 
 def test_a_reveal_that_does_not_open_the_commitment_is_proof(ids):
@@ -164,8 +194,8 @@ def test_a_group_the_judge_saw_from_its_leader_needs_no_commitment(ids):
 
 def test_a_self_contained_proof_bans_on_one_vote_from_anyone(ids):
     a = ids[0]
-    part = sign_statement(a, "part", ROUND, PartBody(part=0, hash=H[0], weight=5.0))
+    part = sign_statement(a, "part", ROUND, part_body(0, H[0], 5.0))
     assert banned([vote(ids[5], a, Offense.INFLATED_WEIGHT, [part])]) == {a.peer_id}
     # a vote whose evidence does not prove it bans nobody, whoever casts it
-    honest_part = sign_statement(a, "part", ROUND, PartBody(part=0, hash=H[0], weight=1.0))
+    honest_part = sign_statement(a, "part", ROUND, part_body(0, H[0], 1.0))
     assert banned([vote(j, a, Offense.INFLATED_WEIGHT, [honest_part]) for j in ids[1:]]) == set()

@@ -11,7 +11,7 @@ from phalanx.security.identity import Identity
 from phalanx.security.statements import Signed, open_statement, sign_statement
 
 ROUND = b"r" * 16
-BODY = PartBody(part=0, hash=b"h" * 32, weight=1.0)
+BODY = PartBody(part=0, hash=b"h" * 32, weight=1.0, numel=100, codec="none", size=400)
 
 
 @pytest.fixture(scope="module")
