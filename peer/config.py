@@ -150,7 +150,7 @@ class PeerConfig(NetworkSettings):
     phase_timeout_s: float = Field(10.0, gt=0, description="With --verify: how long each verification phase waits for the others (diloco: the phases after validators' and judges' replays wait twice this peer's own phase of inner steps longer).")
     admission: Optional[Path] = Field(None, description="Private swarm: the owner's public key (from `phalanx keygen --owner`); peers without a valid certificate are refused.")
     certificate: Optional[Path] = Field(None, description="Private swarm: this peer's certificate (from `phalanx admit`).")
-    attack: Optional[str] = Field(None, description="Make this peer an attacker (tests and demos): sign_flip, random_direction, label_flip, delayed, ipm, alie, nan, wrong_aggregate, equivocate, false_report, false_accusation, withhold_reveal, bad_commitment, silent, inflate_weight, withhold_aggregate, false_dispute, leave_out, deflate_weight, cover_up, equivocate_report, withhold_report, poison_state.")
+    attack: Optional[str] = Field(None, description="Make this peer an attacker (tests and demos): sign_flip, random_direction, label_flip, delayed, ipm, alie, nan, wrong_aggregate, equivocate, false_report, false_accusation, withhold_reveal, bad_commitment, silent, inflate_weight, withhold_aggregate, false_dispute, leave_out, deflate_weight, cover_up, equivocate_report, withhold_report, poison_state, oversized_part.")
 
     @field_validator("compression")
     @classmethod

@@ -9,7 +9,7 @@ changed: all trainers see exactly each other, are ready, report no split, and tr
 from __future__ import annotations
 
 import pytest
-from dht_swarm import open_attacker, open_dht_swarm
+from live_swarm import open_attacker, open_live_swarm
 from hivemind.utils import get_dht_time
 
 from phalanx.protocol.membership import PeerRecord
@@ -33,7 +33,7 @@ def _signed_by(identity: Identity, key: str, state: str, ttl_s: float) -> tuple[
 
 @pytest.fixture(scope="module")
 def swarm(tmp_path_factory):
-    with open_dht_swarm(tmp_path_factory.mktemp("dht-public")) as s:
+    with open_live_swarm(tmp_path_factory.mktemp("dht-public")) as s:
         yield s
 
 
@@ -76,7 +76,7 @@ def test_in_a_private_swarm_an_uncertified_node_changes_nothing(tmp_path_factory
     """The same writes from a node without the owner's certificate, plus its own validly signed record
     and a certificate for itself from a made-up owner: the trainers see only each other."""
     workdir = tmp_path_factory.mktemp("dht-private")
-    with open_dht_swarm(workdir, trainers=2, private=True) as swarm:
+    with open_live_swarm(workdir, trainers=2, private=True) as swarm:
         key, certs = swarm.run_key + ".peers", swarm.run_key + ".certs"
         rogue_path = workdir / "rogue.id"
         rogue = Identity.generate_ed25519(rogue_path)

@@ -1,11 +1,15 @@
-"""A live swarm to attack through the DHT: a bootstrap and trainers as real `phalanx` processes on
-loopback (public, or private with an owner's certificates), an attacker's own DHT node, and the
-checks that the swarm did not notice: every trainer still sees every other, is ready, and trains in
-one group."""
+"""A live swarm to attack: a bootstrap and trainers as real `phalanx` processes on loopback (public, or
+private with an owner's certificates), possibly with a patched trainer among them; an attacker's own DHT
+node; and the checks that the swarm did not notice: every trainer still sees every other, is ready, and
+trains in one group."""
 
 from __future__ import annotations
 
 import contextlib
+import json
+import os
+import subprocess
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,17 +25,23 @@ REREADS = 4  # membership reads every trainer makes after an attack before it is
 
 
 @dataclass
-class DhtSwarm:
+class LiveSwarm:
     workdir: Path
     initial_peers: list[str]
     bootstrap: Proc
-    trainers: list[Proc]
+    trainers: list[Proc]  # the honest ones
     run_key: str  # phalanx.<run id>.<config hash prefix>: what an outsider reads off /api/v1/status
     run_id: str
+    attacker: Optional[Proc] = None  # a patched trainer, if any
 
     @property
     def procs(self) -> list[Proc]:
-        return [self.bootstrap, *self.trainers]
+        return [self.bootstrap, *self.trainers, *([self.attacker] if self.attacker is not None else [])]
+
+    def events(self, trainer: Proc, kind: str) -> list[dict]:
+        """The trainer's `--events` of `kind` so far."""
+        lines = trainer.stdout.read_text().splitlines()
+        return [e for e in map(_json_or_none, lines) if e is not None and e.get("event") == kind]
 
     def status(self, trainer: Proc) -> dict:
         return get_json(trainer.url + "/api/v1/status")[1]
@@ -72,9 +82,19 @@ class DhtSwarm:
 
 
 @contextlib.contextmanager
-def open_dht_swarm(workdir: Path, trainers: int = 3, private: bool = False) -> Iterator[DhtSwarm]:
-    """Bootstrap + `trainers` trainers (digits-mlp, sync), each ready; with `private`, each holds the
-    owner's certificate and refuses peers without one."""
+def open_live_swarm(
+    workdir: Path,
+    trainers: int = 3,
+    *,
+    private: bool = False,
+    args: tuple[str, ...] = (),
+    attacker: Optional[list[str]] = None,
+    attacker_args: tuple[str, ...] = (),
+) -> Iterator[LiveSwarm]:
+    """Bootstrap + `trainers` honest trainers (digits-mlp, sync, `args` added), each ready; with `private`,
+    each holds the owner's certificate and refuses peers without one. `attacker`: the command line of one
+    more trainer that runs instead of `python -m phalanx` (a patched joiner), started with the others and
+    given the same flags and `attacker_args`."""
     procs: list[Proc] = []
     try:
         port = free_port()
@@ -94,32 +114,36 @@ def open_dht_swarm(workdir: Path, trainers: int = 3, private: bool = False) -> I
         if private:
             generate_owner_key(workdir / "owner.key", workdir / "owner.pub")
             private_flags = ["--admission", str(workdir / "owner.pub")]
-        started = []
-        for i in range(trainers):
-            name, port = f"trainer-{i}", free_port()
+        started, bad = [], None
+        everyone = trainers + (attacker is not None)
+        for i in range(everyone):
+            name, port = f"trainer-{i}" if i < trainers else "attacker", free_port()
             identity = workdir / f"{name}.id"
-            flags = list(private_flags)
+            flags = [*private_flags, *args]
             if private:
                 peer_id = Identity.generate_ed25519(identity).peer_id
                 (workdir / f"{name}.cert").write_bytes(issue(load_owner_private(workdir / "owner.key"), peer_id, "phalanx", 3600))
                 flags += ["--certificate", str(workdir / f"{name}.cert")]
-            t = spawn(
-                name,
-                ["--log-format", "json", "join", "--initial-peers", ",".join(initial_peers), "--host-maddrs", LOOPBACK,
-                 "--identity-path", str(identity), "--http-port", str(port), "--wait-for-peers", str(trainers),
-                 "--eval-every", "50", *flags],
-                workdir, port,
-            )  # fmt: skip
-            procs.append(t)
-            started.append(t)
+            join = [
+                "--log-format", "json", "join", "--initial-peers", ",".join(initial_peers), "--host-maddrs", LOOPBACK,
+                "--identity-path", str(identity), "--http-port", str(port), "--wait-for-peers", str(everyone),
+                "--eval-every", "50", "--events", *flags,
+            ]  # fmt: skip
+            if i < trainers:
+                started.append(spawn(name, join, workdir, port))
+                procs.append(started[-1])
+            else:
+                bad = _spawn_script(name, [*attacker, *join, *attacker_args], workdir, port)
+                procs.append(bad)
         for p in procs:
             p.peer_id = wait_until(lambda p=p: get_json(p.url + "/api/v1/status")[1]["peer_id"], f"{p.name}'s status", procs)
         for t in started:
             wait_until(lambda t=t: http_get(t.url + "/readyz")[0] == 200, f"{t.name} ready", procs)
         status = get_json(started[0].url + "/api/v1/status")[1]
         run_key = f"phalanx.{status['run_id']}.{status['config_hash'][:16]}"
-        swarm = DhtSwarm(workdir, initial_peers, boot, started, run_key, status["run_id"])
-        swarm.hold_whole(rereads=1)
+        swarm = LiveSwarm(workdir, initial_peers, boot, started, run_key, status["run_id"], bad)
+        if bad is None:
+            swarm.hold_whole(rereads=1)
         yield swarm
     finally:
         for p in procs:
@@ -137,3 +161,30 @@ def open_attacker(initial_peers: list[str], identity: Optional[Path] = None) -> 
         yield dht
     finally:
         dht.shutdown()
+
+
+def _spawn_script(name: str, command: list[str], workdir: Path, http_port: int) -> Proc:
+    """Like health_swarm.spawn, for a script that runs `phalanx` its own way (`command`: the script and its arguments)."""
+    out, err = workdir / f"{name}.out", workdir / f"{name}.err"
+    with open(out, "wb") as stdout, open(err, "wb") as stderr:
+        popen = subprocess.Popen(
+            [sys.executable, *command], stdout=stdout, stderr=stderr, start_new_session=True,
+            env={**os.environ, "PYTHONUNBUFFERED": "1", "PHALANX_TORCH_THREADS": "1"},
+        )  # fmt: skip
+    return Proc(name, popen, out, err, http_port)
+
+
+def _json_or_none(line: str) -> Optional[dict]:
+    try:
+        value = json.loads(line)
+    except ValueError:
+        return None
+    return value if isinstance(value, dict) else None
+
+
+def peak_rss_bytes(pid: int) -> int:
+    """The process's peak resident set (VmHWM)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError(f"no VmHWM for process {pid}")
