@@ -9,8 +9,8 @@ changed: all trainers see exactly each other, are ready, report no split, and tr
 from __future__ import annotations
 
 import pytest
-from live_swarm import open_attacker, open_live_swarm
 from hivemind.utils import get_dht_time
+from live_swarm import open_attacker, open_live_swarm
 
 from phalanx.protocol.membership import PeerRecord
 from phalanx.security.admission import generate_owner_key, issue, load_owner_private
