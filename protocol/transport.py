@@ -8,6 +8,11 @@ AES: ~9 GB/s a core). So the callee knows which libp2p peer holds the socket, an
 path can read, alter, reorder or replay its bytes: the fast path is no weaker than libp2p. When
 TCP cannot connect, the same records flow over a libp2p stream (already encrypted) instead.
 
+The data port is open to anyone, so the sockets it holds are capped at MAX_PENDING_HELLOS waiting
+for their hello (MAX_PENDING_PER_SOURCE from one address, HELLO_TIMEOUT_S at most each) plus
+MAX_DIRECT_SERVED authenticated ones (MAX_SERVED_PER_PEER a caller). One beyond a cap is closed at
+once; the call it was opened for fails as CallFailed, never resent (the caller cannot tell it did not run).
+
 A direct connection whose call went through (status OK, every byte read) is kept for the next
 call to the same peer, small or large, for up to KEEP_IDLE_S: a verified round's four
 all-to-all exchanges of small signed messages then skip the p2p daemon's hops. A small call
@@ -16,7 +21,7 @@ opens one in the background (a peer that refuses us gets no connection and no ti
 kept connection is checked before use (no close or stray bytes from the callee) and never
 retried on: a call that fails on it fails, as on a new one, so no handler runs twice.
 
-Over ~600 lines on purpose: the ticket, the direct connection (kept or new) and its libp2p fallback are one
+Over 600 lines on purpose: the ticket, the direct connection (kept or new) and its libp2p fallback are one
 protocol whose pieces only make sense together; its wire codes live in transport_wire.py.
 """
 
@@ -24,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
 import logging
 import secrets
 import socket
@@ -72,6 +78,14 @@ SERVE_KEPT_PER_PEER = 4  # connections a callee keeps serving per caller; beyond
 TICKET_TTL_S = 30.0
 MAX_TICKETS_PER_PEER = 64
 HELLO_MAGIC = b"PHX1"
+HELLO_BYTES = len(HELLO_MAGIC) + 16  # the magic, then the ticket's connection id
+HELLO_TIMEOUT_S = 5.0  # a caller sends its hello right after connecting: seconds cover a slow link or a busy loop
+MAX_PENDING_HELLOS = 64  # legitimate ones wait a round trip at most, so a whole group connecting at once fits
+MAX_PENDING_PER_SOURCE = 8  # per IPv4 address or IPv6 /64: one host cannot take all MAX_PENDING_HELLOS slots
+MAX_DIRECT_SERVED = 512  # 128 callers with SERVE_KEPT_PER_PEER each, and the fd bound stays under a 1024 ulimit
+MAX_SERVED_PER_PEER = MAX_TICKETS_PER_PEER  # one admitted peer cannot take every slot; it never needs more at once
+REFUSAL_LOG_EVERY_S = 60.0  # one INFO line per source this often at most: an attacker must not flood the log
+REFUSAL_LOG_SOURCES = 64  # sources logged per REFUSAL_LOG_EVERY_S at most (IPv6 hands out addresses freely)
 
 
 @dataclass
@@ -121,6 +135,9 @@ class Transport(ServicerBase):
         self._kept: dict[str, list[tuple[Channel, float]]] = {}  # callee → its idle direct channels, since when
         self._warming: dict[str, asyncio.Task] = {}  # callee → a direct channel being opened for later calls
         self._served: Counter[str] = Counter()  # caller → direct connections we serve it on
+        self._pending: Counter[str] = Counter()  # source address → accepted direct connections yet to send a hello
+        self._pending_total = 0
+        self._refusals_logged: dict[str, float] = {}  # source address → when we last logged refusing it
         self._busy = 0  # served calls in flight
         self._quiet = asyncio.Event()
         self._quiet.set()
@@ -444,22 +461,62 @@ class Transport(ServicerBase):
         loop = asyncio.get_running_loop()
         while True:
             try:
-                sock, _ = await loop.sock_accept(self._listener)
+                sock, address = await loop.sock_accept(self._listener)
             except OSError as e:
                 logger.warning(f"direct listener failed: {e!r}")
                 await asyncio.sleep(1.0)
                 continue
-            self._spawn_connection(self._serve_direct(SocketPipe(sock)))
+            source, hello = _source_of(address), _buffered_hello(sock)
+            if hello is None and (
+                self._pending_total >= MAX_PENDING_HELLOS or self._pending[source] >= MAX_PENDING_PER_SOURCE
+            ):
+                sock.close()  # accepted only to close it: a connection in the kernel's backlog costs us no fd
+                self._refused(source, "too many connections from it or from everyone waiting for their hello")
+            else:
+                try:
+                    pipe = SocketPipe(sock)
+                except OSError:  # reset before we got to it
+                    sock.close()
+                    continue
+                if hello is None:
+                    self._pending[source] += 1
+                    self._pending_total += 1
+                self._spawn_connection(self._serve_direct(pipe, source, hello))
+            # accepting never waits while the backlog holds connections: let the new one read a hello that
+            # arrived meanwhile (it frees its slot) and let the loop breathe under a flood
+            await asyncio.sleep(0)
 
-    async def _serve_direct(self, pipe: SocketPipe) -> None:
+    async def _read_hello(self, pipe: SocketPipe, source: str) -> Optional[bytes]:
+        """The hello of a connection holding a pending slot, or None when it did not come in HELLO_TIMEOUT_S."""
+        hello = bytearray(HELLO_BYTES)
+        try:
+            async with asyncio.timeout(HELLO_TIMEOUT_S):
+                await pipe.readinto(memoryview(hello))
+        except TimeoutError:
+            self._refused(source, f"no hello within {HELLO_TIMEOUT_S:.0f} s", dropped=True)
+            return None
+        finally:
+            self._pending[source] -= 1
+            if self._pending[source] <= 0:
+                del self._pending[source]
+            self._pending_total -= 1
+        return bytes(hello)
+
+    async def _serve_direct(self, pipe: SocketPipe, source: str, hello: Optional[bytes]) -> None:
+        """Serve a direct connection; `hello` None: it holds a pending slot until its hello is read."""
         channel, peer = None, None
         try:
-            hello = bytearray(len(HELLO_MAGIC) + 16)
-            async with asyncio.timeout(self.idle_timeout_s):
-                await pipe.readinto(memoryview(hello))
-            ticket = self._tickets.pop(bytes(hello[len(HELLO_MAGIC) :]), None) if hello.startswith(HELLO_MAGIC) else None
+            if hello is None:
+                hello = await self._read_hello(pipe, source)
+                if hello is None:
+                    return
+            ticket = self._tickets.pop(hello[len(HELLO_MAGIC) :], None) if hello.startswith(HELLO_MAGIC) else None
             if ticket is None or ticket.expires_at < time.monotonic():
-                logger.debug("direct connection with an unknown or expired ticket refused")
+                self._refused(source, "an unknown or expired ticket", dropped=True)
+                return
+            if self._served.total() >= MAX_DIRECT_SERVED or self._served[ticket.peer] >= MAX_SERVED_PER_PEER:
+                # the caller's call fails as CallFailed (the connection closes before any reply) and is not resent
+                self._refused(source, f"too many direct connections served (to {ticket.peer[-8:]} or to everyone)")
                 return
             channel = Channel(pipe, self.stats, ticket.key, initiator=False, idle_timeout_s=self.idle_timeout_s, limiter=self.limiter)
             peer = ticket.peer
@@ -474,6 +531,26 @@ class Transport(ServicerBase):
                 if self._served[peer] <= 0:
                     del self._served[peer]
             (channel or pipe).close()
+
+    def _refused(self, source: str, why: str, *, dropped: bool = False) -> None:
+        """Count a direct connection we closed (refused: a cap was full; `dropped`: no hello in time, or a ticket
+        we never issued) and log it once a minute per source at most: a flood adds a few lines, not one each."""
+        if dropped:
+            self.stats.direct_dropped += 1
+        else:
+            self.stats.direct_refused += 1
+        now, last = time.monotonic(), self._refusals_logged.get(source)
+        if last is not None and now - last < REFUSAL_LOG_EVERY_S:
+            return
+        if len(self._refusals_logged) >= REFUSAL_LOG_SOURCES:
+            self._refusals_logged = {s: t for s, t in self._refusals_logged.items() if now - t < REFUSAL_LOG_EVERY_S}
+            if len(self._refusals_logged) >= REFUSAL_LOG_SOURCES:
+                return  # the counters still count it
+        self._refusals_logged[source] = now
+        logger.info(
+            f"closed a direct connection from {source}: {why} (so far {self.stats.direct_refused} refused, "
+            f"{self.stats.direct_dropped} dropped; at most one line a minute per source)"
+        )
 
     async def _serve_stream(self, stream_info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         task = asyncio.current_task()
@@ -593,6 +670,31 @@ class Transport(ServicerBase):
             raise
         finally:
             channel.activity = None
+
+
+def _buffered_hello(sock: socket.socket) -> Optional[bytes]:
+    """A connection's whole hello if it is already here (a caller sends it right after connecting): such a
+    connection makes us wait for nothing, so it takes no pending slot and no cap on those refuses it."""
+    try:
+        if len(sock.recv(HELLO_BYTES, socket.MSG_PEEK)) == HELLO_BYTES:
+            return sock.recv(HELLO_BYTES)
+    except OSError:  # nothing yet (BlockingIOError), or a reset that its first read meets again
+        pass
+    return None
+
+
+def _source_of(address) -> str:
+    """Whom the per-source cap counts a connection against: its IPv4 address, or its IPv6 /64 (one host
+    can hold a whole /64)."""
+    try:
+        ip = ipaddress.ip_address(str(address[0]).split("%")[0])
+    except (ValueError, IndexError, TypeError):
+        return str(address)
+    if ip.version == 6 and ip.ipv4_mapped is not None:
+        return str(ip.ipv4_mapped)
+    if ip.version == 6:
+        return str(ipaddress.ip_network(f"{ip}/64", strict=False))
+    return str(ip)
 
 
 def _raise_for_status(status: int, reason: str, method: str, peer: Optional[str]) -> None:

@@ -49,6 +49,8 @@ class TransportStats(ChannelStats):
     stream_calls: int = 0
     unary_calls: int = 0
     failed_calls: int = 0
+    direct_refused: int = 0  # direct connections closed as soon as accepted or authenticated: a cap was reached
+    direct_dropped: int = 0  # direct connections closed for no hello in time, or a ticket unknown or expired
 
 
 class CallHeader(WireModel):
