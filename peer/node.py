@@ -418,8 +418,8 @@ async def open_node(plan: PeerPlan, *, loss: Callable[[], Optional[float]] = lam
             direct_port=config.direct_port,
             announce_hosts=hosts,
             upload_limit_bytes_per_s=config.upload_limit_mbps * 1e6 / 8,
+            admission=gate,
         )
-        transport.admission = gate
         leader_period_s = LEADER_PERIOD_S if plan.round.verify is not None else None
         membership = Membership(
             dht, keys["peers"].name, transport.peer_id, identity=identity, leader_period_s=leader_period_s,

@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ed25519
@@ -23,6 +24,12 @@ from phalanx.security.admission import open_certificate, verify_certificate
 logger = logging.getLogger(__name__)
 
 REFRESH_MIN_INTERVAL_S = 2.0  # an unknown caller triggers at most one DHT read per this interval
+
+
+class Admission(Protocol):
+    """Who may call a peer of a private swarm (an AdmissionGate; a test's double)."""
+
+    async def admitted(self, peer: str) -> bool: ...
 
 
 @dataclass

@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Annotated, Optional, Protocol
+from typing import Annotated, Optional
 
 from google.protobuf.wrappers_pb2 import BytesValue
 from hivemind.p2p import P2P, P2PContext, PeerID, ServicerBase
 from pydantic import Field
 
+from phalanx.protocol.admission import Admission
 from phalanx.security.wire import WireModel, pack, unpack
 
 logger = logging.getLogger(__name__)
@@ -40,12 +41,6 @@ class DialBackReply(WireModel):
     reached: bool  # the TCP connection opened and the nonce was sent
     address: Annotated[str, Field(max_length=80)] = ""  # host:port dialed ("" when none could be)
     error: Annotated[str, Field(max_length=200)] = ""  # why not, when not reached
-
-
-class Admission(Protocol):
-    """Who may call in a private swarm (protocol.admission.AdmissionGate)."""
-
-    async def admitted(self, peer: str) -> bool: ...
 
 
 class DialBackService(ServicerBase):

@@ -44,6 +44,7 @@ from google.protobuf.wrappers_pb2 import BytesValue
 from hivemind.p2p import P2P, P2PContext, PeerID, ServicerBase
 
 from phalanx.aggregation.errors import PeerProtocolError, RoundAbortedError
+from phalanx.protocol.admission import Admission
 from phalanx.protocol.channel import (
     Activity,
     CallFailed,
@@ -116,6 +117,7 @@ class Transport(ServicerBase):
         idle_timeout_s: float = 60.0,
         connect_timeout_s: float = 3.0,
         upload_limit_bytes_per_s: float = 0.0,
+        admission: Optional[Admission] = None,
     ) -> None:
         self.p2p, self.namespace = p2p, namespace
         self.peer_id: str = p2p.peer_id.to_base58()
@@ -146,7 +148,7 @@ class Transport(ServicerBase):
         self.stats = TransportStats()
         self.banned: set[str] = set()  # shared with membership and the ban book: calls from these are refused
         self._in_round: Counter[str] = Counter()  # members of the rounds under way (see `round_with`)
-        self.admission = None  # private swarms: a protocol.admission.AdmissionGate; callers need its approval
+        self.admission = admission  # private swarms: callers need its approval (protocol.admission.AdmissionGate)
         self.prefer_direct = True  # benchmarks turn this off to measure the libp2p path alone
         self._stream_proto = f"{namespace}.stream"
 
@@ -252,6 +254,8 @@ class Transport(ServicerBase):
         channel = self._take_kept(peer) if self.prefer_direct else None
         if channel is None and small:
             reply_header, reply = await self._call_unary(peer, method, header, payload)
+            if len(reply) > max_reply_payload:  # libp2p bounded its size; the caller's limit is tighter
+                raise PeerProtocolError(f"{method} reply of {len(reply)} bytes exceeds {max_reply_payload}", peer=peer)
             if self.prefer_direct:  # a peer that answered: later calls to it get a direct channel
                 self._warm(peer)
             if on_header is not None:

@@ -250,6 +250,9 @@ def test_reply_larger_than_allowed_is_refused():
         try:
             with pytest.raises(PeerProtocolError, match="reply of 1048576 bytes exceeds 1000"):
                 await tb.call(ta.peer_id, "echo", b"", b"x" * (1 << 20), max_reply_payload=1000, timeout_s=30, expect_large_reply=True)
+            tb.prefer_direct = False  # a small call rides a libp2p unary RPC: its reply is held to the limit too
+            with pytest.raises(PeerProtocolError, match="reply of 100 bytes exceeds 10"):
+                await tb.call(ta.peer_id, "echo", b"", b"x" * 100, max_reply_payload=10, timeout_s=30)
         finally:
             await _close(a, b, ta, tb)
 
