@@ -33,6 +33,10 @@ LEADER_PERIOD_S = 600.0  # verified runs: how long one leader serves (a change r
 MAX_SLOW_MARKS = 16  # peers one record may name as slow
 REREAD_S = 0.5  # the least time between two early re-reads of the view (see Membership.reread)
 MAX_TTL_S = 60.0  # DHT nodes refuse records that live longer: a peer gone silent leaves every view within this
+# A peer suspected again soon after its last suspicion ended is suspected twice as long each time, up to 2**this
+# times: a record whose peer never answers (made up by a key holder, docs/threat-model.md) stops costing rounds
+MAX_SUSPICION_DOUBLINGS = 4
+MAX_SUSPECTS_KEPT = 1024  # suspicions remembered past their end (to double the next one), before the oldest go
 
 
 class PeerRecord(WireModel):
@@ -71,6 +75,7 @@ class Membership:
     stats: MembershipStats = field(default_factory=MembershipStats)
     _view: dict[str, tuple[PeerRecord, float]] = field(default_factory=dict)
     _suspects: dict[str, float] = field(default_factory=dict)
+    _strikes: dict[str, tuple[int, float]] = field(default_factory=dict)  # peer -> (doublings, its last suspicion's length)
     _task: Optional[asyncio.Task] = None
     _refreshed: Optional[asyncio.Event] = None
     _soon: Optional[asyncio.Event] = None  # wakes the refresh loop early (see announce_soon)
@@ -165,20 +170,29 @@ class Membership:
         }
 
     def suspect(self, peer: str, for_s: float) -> None:
-        """Treat `peer` as unreachable for a while (it failed a call or missed a round)."""
-        self._suspects[peer] = time.monotonic() + for_s
+        """Treat `peer` as unreachable for a while (it failed a call or missed a round): `for_s`, doubled for
+        each time in a row it was suspected again within as long as its last suspicion lasted."""
+        now = time.monotonic()
+        doublings, last_s = self._strikes.get(peer, (0, 0.0))
+        until = self._suspects.get(peer)
+        if until is None or now - until > last_s:
+            doublings = 0  # it stayed clear as long as it was last suspected: start over
+        elif until <= now:
+            doublings = min(doublings + 1, MAX_SUSPICION_DOUBLINGS)  # suspected again as soon as it was let back
+        length = for_s * 2**doublings
+        self._suspects[peer] = max(until or now, now + length)
+        self._strikes[peer] = (doublings, length)
+        if len(self._suspects) > MAX_SUSPECTS_KEPT:  # made-up peers come and go: forget those long let back
+            for other in [p for p, t in self._suspects.items() if now - t > self._strikes[p][1]]:
+                del self._suspects[other], self._strikes[other]
 
     def clear_suspicion(self, peer: str) -> None:
         self._suspects.pop(peer, None)
+        self._strikes.pop(peer, None)
 
     def is_suspect(self, peer: str) -> bool:
         until = self._suspects.get(peer)
-        if until is None:
-            return False
-        if until < time.monotonic():
-            del self._suspects[peer]
-            return False
-        return True
+        return until is not None and until >= time.monotonic()  # an expired entry stays: `suspect` counts from it
 
     def note_stepping_down(self, peer: str, for_s: float) -> None:
         """`peer` told us itself (a join it redirected) that it steps down: as if its record named it, until then."""

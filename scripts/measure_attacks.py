@@ -8,10 +8,13 @@ trainer's /api/v1/status once a second. Two scenarios (docs/threat-model.md):
              steps/s, the most rounds in a row the attacker took part in, and whether it was banned.
   flood      N TCP connections opened to one trainer's direct data port and held open: that trainer's
              open descriptors, and every trainer's steps/s before and during the flood.
+  sybils     an outsider's DHT node keeps N membership records of made-up peers alive, each signed by a
+             key of its own: how many peers the trainers see, their steps/s, and how soon the records lapse.
 
     python scripts/measure_attacks.py oversized --trainers 3 --window-s 40
     python scripts/measure_attacks.py oversized --trainers 3 --window-s 40 --verify
     python scripts/measure_attacks.py flood --connections 5000
+    python scripts/measure_attacks.py sybils --records 20
 
 Arguments after `--` go to every `phalanx join`.
 """
@@ -131,7 +134,7 @@ def swarm(scratch: Path, honest: int, join_args: list[str], attacker: list[str] 
                 stop.wait(1.0)
 
         threading.Thread(target=poller, daemon=True).start()
-        yield peers[:honest], (peers[honest] if attacker is not None else None)
+        yield peers[:honest], (peers[honest] if attacker is not None else None), initial
     finally:
         stop.set()
         for p in peers:
@@ -168,7 +171,7 @@ def oversized(opts, scratch: Path) -> None:
     for case in ("clean", "attacked"):
         attacker = [str(JOINER), *(["--attack", "oversized_part"] if opts.verify else [])] if case == "attacked" else None
         honest = opts.trainers + (case == "clean")  # the clean run has an honest trainer in the attacker's place
-        with swarm(scratch / case, honest, args, attacker) as (trainers, bad):
+        with swarm(scratch / case, honest, args, attacker) as (trainers, bad, _):
             wait_until(lambda: all(t.step >= 20 for t in trainers), 300, f"{case}: every honest trainer at step 20")
             rates = steps_per_s(trainers[: opts.trainers], opts.window_s)
             watched = trainers[: opts.trainers]
@@ -190,7 +193,7 @@ def oversized(opts, scratch: Path) -> None:
 
 def flood(opts, scratch: Path) -> None:
     port = free_port()
-    with swarm(scratch, opts.trainers, opts.join_args, first=["--direct-port", str(port)]) as (trainers, _):
+    with swarm(scratch, opts.trainers, opts.join_args, first=["--direct-port", str(port)]) as (trainers, _, _):
         wait_until(lambda: all(t.step >= 20 for t in trainers), 300, "every trainer at step 20")
         before, fds_before = steps_per_s(trainers, opts.window_s), trainers[0].open_fds()
         held: list[socket.socket] = []
@@ -220,20 +223,62 @@ def flood(opts, scratch: Path) -> None:
             print(f"{t.name}: {b:.1f} steps/s before, {d:.1f} during ({d / b:.2f}x)")
 
 
+def sybils(opts, scratch: Path) -> None:
+    import hivemind
+    from hivemind.utils import get_dht_time
+
+    from phalanx.protocol.membership import PeerRecord
+    from phalanx.security.records import sign_record
+
+    with swarm(scratch, opts.trainers, opts.join_args) as (trainers, _, initial):
+        wait_until(lambda: all(t.step >= 20 for t in trainers), 300, "every trainer at step 20")
+        before = steps_per_s(trainers, opts.window_s)
+        status = trainers[0].status
+        key = f"phalanx.{status['run_id']}.{status['config_hash'][:16]}.peers"
+        fakes = [Identity.generate_ed25519(scratch / f"sybil-{i}.id") for i in range(opts.records)]
+        attacker = hivemind.DHT(initial_peers=[initial], host_maddrs=[LOOPBACK], start=True)
+        stop, seen = threading.Event(), []
+
+        def publish() -> None:  # what an outsider holding the keys does: re-sign each record every 10 s
+            while not stop.is_set():
+                for fake in fakes:
+                    value, expiration = sign_record(fake, key, PeerRecord(state="online", step=10**6), signed_at=get_dht_time(), ttl_s=30)
+                    attacker.store(key, value, expiration, subkey=fake.peer_id, return_future=True)
+                seen.append(max(t.status.get("peers_seen", 0) for t in trainers))
+                stop.wait(10.0)
+
+        publisher = threading.Thread(target=publish, daemon=True)
+        publisher.start()
+        try:
+            wait_until(lambda: min(t.status.get("peers_seen", 0) for t in trainers) >= opts.trainers + opts.records, 120, "the records seen")
+            during = steps_per_s(trainers, opts.window_s)
+        finally:
+            stop.set()
+            publisher.join()
+            attacker.shutdown()
+        stopped = time.monotonic()
+        wait_until(lambda: all(t.status.get("peers_seen") == opts.trainers for t in trainers), 300, "the records lapsed")
+        print(f"{opts.records} signed records re-signed every 10 s: trainers saw up to {max(seen)} peers; gone "
+              f"{time.monotonic() - stopped:.0f} s after the last signature")  # fmt: skip
+        for t, b, d in zip(trainers, before, during):
+            print(f"{t.name}: {b:.1f} steps/s before, {d:.1f} during ({d / b:.2f}x)")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("scenario", choices=["oversized", "flood"])
+    ap.add_argument("scenario", choices=["oversized", "flood", "sybils"])
     ap.add_argument("--trainers", type=int, default=3, help="honest trainers")
     ap.add_argument("--window-s", type=float, default=30.0, help="how long throughput is measured")
     ap.add_argument("--verify", action="store_true", help="oversized: verified rounds (the attacker signs its size)")
     ap.add_argument("--connections", type=int, default=5000, help="flood: connections held open")
+    ap.add_argument("--records", type=int, default=20, help="sybils: membership records of made-up peers, validly signed")
     ap.add_argument("join_args", nargs="*")
     opts = ap.parse_args()
     scratch = Path(tempfile.mkdtemp(prefix=f"phalanx-{opts.scenario}-"))
     for case in ("clean", "attacked"):
         (scratch / case).mkdir()
     try:
-        {"oversized": oversized, "flood": flood}[opts.scenario](opts, scratch)
+        {"oversized": oversized, "flood": flood, "sybils": sybils}[opts.scenario](opts, scratch)
     finally:
         print(f"logs in {scratch}")
 
