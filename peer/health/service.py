@@ -328,6 +328,7 @@ class HealthService:
             "run_id": self.settings.run_id,
             "config_hash": self.config_hash,
             "addresses": self.addresses,
+            "direct_addresses": node.transport.direct_addresses if node is not None else [],  # host:port of the data port
             "reachability": reachability(self.addresses, self.settings.client_mode),
             "state": self.state(),
             "alive": self.alive(),
