@@ -190,6 +190,20 @@ class NodeCollector(Collector):
         for path in ("direct", "stream", "unary", "failed"):
             calls.add_metric([path], getattr(transport, f"{path}_calls") if transport else 0)
         yield calls
+        closed = CounterMetricFamily(
+            "phalanx_direct_connections_closed",
+            "Connections to the direct data port closed unserved: a cap was full (refused) or no valid hello came (dropped).",
+            labels=["why"],
+        )
+        for why in ("refused", "dropped"):
+            closed.add_metric([why], getattr(transport, f"direct_{why}") if transport else 0)
+        yield closed
+        membership = s.node.membership.stats if s.node is not None else None
+        yield _counter(
+            "phalanx_invalid_records",
+            "Membership records read from the DHT that failed their signature or bounds.",
+            membership.invalid_records if membership else 0,
+        )
         yield _gauge(
             "phalanx_samples_per_second", "Training samples per second (exponential average).", m.samples_per_s
         )

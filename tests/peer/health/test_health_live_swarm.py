@@ -51,6 +51,8 @@ def test_trainer_serves_healthz_readyz_metrics_and_status(live_swarm):
         "phalanx_accusations_seen",
         "phalanx_disputed_parts",
         "phalanx_relayed_parts",
+        "phalanx_direct_connections_closed",
+        "phalanx_invalid_records",
     ):
         assert name in families, name
     build = families["phalanx_build_info"][0].labels
