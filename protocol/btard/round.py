@@ -128,12 +128,7 @@ class VerifiedRound(RoundState):
         signed numel or codec other than the round's, or a declared length other than the signed size, is
         refused (the transport's header is not signed)."""
         peer = self.members[sender]
-        if peer not in self.commits:
-            raise PeerProtocolError("sent a part without a commitment", peer=peer)
-        signed = unpack(header.signature, Signed, peer=peer)
-        _, body = open_statement(signed, PartBody, kind="part", round_id=self.round_id, sender=peer)
-        if body.part != part:
-            raise PeerProtocolError("signed a part statement for another part", peer=peer)
+        signed, body = self._part_statement(peer, part, header)
         if body.oversized():
             self.prove(peer, Offense.OVERSIZED_PART, [signed])
             raise PeerProtocolError(f"signed {body.size} bytes for {body.numel} values of {body.codec[:16]}", peer=peer)
@@ -146,17 +141,22 @@ class VerifiedRound(RoundState):
         if payload_len != body.size:
             raise PeerProtocolError(f"declared {payload_len} bytes, signed {body.size}", peer=peer)
 
-    def hasher(self):
-        return part_hasher()
-
-    def accept_part(self, sender: int, part: int, payload: bytes | memoryview, header, digest: bytes) -> None:
-        peer = self.members[sender]
+    def _part_statement(self, peer: str, part: int, header) -> tuple[Signed, PartBody]:
+        """The part statement `peer` signed in `header`, for this round and `part`, once it committed."""
         if peer not in self.commits:
             raise PeerProtocolError("sent a part without a commitment", peer=peer)
         signed = unpack(header.signature, Signed, peer=peer)
         _, body = open_statement(signed, PartBody, kind="part", round_id=self.round_id, sender=peer)
         if body.part != part:
             raise PeerProtocolError("signed a part statement for another part", peer=peer)
+        return signed, body
+
+    def hasher(self):
+        return part_hasher()
+
+    def accept_part(self, sender: int, part: int, payload: bytes | memoryview, header, digest: bytes) -> None:
+        peer = self.members[sender]
+        signed, body = self._part_statement(peer, part, header)
         if body.weight != 1.0:  # BTARD-SGD counts every member once: the checks assume it
             self.prove(peer, Offense.INFLATED_WEIGHT, [signed])
             raise PeerProtocolError(f"claimed weight {body.weight}", peer=peer)
