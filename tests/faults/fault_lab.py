@@ -4,7 +4,8 @@ network and parallel sessions cannot collide (every name carries this process's 
 
 Faults: `cut`/`heal` (the host's link down/up at the bridge), `split` (iptables DROP between two
 sets of hosts), `block_port` (a firewall dropping TCP to one port), `loss` (iptables `statistic` drops, both directions; all drops on arrival), `cap` (tc tbf both ways),
-`clear`. Processes start inside a host with `ip netns exec`; `Host.thread_in` runs a function in a
+`delay` (added TCP latency: a user-space proxy in each host, delay_proxy.py), `clear`. Processes
+start inside a host with `ip netns exec`; `Host.thread_in` runs a function in a
 thread that entered the host's namespace (HTTP polls of a peer's 127.0.0.1 port). Needs root.
 `Lab.close()` removes what the lab made; `sweep_stale()` removes namespaces of dead sessions.
 """
@@ -19,7 +20,10 @@ import subprocess
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional
+
+if TYPE_CHECKING:
+    from delay_proxy import DelayProxies
 
 PREFIX = "phxlab"
 SUBNET = "10.77.0"  # private; reachable only inside this lab's namespaces
@@ -109,6 +113,10 @@ class Host:
         self.procs.append(proc)
         return proc
 
+    def delay(self, one_way_s: Optional[float]) -> None:
+        """`Lab.delay` of this host."""
+        self.lab.delay(self.name, one_way_s)
+
     def thread_in(self, target: Callable[[], None], name: str) -> threading.Thread:
         def run() -> None:
             enter_netns(self.netns)
@@ -127,6 +135,7 @@ class Lab:
         self.bridge_ns = f"{self.id}-br"
         self.hosts: dict[str, Host] = {}
         self._rules: list[tuple[Host, list[str]]] = []
+        self.delay_proxies: Optional[DelayProxies] = None  # made by the first `delay`
         self._closed = False
         try:
             self._build(names)
@@ -205,9 +214,21 @@ class Lab:
         host.run("tc", "qdisc", "replace", "dev", "eth0", "root", "tbf", "rate", rate, "burst", burst, "latency", "200ms")
         sh("ip", "netns", "exec", self.bridge_ns, "tc", "qdisc", "replace", "dev", host.veth, "root", "tbf", "rate", rate, "burst", burst, "latency", "200ms")
 
+    def delay(self, name: str, one_way_s: Optional[float]) -> None:
+        """Add `one_way_s` of latency each way to every TCP connection `name` takes part in (A to B
+        sees d_A + d_B each way, the connect included); 0 keeps the proxy in the path without delay,
+        None removes it. Transparent to the host's processes; see delay_proxy.py."""
+        from delay_proxy import DelayProxies
+
+        if self.delay_proxies is None:
+            self.delay_proxies = DelayProxies(self)
+        self.delay_proxies.set(name, one_way_s)
+
     def clear(self, name: Optional[str] = None) -> None:
-        """Undo every fault on `name` (every host when None): link up, no rules, no shaping."""
+        """Undo every fault on `name` (every host when None): link up, no rules, no shaping, no delay."""
         for host in [self.hosts[name]] if name else list(self.hosts.values()):
+            if self.delay_proxies is not None and host.name in self.delay_proxies.delays:
+                self.delay_proxies.set(host.name, None)
             self.heal(host.name)
             for rule_host, rule in [r for r in self._rules if r[0] is host or host.ip in r[1]]:
                 rule_host.run("iptables", "-w", "-D", *rule, check=False)
