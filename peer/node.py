@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Optional
 
 import hivemind
 from hivemind.dht import DHTNode
-from hivemind.p2p import P2P
+from hivemind.p2p import P2P, PeerID
 from multiaddr import Multiaddr
 
 from phalanx.aggregation.errors import ConfigError, PeerProtocolError, PhalanxError
@@ -31,7 +31,7 @@ from phalanx.peer.ports import check_listen_ports
 from phalanx.protocol.admission import AdmissionGate
 from phalanx.protocol.bans import BanBook
 from phalanx.protocol.dht_calls import DHT_DIED, in_dht
-from phalanx.protocol.dial_back import DialBackService
+from phalanx.protocol.dial_back import DialBackService, dialable
 from phalanx.protocol.engine import RoundEngine
 from phalanx.protocol.membership import LEADER_PERIOD_S, Membership
 from phalanx.protocol.redial import Redialer
@@ -275,6 +275,29 @@ async def visible_maddrs(dht: hivemind.DHT) -> list[str]:
     return [str(m) for m in await in_dht(dht, _get_visible_maddrs)]
 
 
+async def find_reachable(p2p: P2P, dht: hivemind.DHT, settings: NetworkSettings) -> bool:
+    """Whether other peers can dial this one: an initial peer tries our libp2p port at the address our
+    connection comes from. A peer that cannot be dialed (a home router, a firewall) leads no group and
+    reduces no part: it sends its parts and takes the aggregates back over connections it opens itself.
+    `--client-mode` says so without asking; a peer with no initial peer is a swarm's entry point."""
+    if settings.client_mode:
+        return False
+    askers = [PeerID.from_base58(m.rsplit("/p2p/", 1)[1]) for m in settings.initial_peers if "/p2p/" in m]
+    ports = [Multiaddr(m).value_for_protocol("tcp") for m in await visible_maddrs(dht) if "/tcp/" in m and "p2p-circuit" not in m]
+    if not askers or not ports:
+        return True
+    answer = await dialable(p2p, askers, int(ports[0]))
+    if answer is None:
+        logger.warning("no initial peer answered whether it can dial this peer back; taking it as reachable")
+        return True
+    if not answer:
+        logger.info(
+            "other peers cannot dial this one (a home router or a firewall): it sends its parts and takes the "
+            "aggregates over connections it opens, leads no group and reduces no part"
+        )
+    return answer
+
+
 async def direct_hosts(dht: hivemind.DHT, settings: NetworkSettings) -> tuple[str, list[str]]:
     """(listen host, announced hosts) for the direct TCP path, following the libp2p listen address."""
     listen = "0.0.0.0"
@@ -411,10 +434,11 @@ async def open_node(plan: PeerPlan, *, loss: Callable[[], Optional[float]] = lam
                 raise ConfigError(f"--certificate: {e} (ask the owner for a certificate of {identity.peer_id})") from None
         listen, hosts = await direct_hosts(dht, config)
         await DialBackService.open(p2p, admission=gate)  # `phalanx doctor` of other peers asks us to dial their data port
+        reachable = await find_reachable(p2p, dht, config)
         transport = await Transport.open(
             p2p,
             namespace=key,
-            direct_host=listen if config.direct else None,
+            direct_host=listen if config.direct and reachable else None,  # nobody could connect to a data port
             direct_port=config.direct_port,
             announce_hosts=hosts,
             upload_limit_bytes_per_s=config.upload_limit_mbps * 1e6 / 8,
@@ -423,7 +447,7 @@ async def open_node(plan: PeerPlan, *, loss: Callable[[], Optional[float]] = lam
         leader_period_s = LEADER_PERIOD_S if plan.round.verify is not None else None
         membership = Membership(
             dht, keys["peers"].name, transport.peer_id, identity=identity, leader_period_s=leader_period_s,
-            admitted=gate.knows if gate is not None else None,
+            admitted=gate.knows if gate is not None else None, reachable=reachable,
         )  # fmt: skip
         bans = BanBook(dht, keys["bans"].name, membership.banned)
         engine = RoundEngine(

@@ -139,12 +139,18 @@ class AllReduceService:
         reduction = Reduction(spec, me, reducer, torch.empty(shape) if rows is None else rows, torch.zeros(shape[0]))
         reduction.guard = guard
         reduction.result = asyncio.get_running_loop().create_future()
-        reduction.claim(me)
-        reduction.add(me, vector[lo:hi], weight)
-        for i in skip:
-            reduction.refuse(i)
-        for i in reduction.pending():  # every other member starts sending as soon as it has the group, as we did
-            reduction.activity[i] = Activity(on_broken=lambda i=i: reduction.broken(i))
+        reducing = spec.reduces(me)
+        if reducing:
+            reduction.claim(me)
+            reduction.add(me, vector[lo:hi], weight)
+            for i in skip:
+                reduction.refuse(i)
+            for i in reduction.pending():  # every other member starts sending as soon as it has the group, as we did
+                reduction.activity[i] = Activity(on_broken=lambda i=i: reduction.broken(i))
+        else:  # nobody can dial us: we reduce nothing, and nobody sends us anything
+            reduction.received = set(range(len(spec.members)))
+            reduction.closed = True
+            reduction.result.set_result(torch.empty(0))
         self._rounds[spec.round_id] = reduction
         self._registered.setdefault(spec.round_id, asyncio.Event()).set()
         if out is not None and (out.shape != (spec.numel,) or out.dtype != torch.float32 or out.device.type != "cpu"):
@@ -154,8 +160,8 @@ class AllReduceService:
         idle_parts: list[int] = []
         unreachable: list[int] = []
         try:
-            reduce_task = asyncio.create_task(self._reduce(reduction))
-            others = [j for j in range(len(spec.members)) if j != me and j not in skip]
+            reduce_task = asyncio.create_task(self._reduce(reduction) if reducing else _nothing())
+            others = [j for j in range(len(spec.members)) if j != me and j not in skip and spec.reduces(j)]
             activities = {j: Activity() for j in others}
             calls = {
                 j: asyncio.ensure_future(
@@ -192,10 +198,11 @@ class AllReduceService:
                     "no other member's bytes arrived before the deadline (was this peer frozen or cut off?)"
                 )
             output[lo:hi] = own
-            logger.debug(
-                f"round {spec.round_id.hex()[:8]}: parts back after {gathered - started:.3f} s, own part reduced after "
-                f"{reduction.reduced_at - started:.3f} s (all parts in after {reduction.complete_at - started:.3f} s)"
-            )
+            if reducing:
+                logger.debug(
+                    f"round {spec.round_id.hex()[:8]}: parts back after {gathered - started:.3f} s, own part reduced after "
+                    f"{reduction.reduced_at - started:.3f} s (all parts in after {reduction.complete_at - started:.3f} s)"
+                )
         finally:
             # keep serving replies that are in flight, then forget the round (at once when every member has its
             # reply: with rounds of a few seconds, 5 s of kept aggregates would be copies of the vector held)
@@ -204,13 +211,13 @@ class AllReduceService:
                 self._forget(spec.round_id)
             else:
                 asyncio.get_running_loop().call_later(5.0, self._forget, spec.round_id)
-            if guard is None:
+            if guard is None and reducing:
                 self._recycle(reduction)
         return AllReduceResult(
             vector=output,
             missing_parts=tuple(missing),
             dropped_senders=tuple(spec.members[i] for i in range(len(spec.members)) if i not in reduction.received),
-            contributors=len(reduction.received),
+            contributors=len(reduction.received) if reducing else 0,
             bytes_sent=self.transport.stats.bytes_sent - sent0,
             bytes_received=self.transport.stats.bytes_received - recv0,
             duration_s=time.monotonic() - started,
@@ -556,6 +563,11 @@ async def _reply_or_relayed(call, guard: PartGuard, j: int, reducer: str, hasher
     if relayed is None:
         raise RoundAbortedError("stopped waiting for this aggregate")
     return relayed, True
+
+
+async def _nothing() -> torch.Tensor:
+    """The aggregate of a member that reduces no part."""
+    return torch.empty(0)
 
 
 def _refuse(reduction: Reduction, index: int) -> None:

@@ -12,6 +12,8 @@ only to admitted peers (otherwise anyone could map which ports of their own addr
 from __future__ import annotations
 
 import asyncio
+import random
+import secrets
 import logging
 from typing import Annotated, Optional
 
@@ -29,6 +31,9 @@ MAGIC = b"phalanx-dial-back"  # then the asker's nonce: all the dialer ever send
 NONCE_BYTES = 16
 CONNECT_TIMEOUT_S = 3.0
 MAX_DIALS = 4  # dials under way at once, all askers together
+BUSY = "busy with other dial-backs; ask again"
+BUSY_TRIES = 8  # a peer asks again this often while its askers are busy (a swarm started at once asks together)
+BUSY_RETRY_S = 0.25  # ... after about this, times the attempt, jittered
 NOT_ADMITTED = "not admitted to this swarm (no valid certificate): no dial-back"
 
 
@@ -65,7 +70,7 @@ class DialBackService(ServicerBase):
             return BytesValue(value=pack(DialBackReply(reached=False, error=NOT_ADMITTED)))
         ask = unpack(request.value, DialBackRequest, peer=key)
         if key in self._dialing or len(self._dialing) >= MAX_DIALS:
-            return BytesValue(value=pack(DialBackReply(reached=False, error="busy with other dial-backs; ask again")))
+            return BytesValue(value=pack(DialBackReply(reached=False, error=BUSY)))
         self._dialing.add(key)
         try:
             reply = await self._dial(asker, ask)
@@ -114,3 +119,31 @@ async def request_dial_back(p2p: P2P, peer: PeerID, port: int, nonce: bytes, tim
     async with asyncio.timeout(timeout_s):
         response = await stub.rpc_dial_back(BytesValue(value=pack(DialBackRequest(port=port, nonce=nonce))))
     return unpack(response.value, DialBackReply, peer=peer.to_base58())
+
+
+async def dialable(p2p: P2P, askers: list[PeerID], port: int, *, timeout_s: float = CONNECT_TIMEOUT_S + 5.0) -> Optional[bool]:
+    """Whether others can open TCP to `port` (our libp2p port) at our address as they see it: the first of
+    `askers` that answers says. None when none of them answers (a peer of an older version, or one busy with
+    other dial-backs BUSY_TRIES times: a whole swarm starting at once). A home router without port forwarding,
+    or a firewall, makes it False: such a peer dials out only."""
+    nonce = secrets.token_bytes(NONCE_BYTES)  # what the dialer sends is only read by our data port, not p2pd
+    for attempt in range(BUSY_TRIES):
+        busy = False
+        for asker in askers:
+            try:
+                reply = await request_dial_back(p2p, asker, port, nonce, timeout_s)
+            except Exception as e:  # not connected, no such service, a timeout: ask the next one
+                logger.debug(f"{asker.to_base58()[-8:]} did not answer a dial-back request: {e!r}")
+                continue
+            if not reply.reached and reply.error == BUSY:
+                busy = True
+                continue
+            logger.info(
+                f"{asker.to_base58()[-8:]} {'reached' if reply.reached else 'could not reach'} our port {port}"
+                f"{f' at {reply.address}' if reply.address else ''}{f' ({reply.error})' if reply.error else ''}"
+            )
+            return reply.reached
+        if not busy:
+            return None
+        await asyncio.sleep(BUSY_RETRY_S * (1 + random.random()) * (attempt + 1))
+    return None

@@ -246,6 +246,7 @@ class RoundEngine:
             numel=vector.numel(),
             codec=self.config.compression,
             deadline=time.monotonic() + self.config.allreduce_timeout_s,
+            reducers=group.reducers if self.btard is None else 0,  # verified rounds: every member reduces a part
         )
         if self._output is None or self._output.numel() != vector.numel():
             self._output = torch.empty(vector.numel())

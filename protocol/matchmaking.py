@@ -28,7 +28,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Annotated, Callable, Literal, Optional
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from phalanx.aggregation.errors import PeerProtocolError, RoundTimeoutError
 from phalanx.protocol.config import MatchmakingConfig
@@ -80,6 +80,7 @@ class JoinRequest(WireModel):
     # how long the joiner's previous join to this leader took beyond what the leader held it (its link, see
     # Matchmaker._note_report); 0: none, or to another leader
     overhead_ms: Annotated[int, Field(ge=0, le=MAX_OVERHEAD_MS)] = 0
+    reachable: bool = True  # others can dial the joiner: it may reduce a part (False: it only dials out)
 
 
 class LeaderProbe(WireModel):
@@ -97,13 +98,22 @@ class Donation(WireModel):
 
 class GroupSpec(WireModel):
     round_id: RoundId
-    members: list[PeerIdStr]  # ordered: member i reduces part i
+    members: list[PeerIdStr]  # ordered: member i reduces part i (the first `reducers` of them, if set)
     step: int  # every member's step before the round
     version: bytes  # every member's state version before the round
     donations: list[Donation]
     statement: Annotated[bytes, Field(max_length=64 << 10)] = b""  # verified runs: the leader's signed "group"
     versions: list[Annotated[int, Field(ge=0)]] = []  # each member's state version as it joined (async modes)
     k: Annotated[int, Field(ge=0)] = 0  # how many members the sync policy asked for
+    # unverified rounds: only the first `reducers` members reduce a part; the rest are peers nobody can dial,
+    # which send their parts and take the aggregates back over connections they open (0: every member)
+    reducers: Annotated[int, Field(ge=0)] = 0
+
+    @model_validator(mode="after")
+    def _reducers_are_members(self) -> GroupSpec:
+        if self.reducers > len(self.members):
+            raise ValueError(f"{self.reducers} reducers in a group of {len(self.members)}")
+        return self
 
 
 class JoinReply(WireModel):
@@ -202,7 +212,7 @@ class Matchmaker:
 
     async def join(self, *, version: bytes, step: int, together: bool = False) -> JoinReply:
         """Get into a group (or a resync order); raises RoundTimeoutError after join_timeout_s."""
-        request = JoinRequest(run=self.run_hash, version=version, step=step, together=together)
+        request = JoinRequest(run=self.run_hash, version=version, step=step, together=together, reachable=self.membership.reachable)
         deadline = time.monotonic() + self.config.join_timeout_s
         target: Optional[str] = None
         redirects = 0
@@ -632,12 +642,15 @@ class Matchmaker:
         leftover: list[str] = []
         if len(chunks) > 1 and len(chunks[-1]) < max(self.config.min_group_size, size if not self.config.lockstep else 0):
             leftover = chunks.pop()  # groups keep their size; the rest wait for the next ones
-        # donors: members the swarm does not find slow where there are any (a state from a lossy peer comes late)
+        # donors: members the swarm does not find slow where there are any (a state from a lossy peer comes late),
+        # and that the recipient can dial
         slow = self.membership.slow_flagged()
-        donors = [p for p in in_sync if p not in slow] or in_sync
+        dialable = [p for p in in_sync if pending[p].request.reachable]
+        donors = [p for p in dialable if p not in slow] or dialable or in_sync
         donations = {peer: donors[i % len(donors)] for i, peer in enumerate(behind)}
         self._expected_next = set(pending)
-        for members in chunks:
+        for chunk in chunks:
+            members, reducers = self._reducers_first(chunk, pending)
             round_id = self.new_round_id()
             statement = b""
             if self.identity is not None:
@@ -652,6 +665,7 @@ class Matchmaker:
                 statement=statement,
                 versions=[pending[m].request.step for m in members],
                 k=k,
+                reducers=reducers if reducers < len(members) else 0,
             )
             if k:
                 logger.info(f"group of {len(members)} formed (sync policy {self.sync_policy.spec}: K={k})")
@@ -662,6 +676,16 @@ class Matchmaker:
                 if donor in members:
                     _resolve(pending[recipient].reply, JoinReply(kind="resync", group=group, donor=donor))
         return leftover
+
+
+    def _reducers_first(self, chunk: list[str], pending: dict[str, _Pending]) -> tuple[list[str], int]:
+        """(members, how many reduce): joiners others can dial first, as drawn. Verified rounds have every member
+        reduce a part (their checks count on it): there, a member nobody can dial fails as a reducer would; so
+        it does in a group with no member others can dial (through relays, if they have any)."""
+        dialable = [p for p in chunk if pending[p].request.reachable]
+        if self.majority_state or not dialable:
+            return chunk, len(chunk)
+        return dialable + [p for p in chunk if not pending[p].request.reachable], len(dialable)
 
 
 def _late(overheads: list[float]) -> tuple[list[bool], float]:

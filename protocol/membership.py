@@ -50,6 +50,7 @@ class PeerRecord(WireModel):
     slow: list[PeerIdStr] = Field(default=[], max_length=MAX_SLOW_MARKS)
     # it stepped down lately and is back in groups, but does not lead yet (Matchmaker.on_probation)
     probation: bool = False
+    reachable: bool = True  # others can dial it; False: it only dials out (home router), so it never leads
 
 
 @dataclass
@@ -67,6 +68,7 @@ class Membership:
     key: str  # the run's DHT key, derived from its configuration hash
     peer_id: str
     identity: Optional[Identity] = None  # signs this peer's records (None: a view that never announces)
+    reachable: bool = True  # whether others can dial this peer (published; one that cannot never leads)
     refresh_s: float = 2.0
     ttl_s: float = 8.0
     state: PeerState = "joining"
@@ -155,8 +157,9 @@ class Membership:
         if self.identity is None:
             raise ValueError("a membership without an identity cannot announce")
         record = PeerRecord(
-            state=self.state, step=self.step, slow=sorted(self.slow_marks())[:MAX_SLOW_MARKS], probation=self.on_probation()
-        )
+            state=self.state, step=self.step, slow=sorted(self.slow_marks())[:MAX_SLOW_MARKS],
+            probation=self.on_probation(), reachable=self.reachable,
+        )  # fmt: skip
         value, expiration = sign_record(self.identity, self.key, record, signed_at=get_dht_time(), ttl_s=expire_in_s)
         await dht_store(self.dht, self.key, value, expiration, subkey=self.peer_id)
 
@@ -241,9 +244,15 @@ class Membership:
         (period number, peer ID). The leader
         forms the groups, and anyone can make a key with a low peer ID; no key has a low hash in every
         period, so a Byzantine peer leads about its share of the periods, not all of them. `excluding`: who
-        would lead without them; `trusting`: who would lead if no one were suspected."""
-        pool = [p for p in self.peers() if (trusting or not self.is_suspect(p)) and p not in excluding and p != self.peer_id]
-        pool.append(self.peer_id)
+        would lead without them; `trusting`: who would lead if no one were suspected. Only peers others can dial
+        lead (every joiner must reach the leader), unless none is in view."""
+        view = self.peers()
+        others = [p for p in view if (trusting or not self.is_suspect(p)) and p not in excluding and p != self.peer_id]
+        dialable = [p for p in others if view[p].reachable]
+        if self.reachable:
+            pool = [*dialable, self.peer_id]
+        else:  # we lead no one, unless no candidate can be dialed: then all of us pick the same one (relays may help)
+            pool = dialable or [*others, self.peer_id]
         slow, aside = self.slow_flagged(), self.stepping_aside()
         candidates = [p for p in pool if p not in slow | aside] or [p for p in pool if p not in slow] or pool
         if self.leader_period_s is None:

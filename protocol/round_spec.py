@@ -80,10 +80,18 @@ class RoundSpec:
     numel: int
     codec: Codec
     deadline: float  # time.monotonic() by which reducers stop waiting for parts
+    # the first `reducers` members reduce a part each; the others (peers nobody can dial: they only send their
+    # parts and take the aggregates back over the connections they open) reduce nothing. 0: every member
+    reducers: int = 0
 
     @property
     def bounds(self) -> list[tuple[int, int]]:
-        return partition_bounds(self.numel, len(self.members))
+        """[start, end) of each member's part: empty for members that reduce nothing."""
+        n, reducers = len(self.members), self.reducers or len(self.members)
+        return partition_bounds(self.numel, reducers) + [(self.numel, self.numel)] * (n - reducers)
+
+    def reduces(self, index: int) -> bool:
+        return not self.reducers or index < self.reducers
 
 
 @dataclass

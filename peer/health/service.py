@@ -244,7 +244,7 @@ class HealthService:
             published_at=get_dht_time(),
             started_at=self.started_at,
             addresses=[a[:256] for a in self.addresses],
-            reachability=reachability(self.addresses, self.settings.client_mode),
+            reachability=reachability(self.addresses, self.dials_out_only()),
             step=m.step,
             samples_per_s=m.samples_per_s,
             loss=m.loss,
@@ -281,6 +281,10 @@ class HealthService:
 
     def alive(self) -> bool:
         return self.dht.is_alive()
+
+    def dials_out_only(self) -> bool:
+        """Nobody can dial this peer: `--client-mode`, or an initial peer could not dial it back."""
+        return self.settings.client_mode or (self.node is not None and not self.node.membership.reachable)
 
     def peers_seen(self) -> int:
         if self.node is not None:
@@ -329,7 +333,7 @@ class HealthService:
             "config_hash": self.config_hash,
             "addresses": self.addresses,
             "direct_addresses": node.transport.direct_addresses if node is not None else [],  # host:port of the data port
-            "reachability": reachability(self.addresses, self.settings.client_mode),
+            "reachability": reachability(self.addresses, self.dials_out_only()),
             "state": self.state(),
             "alive": self.alive(),
             "ready": ready,

@@ -48,7 +48,10 @@ async def open_peer(
     direct: bool = True,
     behavior: Optional[Behavior] = None,
     sync_policy: Optional[SyncPolicy] = None,
+    reachable: bool = True,
 ) -> TestPeer:
+    """`reachable=False`: a peer nobody can dial (behind a home router), as the others learn from its record
+    and joins; on loopback it still could be, so tests check that nobody does."""
     loop = asyncio.get_running_loop()
     scratch = tempfile.TemporaryDirectory(prefix="phalanx-test-peer-")
     identity = Identity.generate_ed25519(Path(scratch.name) / "identity.key")
@@ -65,8 +68,10 @@ async def open_peer(
     keys = run_keys(RUN_ID, KEY)
     await install(dht, keys)
     p2p = await dht.replicate_p2p()
-    transport = await Transport.open(p2p, namespace=KEY, direct_host="127.0.0.1" if direct else None)
-    membership = Membership(dht, keys["peers"].name, transport.peer_id, identity=identity, refresh_s=1.0, ttl_s=6.0)
+    transport = await Transport.open(p2p, namespace=KEY, direct_host="127.0.0.1" if direct and reachable else None)
+    membership = Membership(
+        dht, keys["peers"].name, transport.peer_id, identity=identity, refresh_s=1.0, ttl_s=6.0, reachable=reachable
+    )
     bans = BanBook(dht, keys["bans"].name, membership.banned)
     engine = RoundEngine(
         transport, membership, config, RUN_HASH, identity=identity, bans=bans, behavior=behavior, sync_policy=sync_policy
@@ -85,7 +90,12 @@ async def close_peer(peer: TestPeer) -> None:
 
 @contextlib.asynccontextmanager
 async def open_swarm(
-    n: int, config: RoundConfig, *, behaviors: Optional[list[Optional[Behavior]]] = None, **kwargs
+    n: int,
+    config: RoundConfig,
+    *,
+    behaviors: Optional[list[Optional[Behavior]]] = None,
+    reachable: Optional[list[bool]] = None,
+    **kwargs,
 ) -> AsyncIterator[list[TestPeer]]:
     loop = asyncio.get_running_loop()
     bootstrap = await loop.run_in_executor(None, lambda: hivemind.DHT(host_maddrs=LOOPBACK, start=True))
@@ -97,7 +107,7 @@ async def open_swarm(
             extra = dict(kwargs)
             if "sync_policy" in extra:  # one policy object per peer: policies keep state
                 extra["sync_policy"] = extra["sync_policy"]()
-            peers.append(await open_peer(initial, config, behavior=behavior, **extra))
+            peers.append(await open_peer(initial, config, behavior=behavior, reachable=reachable[i] if reachable else True, **extra))
         for peer in peers:  # everyone sees everyone before the first round
             while len(peer.membership.peers()) < n:
                 await peer.membership.refresh()

@@ -11,9 +11,11 @@ from hivemind.utils.multiaddr import Multiaddr
 from phalanx.aggregation.errors import PeerProtocolError
 from phalanx.protocol.dial_back import (
     MAGIC,
+    MAX_DIALS,
     NONCE_BYTES,
     DialBackRequest,
     DialBackService,
+    dialable,
     observed_host,
     request_dial_back,
 )
@@ -106,6 +108,40 @@ def test_in_a_private_swarm_only_admitted_peers_are_dialed_back(admit):
                         await asyncio.sleep(0.01)
         finally:
             for p in (asker, server):
+                await p.shutdown()
+            listener.close()
+            await listener.wait_closed()
+
+    asyncio.run(asyncio.wait_for(main(), 100))
+
+
+@pytest.mark.timeout(120)
+def test_a_peer_learns_whether_others_can_dial_it():
+    """An open port is reached, a closed one is not, a busy asker is asked again, and a peer that does
+    not serve dial-backs gives no answer rather than a wrong one."""
+
+    async def main():
+        listener = await asyncio.start_server(lambda r, w: w.close(), "127.0.0.1", 0)
+        open_port = listener.sockets[0].getsockname()[1]
+        closed = await asyncio.start_server(lambda r, w: w.close(), "127.0.0.1", 0)
+        closed_port = closed.sockets[0].getsockname()[1]
+        closed.close()
+        await closed.wait_closed()
+        server = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+        silent = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"])  # serves no dial-back
+        asker = await P2P.create(
+            host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=[*await server.get_visible_maddrs(), *await silent.get_visible_maddrs()]
+        )
+        try:
+            service = await DialBackService.open(server)
+            assert await dialable(asker, [silent.peer_id, server.peer_id], open_port) is True
+            assert await dialable(asker, [server.peer_id], closed_port) is False
+            assert await dialable(asker, [silent.peer_id], open_port) is None
+            service._dialing.update(f"x{i}" for i in range(MAX_DIALS))  # busy with others' dial-backs ...
+            asyncio.get_running_loop().call_later(0.3, service._dialing.clear)  # ... for a moment
+            assert await dialable(asker, [server.peer_id], open_port) is True
+        finally:
+            for p in (asker, silent, server):
                 await p.shutdown()
             listener.close()
             await listener.wait_closed()
