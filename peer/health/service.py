@@ -197,6 +197,7 @@ class HealthService:
             lockstep=engine is not None and engine.config.matchmaking.lockstep,
             config_hash=self.config_hash,
             last_round_members=tuple(last.members) if last is not None else (),
+            dials_out_only=self.dials_out_only(),
         )
         return swarm_reasons(me, records, self.recent.count(), now=now)[:MAX_VIOLATIONS]
 

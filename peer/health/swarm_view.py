@@ -128,6 +128,7 @@ class Self:
     lockstep: bool  # sync mode: every member's step moves together
     config_hash: str  # only trainers of the same configuration can train together
     last_round_members: tuple[str, ...]  # () before its first round
+    dials_out_only: bool = False  # nobody can dial this peer (a home router, a firewall, --client-mode)
 
 
 def swarm_reasons(me: Self, records: Mapping[str, HealthRecord], recent: int, *, now: float) -> list[str]:
@@ -145,6 +146,11 @@ def swarm_reasons(me: Self, records: Mapping[str, HealthRecord], recent: int, *,
         p: r for p, r in records.items()
         if p != me.peer_id and r.role == "trainer" and r.state != "offline" and r.config_hash == me.config_hash
     }  # fmt: skip
+    if me.dials_out_only and all(r.reachability == "client" for r in others.values()):
+        reasons.append(
+            "unreachable: no relay: nobody can dial this peer, and no trainer in view can be dialed either "
+            "(a peer others can reach must join, or this peer needs a forwarded port: --public-ip)"
+        )
     if me.last_round_members == (me.peer_id,) and (others or recent > 2):
         reasons.append("training alone: its last round had no other member while other trainers are around")
     if me.lockstep and others:

@@ -199,3 +199,14 @@ def test_records_that_expire_between_reads_count_at_once(tmp_path):
     service.expirations[B] = now - 1
     assert service.readiness() == (False, ["cut off: sees 2 of 5 peers"])
     assert service.status()["swarm"]["problems"] == ["cut off: sees 2 of 5 peers"]
+
+
+def test_a_peer_nobody_can_dial_with_no_dialable_trainer_in_view_says_it_is_unreachable():
+    homes = {p: rec(p, (A, B, C), reachability="client") for p in (A, B, C)} | {BOOT: boot()}
+    alone = Self(peer_id=A, role="trainer", step=100, lockstep=True, config_hash="ab", last_round_members=(A, B, C), dials_out_only=True)
+    assert swarm_reasons(alone, homes, 4, now=NOW)[0].startswith("unreachable: no relay")
+    assert swarm_reasons(alone, {A: rec(A, (A, B, C), reachability="client")}, 1, now=NOW)[0].startswith("unreachable")  # all gone
+    with_public = homes | {D: rec(D, (A, B, C, D))}  # one trainer the others can dial: they train through it
+    assert not [r for r in swarm_reasons(alone, with_public, 5, now=NOW) if r.startswith("unreachable")]
+    dialable_me = Self(peer_id=A, role="trainer", step=100, lockstep=True, config_hash="ab", last_round_members=(A, B, C))
+    assert not [r for r in swarm_reasons(dialable_me, homes, 4, now=NOW) if r.startswith("unreachable")]
