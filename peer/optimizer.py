@@ -648,7 +648,8 @@ class Optimizer(torch.optim.Optimizer):
 
     def _global_step(self) -> None:
         """Average this peer's gradient with the swarm's (weighted by local steps) and step on it."""
-        self._landed(self._swarm.call(self._round()), self._steps.samples)
+        samples = self._steps.samples  # counted before the round: finishing it resets the count to 0
+        self._landed(self._swarm.call(self._round()), samples)
 
     def _local_step(self) -> None:
         """lasgd/gossip: the wrapped optimizer steps on this batch's gradient; the exchange in flight is

@@ -272,6 +272,29 @@ def test_alone_it_steps_its_schedule_per_global_step_round_trips_state_and_leave
 
 @pytest.mark.integration
 @pytest.mark.timeout(300)
+@pytest.mark.parametrize(("mode", "settings", "per_round"), [("sync", {"target_batch_size": 4}, 4), ("diloco", {"inner_steps": 3}, 6)])
+def test_alone_its_throughput_is_the_samples_of_each_round_over_the_time_between_rounds(mode, settings, per_round):
+    """What metrics, /api/v1/status, health records and the monitor show as samples/s. In sync mode it
+    read 0 for the whole run: the samples were counted after the round had reset them."""
+    import itertools
+
+    import phalanx
+
+    model, inner = _model_and_adamw()
+    with phalanx.Optimizer(
+        inner, run_id=f"alone-{mode}-throughput", batch_size_per_step=2, mode=mode, host_maddrs=[LOOPBACK], **settings
+    ) as opt:
+        ticks = itertools.count()
+        opt.metrics.clock = lambda: float(next(ticks))  # one second between two rounds
+        while opt.statistics().rounds_ok < 4:
+            F.mse_loss(model(torch.randn(2, 4)), torch.randn(2, 2)).backward()
+            opt.step()
+            opt.zero_grad()
+        assert opt.metrics.samples_per_s == pytest.approx(per_round)
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(300)
 def test_alone_in_lasgd_it_exchanges_every_sync_every_steps_and_round_trips_its_base():
     import phalanx
 

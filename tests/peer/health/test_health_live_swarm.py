@@ -72,6 +72,29 @@ def test_trainer_serves_healthz_readyz_metrics_and_status(live_swarm):
     )
 
 
+def test_throughput_is_the_trainers_samples_per_second_everywhere_it_is_shown(live_swarm):
+    """Every trainer trains (digits, 32 samples a step), so each place that shows its samples/s shows more
+    than 0: its metrics and status, its health record in `phalanx health` and the monitor (its table and
+    metrics; the throughput plot draws the same records). All of them read 0 for the whole run while the
+    optimizer counted a round's samples after the round had reset them."""
+    trainer_ids = {t.peer_id for t in live_swarm.trainers}
+
+    def everywhere() -> bool:
+        for t in live_swarm.trainers:
+            if _metrics(t.url)["phalanx_samples_per_second"][0].value <= 0:
+                return False
+            if get_json(t.url + "/api/v1/status")[1]["samples_per_s"] <= 0:
+                return False
+        monitor = get_json(live_swarm.monitor.url + "/api/v1/peers")[1]
+        plotted = {p["peer_id"]: p["samples_per_s"] for p in monitor["peers"]}
+        per_peer = {s.labels["peer"]: s.value for s in _metrics(live_swarm.monitor.url)["phalanx_swarm_peer_samples_per_second"]}
+        return all(plotted.get(p, 0) > 0 and per_peer.get(p, 0) > 0 for p in trainer_ids)
+
+    wait_until(everywhere, "every trainer's throughput above 0 in its metrics, status and the monitor", live_swarm.procs)
+    rows = {p["peer_id"]: p for p in _health_json(live_swarm)["peers"]}
+    assert all(rows[p]["samples_per_s"] > 0 for p in trainer_ids), rows
+
+
 def test_bootstrap_serves_healthz_and_publishes_its_record(live_swarm):
     boot = live_swarm.bootstrap
     assert http_get(boot.url + "/healthz")[0] == 200
