@@ -14,7 +14,7 @@ import os
 import re
 import tomllib
 from pathlib import Path
-from typing import Annotated, Any, Literal, Optional
+from typing import Annotated, Any, Literal, Optional, TypeVar
 
 from pydantic import Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, InitSettingsSource, NoDecode, PydanticBaseSettingsSource, SettingsConfigDict
@@ -30,8 +30,11 @@ BUILTIN_TASKS = ("digits-mlp", "mnist-cnn", "cifar10-resnet18", "tiny-gpt")
 """phalanx.tasks.TASKS's names (a test keeps them equal): known here without importing torch."""
 ENV_PREFIX = "PHALANX_"
 _config_data: contextvars.ContextVar[Optional[dict]] = contextvars.ContextVar("phalanx_config_data", default=None)
+# False while phalanx.Optimizer builds its settings: they are its arguments, never PHALANX_* variables
+_read_environment: contextvars.ContextVar[bool] = contextvars.ContextVar("phalanx_read_environment", default=True)
 
 StrList = Annotated[list[str], NoDecode]
+S = TypeVar("S", bound=BaseSettings)
 PARAMS_HINT = "(parameters: --aggregator NAME:name=value,… or --aggregator-params name=value,…)"
 
 
@@ -91,7 +94,9 @@ class NetworkSettings(BaseSettings):
         dotenv_settings: PydanticBaseSettingsSource,
         file_secret_settings: PydanticBaseSettingsSource,
     ) -> tuple[PydanticBaseSettingsSource, ...]:
-        sources: list[PydanticBaseSettingsSource] = [init_settings, env_settings]
+        sources: list[PydanticBaseSettingsSource] = [init_settings]
+        if _read_environment.get():
+            sources.append(env_settings)
         data = _config_data.get()
         if data is not None:
             sources.append(InitSettingsSource(settings_cls, init_kwargs=data))
@@ -334,6 +339,16 @@ def load_settings(model: type[NetworkSettings], overrides: dict[str, Any], confi
         _config_data.reset(token)
 
 
+def settings_from_arguments(model: type[S], fields: dict[str, Any]) -> S:
+    """`model` from `fields` alone: the library's settings are its arguments, so a PHALANX_* variable
+    meant for the command line (a container's, a shell's) never changes a script's run."""
+    token = _read_environment.set(False)
+    try:
+        return model(**fields)
+    finally:
+        _read_environment.reset(token)
+
+
 def read_config_file(model: type[NetworkSettings], path: Path) -> dict[str, Any]:
     """The TOML file's settings by field name. Keys are the flags' names without `--`, with `_` or `-`
     (`batch_size` or `batch-size`); a key that is no setting of `model` is refused, naming the file."""
@@ -385,6 +400,13 @@ OTHER_ENV_VARS = ("LOG_FORMAT", "BOOTSTRAP_URL", "BOOTSTRAP_WAIT_S", "REPLICA_DI
 def known_settings() -> set[str]:
     """Every field name of every command's settings model."""
     return set(PeerConfig.model_fields) | set(MonitorSettings.model_fields)
+
+
+def environment_settings(environ: Optional[dict[str, str]] = None) -> list[str]:
+    """The PHALANX_* variables set that name a setting of `phalanx join` (what the library ignores)."""
+    environ = os.environ if environ is None else environ
+    names = {ENV_PREFIX + name.upper() for name in PeerConfig.model_fields}
+    return sorted(name for name in environ if name.upper() in names)
 
 
 def misspelt_env_vars(environ: Optional[dict[str, str]] = None) -> list[tuple[str, Optional[str]]]:

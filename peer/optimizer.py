@@ -51,7 +51,8 @@ from pydantic import ValidationError
 
 from phalanx.aggregation.compression import ErrorFeedback
 from phalanx.aggregation.errors import ConfigError, PhalanxError
-from phalanx.peer.config import PeerConfig
+from phalanx.peer.attacks import GRADIENT_ATTACKS
+from phalanx.peer.config import PeerConfig, environment_settings, settings_from_arguments
 from phalanx.peer.global_step import GlobalStep
 from phalanx.peer.health import PeerMetrics, open_node_health
 from phalanx.peer.local_exchange import LocalExchange
@@ -67,6 +68,27 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 API_MODES = ("sync", "lasgd", "gossip", "diloco")
+_CHECKPOINTS = "save opt.state_dict() beside your model's state_dict() and load both back (opt.load_state_dict())"
+_TASKS = "your script builds the model and feeds it its data (tasks are `phalanx join --task`'s)"
+# Settings of `phalanx join`'s own loop around the optimizer (peer/trainer.py), which a script does itself:
+# each with what to do instead. Every other setting of `phalanx join` configures the swarm here too
+# (tests/peer/test_optimizer.py checks that each of the trainer's settings is one or the other).
+JOIN_ONLY = {
+    "task": _TASKS, "task_options": _TASKS, "data_dir": _TASKS, "data_file": _TASKS,
+    "device": "move the model to its device before you make its optimizer",
+    "batch_size": "give batch_size_per_step= (the samples of one step)",
+    "lr": "set it on the optimizer you wrap (e.g. torch.optim.SGD(params, lr=0.1))",
+    "momentum": "set it on the optimizer you wrap (e.g. torch.optim.SGD(params, lr=0.1, momentum=0.9))",
+    "weight_decay": "set it on the optimizer you wrap (e.g. torch.optim.AdamW(params, weight_decay=0.01))",
+    "steps": "end your loop after as many steps",
+    "target_accuracy": "evaluate in your loop and end it there",
+    "target_loss": "evaluate in your loop and end it there",
+    "eval_every": "evaluate in your loop as often as you like",
+    "checkpoint_dir": _CHECKPOINTS, "checkpoint_every": _CHECKPOINTS, "checkpoint_keep": _CHECKPOINTS, "resume": _CHECKPOINTS,
+    "torch_threads": "call torch.set_num_threads() in your script",
+    "events": "read opt.statistics() in your loop",
+    "slowdown": "sleep in your loop (a straggler for demos and tests)",
+}  # fmt: skip
 LOCAL_MODES = ("lasgd", "gossip")  # local steps never wait; an exchange every sync_every steps runs meanwhile
 Scheduler = Union[torch.optim.lr_scheduler.LRScheduler, Callable[[torch.optim.Optimizer], Any]]
 
@@ -159,9 +181,12 @@ class Optimizer(torch.optim.Optimizer):
 
     Swarm settings are those of `phalanx join`, by the flags' names with underscores (`initial_peers`,
     `identity_path`, `host_maddrs`, `aggregator`, `compression`, `matchmaking_timeout_s`, `http_port`,
-    ...). Peers meet only if their run id, parameter shapes, optimizer hyperparameters, batch sizes and
-    round settings agree. `scheduler` (an LR scheduler, or a factory called with the wrapped
-    optimizer) steps once per global step, so every peer's learning rate follows the swarm's step.
+    ...), given as arguments only: `PHALANX_*` environment variables configure the `phalanx` command,
+    and a script's settings stay in the script. The settings of `phalanx join`'s own loop (its task,
+    steps, evaluation, checkpoints: `JOIN_ONLY`) are refused, with what to do instead. Peers meet only
+    if their run id, parameter shapes, optimizer hyperparameters, batch sizes and round settings agree.
+    `scheduler` (an LR scheduler, or a factory called with the wrapped optimizer) steps once per global
+    step, so every peer's learning rate follows the swarm's step.
     """
 
     def __init__(
@@ -181,6 +206,7 @@ class Optimizer(torch.optim.Optimizer):
         seed: int = 0,
         **settings: Any,
     ) -> None:
+        _refuse_join_settings(settings)
         inner = _make_inner(optimizer, params)
         if not isinstance(batch_size_per_step, int) or batch_size_per_step < 1:
             raise ConfigError(
@@ -876,6 +902,19 @@ class Optimizer(torch.optim.Optimizer):
                 self._scheduled += 1
 
 
+def _refuse_join_settings(settings: dict[str, Any]) -> None:
+    """One line for the first setting only `phalanx join`'s loop uses (JOIN_ONLY, and its gradient
+    attacks, which it applies to the gradients it computes): here it would do nothing."""
+    for name, value in settings.items():
+        if name in JOIN_ONLY:
+            raise ConfigError(f"phalanx.Optimizer({name}={value!r}): only phalanx join uses it; {JOIN_ONLY[name]}")
+        if name == "attack" and isinstance(value, str) and value.partition(":")[0] in GRADIENT_ATTACKS:
+            raise ConfigError(
+                f"phalanx.Optimizer(attack={value!r}): only phalanx join uses gradient attacks; change the "
+                "gradients in your own loop before opt.step()"
+            )
+
+
 def _make_inner(optimizer: Any, params: Optional[Iterable[torch.Tensor]]) -> torch.optim.Optimizer:
     if isinstance(optimizer, torch.optim.Optimizer):
         if params is not None:
@@ -912,8 +951,14 @@ def _plan(
     that a task would have fixed: parameter shapes, the optimizer and its hyperparameters, the target."""
     fields = {**settings, "run_id": run_id, "mode": mode, "batch_size": batch_size, "seed": seed, "verify": verify}
     fields["task"] = _fingerprint(inner, target)
+    ignored = environment_settings()
+    if ignored:
+        logger.warning(
+            f"phalanx.Optimizer ignores {', '.join(ignored)}: PHALANX_* variables configure the phalanx command; "
+            "give a script's settings as arguments"
+        )
     try:
-        config = PeerConfig(**fields)
+        config = settings_from_arguments(PeerConfig, fields)
     except ValidationError as e:
         first = e.errors()[0]
         message = _as_arguments(first["msg"].removeprefix("Value error, "))

@@ -2,6 +2,7 @@
 
 import importlib.util
 import json
+import logging
 import time
 from pathlib import Path
 
@@ -193,6 +194,17 @@ def _model_and_adamw(model=None):
         ),
         ({"compression": "zip"}, "phalanx.Optimizer(compression='zip'): Input should be 'none', 'fp16', '8bit', 'int8' or 'topk:<fraction>'"),
         (
+            {"checkpoint_dir": "/tmp/c", "steps": 5, "eval_every": 3},
+            "phalanx.Optimizer(checkpoint_dir='/tmp/c'): only phalanx join uses it; save opt.state_dict() beside your "
+            "model's state_dict() and load both back (opt.load_state_dict())",
+        ),
+        ({"steps": 5}, "phalanx.Optimizer(steps=5): only phalanx join uses it; end your loop after as many steps"),
+        ({"eval_every": 3}, "phalanx.Optimizer(eval_every=3): only phalanx join uses it; evaluate in your loop"),
+        ({"task": "tiny-gpt"}, "phalanx.Optimizer(task='tiny-gpt'): only phalanx join uses it; your script builds the model"),
+        ({"batch_size": 8}, "phalanx.Optimizer(batch_size=8): only phalanx join uses it; give batch_size_per_step="),
+        ({"lr": 0.1}, "phalanx.Optimizer(lr=0.1): only phalanx join uses it; set it on the optimizer you wrap"),
+        ({"attack": "sign_flip"}, "phalanx.Optimizer(attack='sign_flip'): only phalanx join uses gradient attacks"),
+        (
             {
                 "verify": True,
                 "model": torch.nn.Linear(4, 2),
@@ -218,6 +230,35 @@ def test_a_mistake_is_one_line_naming_the_argument_before_anything_starts(kwargs
     with pytest.raises(ConfigError) as caught:
         __import__("phalanx").Optimizer(inner, **kwargs)
     assert str(caught.value).startswith(error) and "\n" not in str(caught.value), str(caught.value)
+
+
+def test_each_setting_of_the_trainer_is_refused_or_configures_the_swarm():
+    """A new join flag of the trainer's section is either JOIN_ONLY (refused, with what to do instead) or
+    read by the library, never accepted and ignored."""
+    from dataclasses import fields
+
+    from phalanx.peer.optimizer import JOIN_ONLY
+    from phalanx.peer.plan import TrainingConfig
+
+    assert {f.name for f in fields(TrainingConfig)} - set(JOIN_ONLY) == {"mode", "seed", "wait_for_peers"}
+
+
+def test_phalanx_variables_never_configure_the_library_and_it_says_so(monkeypatch, caplog):
+    """A shell or container set up for `phalanx join` leaves the script's settings alone (the script
+    would serve HTTP, use another aggregator, or be refused a checkpoint folder it never asked for)."""
+    from phalanx.peer.optimizer import _plan
+
+    for name, value in {"PHALANX_HTTP_PORT": "8123", "PHALANX_AGGREGATOR": "median", "PHALANX_CHECKPOINT_DIR": "/tmp/c"}.items():
+        monkeypatch.setenv(name, value)
+    _, inner = _model_and_adamw()
+    plan = _plan(inner, "env", "sync", 8, None, 0, False, {"compression": "fp16"})
+    assert plan.network.http_port == 0 and plan.round.aggregator == "mean" and plan.training.checkpoint_dir is None
+    assert plan.round.compression.value == "fp16"
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert warned == [
+        "phalanx.Optimizer ignores PHALANX_AGGREGATOR, PHALANX_CHECKPOINT_DIR, PHALANX_HTTP_PORT: PHALANX_* variables "
+        "configure the phalanx command; give a script's settings as arguments"
+    ]
 
 
 def test_an_optimizer_factory_needs_params_and_an_instance_refuses_them():
