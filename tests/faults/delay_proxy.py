@@ -5,14 +5,17 @@ Delay model: a host's one-way delay d applies to both directions of every TCP co
 part in, dialing or accepting, so a connection between A and B sees d_A + d_B one way and a round
 trip of 2·(d_A + d_B), its connect included. The dialer's proxy carries the whole of it: once any
 host is delayed every host runs a proxy, and a connection from A to B goes through A's proxy, which
-adds d_A + d_B. Nothing arriving at a host is redirected, so B sees A's own address, and B's
-firewall (the lab's `split`, `block_port`, `loss`) acts on a real connection, as without a proxy.
+adds d_A + d_B. Nothing arriving at a host is redirected, so B sees A's own address (or, beyond a
+home's LAN, its router's), and B's firewall (the lab's `split`, `block_port`, `loss`) acts on a
+real connection, as without a proxy.
 
 What is redirected (iptables nat OUTPUT REDIRECT to the proxy's port on 127.0.0.1): TCP leaving the
-host's eth0 for the lab's subnet when the host itself is delayed, else only TCP to the delayed
-hosts. Never loopback, never the host's own address (both stay on `lo`, undelayed), nothing outside
-the lab's subnet, and never the proxy's own upstream connections (SO_MARK MARK_UPSTREAM, which the
-rules exclude). The proxy reads the real destination with SO_ORIGINAL_DST.
+host for the lab's subnets when the host itself is delayed (`Host.links`: eth0 to the lab subnet;
+a home's LAN through eth0 too, a router's through its LAN bridge), else only TCP to the delayed
+hosts' addresses (a router has two). Never loopback, never the host's own addresses (they stay on
+`lo`, undelayed), nothing outside the lab's subnets, and never the proxy's own upstream
+connections (SO_MARK MARK_UPSTREAM, which the rules exclude). The proxy reads the real destination
+with SO_ORIGINAL_DST.
 
 Connect: the client's SYN is held in an NFQUEUE (mangle OUTPUT, before the REDIRECT). The proxy
 waits the one-way delay, opens its upstream connection, waits the one-way delay again, and only
@@ -55,6 +58,7 @@ import struct
 import subprocess
 import sys
 from dataclasses import dataclass
+from ipaddress import ip_address, ip_network
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional, Union
 
@@ -655,7 +659,9 @@ class DelayProxies:
             return
         for host in self.lab.hosts.values():
             self._start(host)
-        line = "delays " + " ".join(f"{self.lab.hosts[n].ip}={s!r}" for n, s in self.delays.items())
+        line = "delays " + " ".join(
+            f"{ip}={s!r}" for n, s in self.delays.items() for ip in self.lab.hosts[n].addresses
+        )  # a router is dialed at either of its addresses
         for proxied in self.procs:
             self._ask(proxied, line)
         for host in self.lab.hosts.values():
@@ -728,18 +734,17 @@ class DelayProxies:
         return line.strip()
 
     def _wanted_rules(self, host: Host) -> list[tuple[str, str, tuple[str, ...]]]:
-        from fault_lab import SUBNET
-
         if host.name in self.delays:
-            targets = [f"{SUBNET}.0/24"]  # everything it dials in the lab (its own address stays on lo)
-        else:
-            targets = [self.lab.hosts[n].ip for n in self.delays]
+            targets = host.links  # everything it dials in the lab (its own addresses stay on lo)
+        else:  # the delayed hosts' addresses, on the interface toward each
+            delayed = [ip for n in self.delays for ip in self.lab.hosts[n].addresses]
+            targets = [(dev, ip) for ip in delayed for dev, net in host.links if ip_address(ip) in ip_network(net)]
         not_ours = ("-m", "mark", "!", "--mark", f"{MARK_BASE:#x}/{MARK_MASK:#x}")
         hold_syn = ("--syn", *not_ours, "-j", "NFQUEUE", "--queue-num", str(QUEUE_NUM), "--queue-bypass")
         redirect = (*not_ours, "-j", "REDIRECT", "--to-ports", str(self.ports[host.name]))
         rules = []
-        for dst in targets:
-            match = ("-o", "eth0", "-d", dst, "-p", "tcp")
+        for dev, dst in targets:
+            match = ("-o", dev, "-d", dst, "-p", "tcp")
             rules += [("mangle", "OUTPUT", (*match, *hold_syn)), ("nat", "OUTPUT", (*match, *redirect))]
         for mark, answer in ((MARK_REFUSED, "tcp-reset"), (MARK_UNREACHABLE, "icmp-host-unreachable")):
             reject = ("-p", "tcp", "-m", "mark", "--mark", f"{mark:#x}", "-j", "REJECT", "--reject-with", answer)

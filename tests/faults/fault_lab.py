@@ -2,11 +2,23 @@
 veth link to a bridge that lives in a namespace of its own, so nothing touches the machine's own
 network and parallel sessions cannot collide (every name carries this process's PID).
 
-Faults: `cut`/`heal` (the host's link down/up at the bridge), `split` (iptables DROP between two
-sets of hosts), `block_port` (a firewall dropping TCP to one port), `loss` (iptables `statistic` drops, both directions; all drops on arrival), `cap` (tc tbf both ways),
-`delay` (added TCP latency: a user-space proxy in each host, delay_proxy.py), `clear`. Processes
-start inside a host with `ip netns exec`; `Host.thread_in` runs a function in a
-thread that entered the host's namespace (HTTP polls of a peer's 127.0.0.1 port). Needs root.
+Home routers: `add_home` puts a host behind a router of its own (or a shared one), the shape most
+volunteers have: they can dial out, nobody can dial them. A router is a lab host with a second
+interface, `lan0`, a bridge on a private subnet (10.78.<n>.0/24) whose ports are its homes' links;
+it forwards, masquerades what leaves its uplink for the LAN (`--random-fully` when `symmetric`: a
+fresh random source port per connection, so hole punching cannot work), and forwards from outside
+to a home only what belongs to a connection the home opened (no port forwarding). Homes behind one
+router reach each other directly on the LAN and share its public address.
+
+Faults act on a host's link: a public host's or a router's is its veth to the lab bridge (a
+router's is the uplink all its homes share), a home's is its veth to its router's LAN. `cut`/`heal`
+(the link down/up at its far end), `split` (iptables DROP between two sets of hosts), `block_port`
+(a firewall dropping TCP to one port), `loss` (iptables `statistic` drops, both directions), `cap`
+(tc tbf, each direction its own rate: `up` on the host's own end, `down` on the far end), `delay`
+(added TCP latency: a user-space proxy in each host, delay_proxy.py), `clear`. Drops happen where a
+packet first arrives (for a home's traffic beyond its LAN, at its router): a sender sees silence.
+Processes start inside a host with `ip netns exec`; `Host.thread_in` runs a function in a thread
+that entered the host's namespace (HTTP polls of a peer's 127.0.0.1 port). Needs root.
 `Lab.close()` removes what the lab made; `sweep_stale()` removes namespaces of dead sessions.
 """
 
@@ -27,6 +39,14 @@ if TYPE_CHECKING:
 
 PREFIX = "phxlab"
 SUBNET = "10.77.0"  # private; reachable only inside this lab's namespaces
+LAN_BASE = "10.78"  # router n's LAN is 10.78.<n>.0/24: its own address .1, its homes .2 and up
+UPLINK = "eth0"  # every host's link to the lab (a router's uplink, a home's link to its LAN)
+LAN_DEV = "lan0"  # a router's LAN: a bridge whose ports are its homes' links
+MAX_PUBLIC = 250  # public addresses (hosts and routers) on the lab subnet
+MAX_ROUTERS = 250  # LAN subnets
+MAX_HOMES_PER_ROUTER = 250  # addresses on one LAN
+PUBLIC, ROUTER, HOME = "public", "router", "home"  # Host.kind
+BRIDGE_NF_CALL_IPTABLES = Path("/proc/sys/net/bridge/bridge-nf-call-iptables")  # br_netfilter present
 CLONE_NEWNET = 0x40000000
 NETNS_DIR = Path("/run/netns")
 
@@ -88,9 +108,10 @@ def enter_netns(name: str) -> None:
         os.close(fd)
 
 
-@dataclass
+@dataclass(eq=False)  # hosts are compared by identity (a home and its router refer to each other)
 class Host:
-    """One network host: namespace `netns`, address `ip`, link `veth` on the bridge side."""
+    """One network host: namespace `netns`, address `ip`, link `veth` on the far side (the lab
+    bridge's port, or for a home its router's LAN port: see `link_ns`)."""
 
     lab: "Lab"
     index: int
@@ -99,6 +120,37 @@ class Host:
     ip: str
     veth: str
     procs: list[subprocess.Popen] = field(default_factory=list)
+    kind: str = PUBLIC
+    router: Optional["Host"] = field(default=None, repr=False)  # a home's router
+    lan: Optional[str] = None  # a router's or a home's LAN subnet (CIDR)
+    lan_ip: Optional[str] = None  # a router's address on its LAN: its homes' gateway
+    symmetric: bool = False  # a router's NAT: a fresh random source port per connection
+    homes: list["Host"] = field(default_factory=list, repr=False)  # a router's homes
+
+    @property
+    def link_ns(self) -> str:
+        """The namespace holding the far end of this host's link."""
+        return self.router.netns if self.router is not None else self.lab.bridge_ns
+
+    @property
+    def public_ip(self) -> str:
+        """The address the lab's public hosts see this host's connections come from."""
+        return self.router.ip if self.router is not None else self.ip
+
+    @property
+    def addresses(self) -> list[str]:
+        """Every address of this host (a router's public one and its LAN one)."""
+        return [self.ip] if self.lan_ip is None else [self.ip, self.lan_ip]
+
+    @property
+    def links(self) -> list[tuple[str, str]]:
+        """(interface, subnet) of every lab subnet this host dials, and the interface it leaves by."""
+        lab_subnet = (UPLINK, f"{SUBNET}.0/24")
+        if self.kind == ROUTER:
+            return [lab_subnet, (LAN_DEV, self.lan)]
+        if self.kind == HOME:
+            return [lab_subnet, (UPLINK, self.lan)]  # all through its router, LAN neighbours directly
+        return [lab_subnet]
 
     def exec_args(self, args: list[str]) -> list[str]:
         return ["ip", "netns", "exec", self.netns, *args]
@@ -127,14 +179,28 @@ class Host:
         return thread
 
 
+@dataclass(frozen=True, eq=False)
+class Rule:
+    """An iptables rule a fault added: where, and which hosts' `clear` removes it."""
+
+    host: Host
+    chain: str
+    spec: tuple[str, ...]
+    about: frozenset[str]
+
+
 class Lab:
-    """Hosts on one bridge. Use as a context manager or call `close()`; idempotent."""
+    """Hosts on one bridge, and homes behind routers on it. Use as a context manager or call
+    `close()`; idempotent."""
 
     def __init__(self, names: list[str], tag: str = "s") -> None:
         self.id = f"{PREFIX}-{os.getpid()}-{tag}"
         self.bridge_ns = f"{self.id}-br"
-        self.hosts: dict[str, Host] = {}
-        self._rules: list[tuple[Host, list[str]]] = []
+        self.hosts: dict[str, Host] = {}  # public hosts, routers and homes
+        self._rules: list[Rule] = []
+        self._public = 0  # addresses given on the lab subnet (hosts and routers)
+        self._routers = 0
+        self._homes = 0
         self.delay_proxies: Optional[DelayProxies] = None  # made by the first `delay`
         self._closed = False
         try:
@@ -150,74 +216,217 @@ class Lab:
         self.close()
 
     def _build(self, names: list[str]) -> None:
-        if len(names) > 250:
-            raise ValueError("a lab has at most 250 hosts")
+        if len(names) > MAX_PUBLIC:
+            raise ValueError(f"a lab has at most {MAX_PUBLIC} hosts")
         sh("ip", "netns", "add", self.bridge_ns)
         sh("ip", "-n", self.bridge_ns, "link", "add", "br0", "type", "bridge")
         sh("ip", "-n", self.bridge_ns, "link", "set", "br0", "up")
-        for i, name in enumerate(names, start=1):
-            host = Host(self, i, name, f"{self.id}-{i}", f"{SUBNET}.{i}", f"v{i}")
-            self.hosts[name] = host
-            sh("ip", "netns", "add", host.netns)
-            # both ends are made inside the lab's namespaces: no interface name in the machine's own
-            sh("ip", "-n", self.bridge_ns, "link", "add", host.veth, "type", "veth", "peer", "name", "eth0", "netns", host.netns)
-            sh("ip", "-n", self.bridge_ns, "link", "set", host.veth, "master", "br0", "up")
-            sh("ip", "-n", host.netns, "addr", "add", f"{host.ip}/24", "dev", "eth0")
-            sh("ip", "-n", host.netns, "link", "set", "eth0", "up")
-            sh("ip", "-n", host.netns, "link", "set", "lo", "up")
+        for name in names:
+            self._add_public(name, PUBLIC)
+
+    def _register(self, host: Host) -> None:
+        """Record `host` before its namespace exists: a failure halfway leaves it for `close`."""
+        if host.name in self.hosts:
+            raise ValueError(f"the lab already has a host called {host.name!r}")
+        self.hosts[host.name] = host
+        sh("ip", "netns", "add", host.netns)
+        sh("ip", "-n", host.netns, "link", "set", "lo", "up")
+
+    def _add_public(self, name: str, kind: str) -> Host:
+        if self._public >= MAX_PUBLIC:
+            raise ValueError(f"a lab has at most {MAX_PUBLIC} hosts and routers")
+        self._public += 1
+        i = self._public
+        host = Host(self, i, name, f"{self.id}-{i}", f"{SUBNET}.{i}", f"v{i}", kind=kind)
+        self._register(host)
+        # both ends are made inside the lab's namespaces: no interface name in the machine's own
+        peer = ["peer", "name", UPLINK, "netns", host.netns]
+        sh("ip", "-n", self.bridge_ns, "link", "add", host.veth, "type", "veth", *peer)
+        sh("ip", "-n", self.bridge_ns, "link", "set", host.veth, "master", "br0", "up")
+        sh("ip", "-n", host.netns, "addr", "add", f"{host.ip}/24", "dev", UPLINK)
+        sh("ip", "-n", host.netns, "link", "set", UPLINK, "up")
+        return host
+
+    def add_router(self, name: str, *, symmetric: bool = False) -> Host:
+        """A home router: a lab host (public address, uplink `eth0`) with a LAN for homes behind it.
+        It forwards and masquerades the LAN's connections out of its uplink (`--random-fully` when
+        `symmetric`) and lets in from outside only what belongs to them: nobody can dial a home.
+        Its own connections are not masqueraded (it is a host as well: its ports stay its own)."""
+        if self._routers >= MAX_ROUTERS:
+            raise ValueError(f"a lab has at most {MAX_ROUTERS} routers")
+        self._routers += 1
+        n = self._routers
+        router = self._add_public(name, ROUTER)
+        router.lan, router.lan_ip, router.symmetric = f"{LAN_BASE}.{n}.0/24", f"{LAN_BASE}.{n}.1", symmetric
+        router.run("ip", "link", "add", LAN_DEV, "type", "bridge")
+        router.run("ip", "addr", "add", f"{router.lan_ip}/24", "dev", LAN_DEV)
+        router.run("ip", "link", "set", LAN_DEV, "up")
+        router.run("sysctl", "-q", "-w", "net.ipv4.ip_forward=1")
+        if BRIDGE_NF_CALL_IPTABLES.exists():  # LAN neighbours talk through a switch, not the router's firewall
+            router.run("sysctl", "-q", "-w", "net.bridge.bridge-nf-call-iptables=0")
+        masquerade = ["-j", "MASQUERADE", *(["--random-fully"] if symmetric else [])]
+        router.run("iptables", "-w", "-t", "nat", "-A", "POSTROUTING", "-s", router.lan, "-o", UPLINK, *masquerade)
+        router.run("iptables", "-w", "-A", "FORWARD", "-i", LAN_DEV, "-o", UPLINK, "-j", "ACCEPT")
+        established = ["-m", "conntrack", "--ctstate", "ESTABLISHED,RELATED", "-j", "ACCEPT"]
+        router.run("iptables", "-w", "-A", "FORWARD", "-i", UPLINK, "-o", LAN_DEV, *established)
+        router.run("iptables", "-w", "-P", "FORWARD", "DROP")
+        self._refresh_delays()
+        return router
+
+    def add_home(self, name: str, *, symmetric: Optional[bool] = None, router: Optional[str | Host] = None) -> Host:
+        """A home host behind a router: a new one called `<name>-router` (NAT `symmetric` or not),
+        or `router` (a router's or a home's name, or the Host), whose NAT it shares. The home has an
+        address on the router's LAN and its default route through the router."""
+        if router is None:
+            gateway = self.add_router(f"{name}-router", symmetric=bool(symmetric))
+        else:
+            gateway = self.router(router if isinstance(router, str) else router.name)
+            if symmetric is not None and symmetric != gateway.symmetric:
+                raise ValueError(f"router {gateway.name} has symmetric={gateway.symmetric}")
+        if len(gateway.homes) >= MAX_HOMES_PER_ROUTER:
+            raise ValueError(f"a router has at most {MAX_HOMES_PER_ROUTER} homes")
+        self._homes += 1
+        j = self._homes
+        assert gateway.lan is not None and gateway.lan_ip is not None
+        ip = f"{gateway.lan_ip.rsplit('.', 1)[0]}.{len(gateway.homes) + 2}"
+        home = Host(self, j, name, f"{self.id}-h{j}", ip, f"h{j}", kind=HOME, router=gateway, lan=gateway.lan)
+        self._register(home)
+        gateway.homes.append(home)
+        peer = ["peer", "name", UPLINK, "netns", home.netns]
+        sh("ip", "-n", gateway.netns, "link", "add", home.veth, "type", "veth", *peer)
+        sh("ip", "-n", gateway.netns, "link", "set", home.veth, "master", LAN_DEV, "up")
+        home.run("ip", "addr", "add", f"{home.ip}/24", "dev", UPLINK)
+        home.run("ip", "link", "set", UPLINK, "up")
+        home.run("ip", "route", "add", "default", "via", gateway.lan_ip)
+        self._refresh_delays()
+        return home
+
+    def router(self, name: str) -> Host:
+        """The router `name`, or the router home `name` sits behind."""
+        host = self.hosts[name]
+        if host.kind == ROUTER:
+            return host
+        if host.router is None:
+            raise ValueError(f"{name} is a public host: no router")
+        return host.router
 
     def __getitem__(self, name: str) -> Host:
         return self.hosts[name]
 
+    def _refresh_delays(self) -> None:
+        """A host added while delays are on gets its proxy and rules, as every host has."""
+        if self.delay_proxies is not None and self.delay_proxies.delays:
+            name, one_way_s = next(iter(self.delay_proxies.delays.items()))
+            self.delay_proxies.set(name, one_way_s)
+
     # ---- faults ---------------------------------------------------------------------------
 
     def cut(self, name: str) -> None:
-        """Partition `name` from everyone: its link goes down at the bridge (no RST, no ICMP)."""
-        sh("ip", "-n", self.bridge_ns, "link", "set", self.hosts[name].veth, "down")
+        """Partition `name` from everyone: its link goes down at the far end (no RST, no ICMP). A
+        router's homes lose the outside and keep their LAN; a cut home loses its LAN too."""
+        host = self.hosts[name]
+        sh("ip", "-n", host.link_ns, "link", "set", host.veth, "down")
 
     def heal(self, name: str) -> None:
-        sh("ip", "-n", self.bridge_ns, "link", "set", self.hosts[name].veth, "up")
+        host = self.hosts[name]
+        sh("ip", "-n", host.link_ns, "link", "set", host.veth, "up")
 
-    def _iptables(self, host: Host, rule: list[str]) -> None:
-        host.run("iptables", "-w", "-A", *rule)
-        self._rules.append((host, rule))
+    def _iptables(self, host: Host, chain: str, spec: list[str], about: tuple[str, ...]) -> None:
+        """Add a fault's rule. In a router's FORWARD chain it goes first: before the NAT's accepts."""
+        where = ["-I", chain, "1"] if chain == "FORWARD" else ["-A", chain]
+        host.run("iptables", "-w", *where, *spec)
+        self._rules.append(Rule(host, chain, tuple(spec), frozenset(about)))
+
+    def _first_arrival(self, sender: Host, receiver: Host) -> Optional[tuple[Host, str, list[str]]]:
+        """Where a packet from `sender` to `receiver` first arrives, and an iptables match for it
+        there: a home's packets beyond its LAN are matched at its router (after it, they carry the
+        router's address), packets to a home from beyond at its router too. None: nothing gets there."""
+        if sender.kind == HOME:
+            if receiver is sender.router:
+                return receiver, "INPUT", ["-i", LAN_DEV, "-s", sender.ip]
+            if receiver.router is sender.router:  # a neighbour on the LAN
+                return receiver, "INPUT", ["-i", UPLINK, "-s", sender.ip]
+            if receiver.kind == HOME:  # behind another router: it can only reach that router
+                return None
+            return sender.router, "FORWARD", ["-i", LAN_DEV, "-s", sender.ip, "-d", receiver.ip]
+        if receiver.kind == HOME:
+            if receiver.router is sender:
+                return receiver, "INPUT", ["-i", UPLINK, "-s", sender.lan_ip]
+            return receiver.router, "FORWARD", ["-i", UPLINK, "-s", sender.ip, "-d", receiver.ip]
+        return receiver, "INPUT", ["-i", UPLINK, "-s", sender.ip]
 
     def split(self, side_a: list[str], side_b: list[str]) -> None:
         """Drop every packet between the two sides (each side still reaches itself). Packets are
-        dropped on arrival, as a broken network does: a sender sees silence, not a local error."""
+        dropped where they first arrive, as a broken network does: a sender sees silence, not a
+        local error. A router and its homes are separate hosts here: name the homes to split them."""
         for mine, theirs in ((side_a, side_b), (side_b, side_a)):
             for name in mine:
                 for other in theirs:
-                    self._iptables(self.hosts[name], ["INPUT", "-i", "eth0", "-s", self.hosts[other].ip, "-j", "DROP"])
+                    arrival = self._first_arrival(self.hosts[name], self.hosts[other])
+                    if arrival is not None:
+                        host, chain, match = arrival
+                        self._iptables(host, chain, [*match, "-j", "DROP"], (name, other))
 
     def block_port(self, name: str, port: int) -> None:
-        """A firewall on `name`: TCP to `port` arriving there is dropped (the sender sees silence)."""
-        self._iptables(self.hosts[name], ["INPUT", "-i", "eth0", "-p", "tcp", "--dport", str(port), "-j", "DROP"])
+        """A firewall on `name`: TCP to `port` arriving there is dropped (the sender sees silence);
+        at a router, from its LAN too. Loopback stays open."""
+        host = self.hosts[name]
+        for dev in [UPLINK, LAN_DEV] if host.kind == ROUTER else [UPLINK]:
+            spec = ["-i", dev, "-p", "tcp", "--dport", str(port), "-j", "DROP"]
+            self._iptables(host, "INPUT", spec, (name,))
 
     def loss(self, name: str, pct: float) -> None:
-        """Drop `pct` % of the packets on `name`'s link in each direction, independently at random:
-        on arrival at `name`, and on arrival elsewhere of what `name` sent."""
+        """Drop `pct` % of the packets crossing `name`'s link in each direction, independently at
+        random: on arrival at `name`, and where what `name` sent first arrives. A router's link is
+        its uplink: what it forwards both ways is lossy, its LAN is not."""
         if not 0 < pct < 100:
             raise ValueError(f"loss pct must be in (0, 100), got {pct}")
         random_drop = ["-m", "statistic", "--mode", "random", "--probability", f"{pct / 100:.6f}", "-j", "DROP"]
         lossy = self.hosts[name]
-        self._iptables(lossy, ["INPUT", "-i", "eth0", *random_drop])
+        self._iptables(lossy, "INPUT", ["-i", UPLINK, *random_drop], (name,))
+        if lossy.kind == ROUTER:
+            self._iptables(lossy, "FORWARD", ["-i", UPLINK, *random_drop], (name,))
         for other in self.hosts.values():
-            if other is not lossy:
-                self._iptables(other, ["INPUT", "-i", "eth0", "-s", lossy.ip, *random_drop])
+            if other is lossy or other.router is lossy:  # a router's own LAN is not its link
+                continue
+            arrival = self._first_arrival(lossy, other)
+            if arrival is not None:
+                host, chain, match = arrival
+                self._iptables(host, chain, [*match, *random_drop], (name,))
 
-    def cap(self, name: str, mbit: float) -> None:
-        """Shape `name`'s link to `mbit` Mbit/s each way (tc tbf on both ends of its veth)."""
-        host = self.hosts[name]
+    def _tbf(self, netns: str, dev: str, mbit: Optional[float]) -> None:
+        """Shape what leaves `dev` to `mbit` Mbit/s (None: unshaped)."""
+        if mbit is None:
+            sh("ip", "netns", "exec", netns, "tc", "qdisc", "del", "dev", dev, "root", check=False)
+            return
+        if mbit <= 0:
+            raise ValueError(f"a cap must be > 0 Mbit/s, got {mbit}")
         rate = f"{int(mbit * 1000)}kbit"
         burst = f"{max(16, int(mbit * 1000 / 8 / 100))}kb"  # ~10 ms of traffic, at least a few packets
-        host.run("tc", "qdisc", "replace", "dev", "eth0", "root", "tbf", "rate", rate, "burst", burst, "latency", "200ms")
-        sh("ip", "netns", "exec", self.bridge_ns, "tc", "qdisc", "replace", "dev", host.veth, "root", "tbf", "rate", rate, "burst", burst, "latency", "200ms")
+        tbf = ["tbf", "rate", rate, "burst", burst, "latency", "200ms"]
+        sh("ip", "netns", "exec", netns, "tc", "qdisc", "replace", "dev", dev, "root", *tbf)
+
+    def cap(
+        self, name: str, mbit: Optional[float] = None, *, up: Optional[float] = None, down: Optional[float] = None
+    ) -> None:
+        """Shape `name`'s link: `up` Mbit/s for what it sends, `down` for what it receives (`mbit`
+        both ways where not given; a direction left None is unshaped). tc tbf shapes what leaves
+        an interface, so `up` sits on the host's own end of its link (`eth0`) and `down` on the far
+        end: the bridge's port for a public host or a router (whose uplink its homes share), the
+        router's LAN port for a home (its own line: each home behind a router is capped alone)."""
+        up = mbit if up is None else up
+        down = mbit if down is None else down
+        if up is None and down is None:
+            raise ValueError("cap needs a rate: mbit, up or down")
+        host = self.hosts[name]
+        self._tbf(host.netns, UPLINK, up)
+        self._tbf(host.link_ns, host.veth, down)
 
     def delay(self, name: str, one_way_s: Optional[float]) -> None:
         """Add `one_way_s` of latency each way to every TCP connection `name` takes part in (A to B
         sees d_A + d_B each way, the connect included); 0 keeps the proxy in the path without delay,
-        None removes it. Transparent to the host's processes; see delay_proxy.py."""
+        None removes it. Transparent to the host's processes; see delay_proxy.py. A router's delay
+        is its own connections' (what it forwards for its homes takes theirs, not its own)."""
         from delay_proxy import DelayProxies
 
         if self.delay_proxies is None:
@@ -225,16 +434,17 @@ class Lab:
         self.delay_proxies.set(name, one_way_s)
 
     def clear(self, name: Optional[str] = None) -> None:
-        """Undo every fault on `name` (every host when None): link up, no rules, no shaping, no delay."""
+        """Undo every fault on `name` (every host when None): link up, no rules, no shaping, no
+        delay. A router's NAT stays: it is the lab's shape, not a fault."""
         for host in [self.hosts[name]] if name else list(self.hosts.values()):
             if self.delay_proxies is not None and host.name in self.delay_proxies.delays:
                 self.delay_proxies.set(host.name, None)
             self.heal(host.name)
-            for rule_host, rule in [r for r in self._rules if r[0] is host or host.ip in r[1]]:
-                rule_host.run("iptables", "-w", "-D", *rule, check=False)
-                self._rules.remove((rule_host, rule))
-            host.run("tc", "qdisc", "del", "dev", "eth0", "root", check=False)
-            sh("ip", "netns", "exec", self.bridge_ns, "tc", "qdisc", "del", "dev", host.veth, "root", check=False)
+            for rule in [r for r in self._rules if host.name in r.about]:
+                rule.host.run("iptables", "-w", "-D", rule.chain, *rule.spec, check=False)
+                self._rules.remove(rule)
+            self._tbf(host.netns, UPLINK, None)
+            self._tbf(host.link_ns, host.veth, None)
 
     # ---- teardown -------------------------------------------------------------------------
 
