@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import typer
 
@@ -17,6 +17,10 @@ from phalanx.peer.cli_options import PlainHelp, settings_command, str_list
 from phalanx.peer.config import MonitorSettings, NetworkSettings, PeerConfig
 from phalanx.peer.health.options import settings_command_with
 from phalanx.peer.logs import configure_logging
+
+if TYPE_CHECKING:
+    from phalanx.peer.plan import PeerPlan, TrainingConfig
+    from phalanx.tasks.metric import Metric
 
 app = typer.Typer(
     name="phalanx",
@@ -67,8 +71,9 @@ def bootstrap(settings: NetworkSettings) -> None:
 @app.command("join", cls=PlainHelp)
 @settings_command(PeerConfig)
 def join(settings: PeerConfig) -> None:
-    """Join a swarm as a trainer: DHT, round engine and training loop. Stops on --steps,
-    --target-accuracy or Ctrl-C (writing a final checkpoint when --checkpoint-dir is set).
+    """Join a swarm as a trainer: DHT, round engine and training loop. Stops on --steps, the target
+    in the task's metric (--target-accuracy or --target-loss) or Ctrl-C (writing a final checkpoint
+    when --checkpoint-dir is set).
 
     [bold]Examples[/bold]
 
@@ -92,7 +97,7 @@ def join(settings: PeerConfig) -> None:
             err=True, fg="yellow",
         )  # fmt: skip
     report = run_trainer(plan)
-    if settings.target_accuracy is not None and not report.reached_target:
+    if (settings.target_accuracy is not None or settings.target_loss is not None) and not report.reached_target:
         raise typer.Exit(3)
 
 
@@ -106,8 +111,8 @@ def join(settings: PeerConfig) -> None:
 def doctor(settings: PeerConfig, initial_peers: Optional[list[str]], as_json: bool) -> None:
     """Check everything `phalanx join` needs with the same flags, one row per check, each failed row
     with its fix: initial peers (address, TCP, libp2p, DHT ping), p2p daemon start, reachability from
-    outside, ports, clock, protocol and run config against the swarm, task and data, device, disk,
-    identity. Exit 1 when a check failed.
+    outside, ports, clock, protocol and run config against the swarm, task and data, the target flag
+    against the task's metric, device, disk, identity. Exit 1 when a check failed.
 
     [bold]Examples[/bold]
 
@@ -136,7 +141,8 @@ def swarm(
     peers: int = typer.Option(4, "--peers", min=1, help="Trainer processes to start."),
     task: str = typer.Option("digits-mlp", "--task", help="Task every trainer trains."),
     steps: int = typer.Option(2000, "--steps", min=1, help="Step budget per trainer."),
-    target_accuracy: float = typer.Option(0.95, "--target-accuracy", min=0.0, max=1.0, help="Stop when a trainer's test accuracy reaches this; exit 0 only if it did."),
+    target_accuracy: Optional[float] = typer.Option(None, "--target-accuracy", min=0.0, max=1.0, help="Stop when a trainer's test accuracy reaches this (tasks judged by accuracy); exit 0 only if it does. Default: the task's own (0.95 for digits-mlp and mnist-cnn).", show_default=False),
+    target_loss: Optional[float] = typer.Option(None, "--target-loss", min=0.0, help="Stop when a trainer's validation loss is at most this (tasks judged by loss: tiny-gpt); exit 0 only if it does. Default: none, and the --steps done are success.", show_default=False),
     workdir: Optional[Path] = typer.Option(None, "--workdir", help="Keep logs, identities and checkpoints here (default: a temporary folder, removed at exit)."),
     byzantine: int = typer.Option(0, "--byzantine", min=0, help="How many of the --peers trainers attack."),
     attack: str = typer.Option("sign_flip", "--attack", help="Attack(s) of the Byzantine peers, comma-separated and cycled (see `phalanx join --help`)."),
@@ -144,7 +150,8 @@ def swarm(
     slowdown: Optional[str] = typer.Option(None, "--slowdown", help="Delay per local step: of the stragglers, or of every peer without --stragglers (const:S, exp:M, shifted-exp:S:M, pareto:S:A)."),
 ) -> None:
     """Start a whole swarm on this machine (a bootstrap peer and N trainers on loopback), show live
-    progress, stop at the target accuracy or the step budget and print a report.
+    progress in the task's metric (test accuracy, or validation loss and perplexity), stop at the
+    target or the step budget and print a report. Without a target, the steps done are success.
 
     Any other option is passed to every `phalanx join` (e.g. --aggregator centered_clip --tau 1).
 
@@ -156,16 +163,15 @@ def swarm(
 
       phalanx swarm --peers 2 --task mnist-cnn --data-dir ~/data/mnist --target-accuracy 0.98
 
+      phalanx swarm --peers 3 --task tiny-gpt --target-loss 2.6
+
       phalanx swarm --peers 9 --byzantine 3 --attack sign_flip,label_flip,wrong_aggregate --aggregator centered_clip --tau 1 --verify
 
       phalanx swarm --peers 4 --mode lasgd --stragglers 1 --slowdown shifted-exp:0.05:0.05
     """
-    from phalanx.peer.swarm import run_swarm
-
-    join_args = [
-        "--task", task, "--steps", str(steps), "--target-accuracy", str(target_accuracy),
-        "--wait-for-peers", str(peers), *ctx.args,
-    ]  # fmt: skip
+    join_args = ["--task", task, "--steps", str(steps), "--wait-for-peers", str(peers), *ctx.args]
+    for flag, value in (("--target-accuracy", target_accuracy), ("--target-loss", target_loss)):
+        join_args += [flag, str(value)] if value is not None else []
     attacks = str_list(attack)
     if byzantine and not attacks:
         raise ConfigError("--attack needs at least one attack name with --byzantine")
@@ -175,13 +181,20 @@ def swarm(
     slow_args = ["--slowdown", slowdown] if slowdown else []
     if not stragglers:
         join_args += slow_args
-    for extra in [[], *(["--attack", a] for a in sorted(set(chosen))), *([slow_args] if stragglers else [])]:
+    plans = [
         _check_join_args([*join_args, *extra])  # one line now, not every trainer dying at start
+        for extra in [[], *(["--attack", a] for a in sorted(set(chosen))), *([slow_args] if stragglers else [])]
+    ]
+    metric, target = _swarm_target(plans[0].training)
+    if target is not None and target_accuracy is None and target_loss is None:
+        join_args += [metric.flag, str(target)]  # the task's own target: the trainers stop at it too
+    from phalanx.peer.swarm import run_swarm  # it imports torch: after the flags' mistakes
+
     result = run_swarm(
-        peers, join_args, target_accuracy=target_accuracy, workdir=workdir, attacks=chosen,
+        peers, join_args, target=target, metric=metric, workdir=workdir, attacks=chosen,
         stragglers=stragglers, straggler_args=slow_args, debug=_state["debug"],
     )  # fmt: skip
-    if not result.reached_target:
+    if not result.succeeded:
         raise typer.Exit(1)
 
 
@@ -297,7 +310,7 @@ def admit(
     typer.echo(f"certificate for {peer_id} in run {run_id!r}, valid {valid_days:g} days: {path}")
 
 
-def _check_join_args(args: list[str]) -> None:
+def _check_join_args(args: list[str]) -> PeerPlan:
     """Validate `phalanx join` flags as the trainers will parse them, without starting anything."""
     command = typer.main.get_command(app).get_command(None, "join")  # type: ignore[union-attr]
     with command.make_context("phalanx swarm", list(args)) as ctx:
@@ -305,7 +318,19 @@ def _check_join_args(args: list[str]) -> None:
     settings.round_config(*settings.aggregator_spec())  # the round's mistakes before the plan imports torch
     from phalanx.peer.plan import make_plan
 
-    make_plan(settings)
+    return make_plan(settings)
+
+
+def _swarm_target(training: TrainingConfig) -> tuple[Metric, Optional[float]]:
+    """The task's metric and the run's target in it: the target flag that fits the task (the other one is
+    a one-line error), else the task's default. The task is built once here for that, so a problem with
+    it (its data, say) is one line now rather than every trainer's at start."""
+    from phalanx.peer.trainer import run_target, task_options
+    from phalanx.tasks import resolve_task
+
+    task = resolve_task(training.task, **task_options(training))
+    target = run_target(task, training)
+    return task.metric, task.default_target if target is None else target
 
 
 def main(argv: Optional[list[str]] = None) -> None:

@@ -34,6 +34,7 @@ from phalanx.aggregation.errors import PhalanxError
 from phalanx.peer.swarm_report import exit_reason, is_failure, last_error_line, print_report
 from phalanx.peer.swarm_views import PeerView, SwarmResult
 from phalanx.peer.zygote import Zygote
+from phalanx.tasks.metric import ACCURACY, Metric
 
 logger = logging.getLogger(__name__)
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"
@@ -45,7 +46,8 @@ class Swarm:
         peers: int,
         join_args: list[str],
         *,
-        target_accuracy: Optional[float],
+        target: Optional[float] = None,
+        metric: Metric = ACCURACY,
         workdir: Optional[Path] = None,
         console: Optional[Console] = None,
         live: bool = True,
@@ -62,7 +64,7 @@ class Swarm:
             raise PhalanxError("--byzantine must leave at least one honest peer")
         self.n = peers
         self.join_args = join_args
-        self.target_accuracy = target_accuracy
+        self.target, self.metric = target, metric  # the run stops once an honest trainer's evaluation reaches it
         self.own_workdir = workdir is None
         self.workdir = Path(tempfile.mkdtemp(prefix="phalanx-swarm-")) if workdir is None else workdir
         self.workdir.mkdir(parents=True, exist_ok=True)
@@ -191,9 +193,9 @@ class Swarm:
                 if view.first_step_s is None:
                     view.first_step_s = self._elapsed()
             elif kind == "eval":
-                view.step, view.accuracy = event["step"], event["accuracy"]
+                view.step, view.metric_value = event["step"], event[self.metric.key]
                 honest = view.attack is None  # a banned attacker may train on alone: only honest peers count
-                if honest and self.target_accuracy is not None and event["accuracy"] >= self.target_accuracy:
+                if honest and self.target is not None and self.metric.reached(view.metric_value, self.target):
                     if self.time_to_target is None:
                         self.time_to_target = self._elapsed()
                     self.target_hit.set()
@@ -248,7 +250,7 @@ class Swarm:
 
     def _table(self) -> Table:
         table = Table(title=f"phalanx swarm — {self._elapsed():.1f} s", expand=False)
-        for col in ("peer", "id", "step", "loss", "accuracy", "group", "sent"):
+        for col in ("peer", "id", "step", "train loss", *self.metric.columns, "group", "sent"):
             table.add_column(col, justify="right" if col not in ("peer", "id") else "left")
         for v in self.views:
             table.add_row(
@@ -256,7 +258,7 @@ class Swarm:
                 v.peer_id[-8:],
                 str(v.step),
                 "" if v.loss is None else f"{v.loss:.4f}",
-                "" if v.accuracy is None else f"{v.accuracy:.4f}",
+                *self.metric.cells(v.metric_value),
                 str(v.group or ""),
                 f"{v.bytes_sent / 1e6:.2f} MB",
             )
@@ -277,9 +279,8 @@ class Swarm:
         if time.monotonic() - last[0] > 5:
             last[0] = time.monotonic()
             steps = [v.step for v in self.views]
-            accs = [v.accuracy for v in self.views if v.accuracy is not None]
-            best = f"{max(accs):.4f}" if accs else "n/a"
-            self.console.print(f"[{self._elapsed():6.1f} s] steps {min(steps)}–{max(steps)} best accuracy {best}")
+            best = self.metric.best(v.metric_value for v in self.views if v.metric_value is not None)
+            self.console.print(f"[{self._elapsed():6.1f} s] steps {min(steps)}–{max(steps)} best {self.metric.text(best)}")
 
     async def run(self) -> SwarmResult:
         followers: list[asyncio.Task] = []
@@ -337,8 +338,9 @@ class Swarm:
                 v.name: exit_reason(v, steps=self.steps, swarm_reached_target=self.target_hit.is_set()) for v in self.views
             }
             failed = failed or any(is_failure(r) for r in reasons.values())
-            if self.target_accuracy is not None and not self.target_hit.is_set():
+            if self.target is not None and not self.target_hit.is_set():
                 failed = True
+            honest_failed = any(is_failure(reasons[v.name]) for v in self.views if v.attack is None)
             interrupted = isinstance(error, asyncio.CancelledError)  # Ctrl-C: the user knows why
             kept = None
             if self.own_workdir:
@@ -348,13 +350,15 @@ class Swarm:
                     shutil.rmtree(self.workdir, ignore_errors=True)
             if kept is not None and error is not None:
                 self.console.print(f"logs of this run are kept in {kept}", soft_wrap=True)
-        accs = [v.accuracy for v in self.views if v.accuracy is not None and v.attack is None]
         return SwarmResult(
             reached_target=self.target_hit.is_set(),
             wall_s=self._elapsed(),
             time_to_target_s=self.time_to_target,
             peers=self.views,
-            best_accuracy=max(accs) if accs else None,
+            best=self.metric.best(v.metric_value for v in self.views if v.metric_value is not None and v.attack is None),
+            metric=self.metric,
+            target=self.target,
+            succeeded=self.target_hit.is_set() if self.target is not None else not honest_failed,
             reasons=reasons,
             startup=self.startup(),
             kept_workdir=kept,
@@ -425,7 +429,8 @@ def run_swarm(
     peers: int,
     join_args: list[str],
     *,
-    target_accuracy: Optional[float],
+    target: Optional[float],
+    metric: Metric,
     workdir: Optional[Path],
     attacks: Optional[list[str]] = None,
     stragglers: int = 0,
@@ -438,7 +443,7 @@ def run_swarm(
     if not console.is_terminal:
         console.width = 160  # logs and CI: do not squeeze the report into 80 columns
     swarm = Swarm(
-        peers, join_args, target_accuracy=target_accuracy, workdir=workdir, console=console, attacks=attacks,
+        peers, join_args, target=target, metric=metric, workdir=workdir, console=console, attacks=attacks,
         stragglers=stragglers, straggler_args=straggler_args, debug=debug,
     )  # fmt: skip
 
@@ -454,5 +459,5 @@ def run_swarm(
     except asyncio.CancelledError:
         console.print("interrupted: every process of the swarm was stopped")
         raise KeyboardInterrupt from None
-    print_report(result, console, target_accuracy)
+    print_report(result, console)
     return result

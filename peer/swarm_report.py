@@ -13,8 +13,8 @@ from rich.table import Table
 
 from phalanx.peer.swarm_views import PeerView, SwarmResult
 
-# `phalanx join` exits 3 when it stopped before reaching --target-accuracy (steps done, or stopped
-# by a signal), 2 on a user's mistake (one `error: …` line) and 1 on any other error.
+# `phalanx join` exits 3 when it stopped before reaching its target (--target-accuracy or --target-loss:
+# steps done, or stopped by a signal), 2 on a user's mistake (one `error: …` line) and 1 on any other error.
 TARGET_NOT_REACHED = 3
 _ERROR_LINES = (
     re.compile(r"^error: "),  # the CLI's one-line errors
@@ -98,13 +98,16 @@ def startup_line(result: SwarmResult) -> str:
     return f"time to first step {marks['first step']:.1f} s ({stages})"
 
 
-def print_report(result: SwarmResult, console: Console, target: Optional[float]) -> None:
+def print_report(result: SwarmResult, console: Console) -> None:
+    """The final table (each trainer's last value of the task's metric) and the run's summary lines."""
+    metric, target = result.metric, result.target
     table = Table(title="final report")
     attackers = {v.peer_id for v in result.peers if v.attack and v.peer_id}
-    columns = ("peer", "id", "steps", "accuracy", "rounds ok", "partial", "failed", "resyncs", "sent MB", "banned", "exit", "why")
+    columns = ("peer", "id", "steps", *metric.columns, "rounds ok", "partial", "failed", "resyncs", "sent MB", "banned", "exit", "why")
     for col in columns:
         if col == "why":  # the whole line was printed when the peer exited
-            room = max(14, min(40, console.width - 100))  # the other columns need about 100 characters
+            # the other columns need about 100 characters (11 more for perplexity's)
+            room = max(14, min(40, console.width - 89 - 11 * len(metric.columns)))
             table.add_column(col, min_width=14, max_width=room, no_wrap=True, overflow="ellipsis")
         elif col == "peer":
             table.add_column(col, no_wrap=True, min_width=11)
@@ -116,7 +119,7 @@ def print_report(result: SwarmResult, console: Console, target: Optional[float])
             v.name,
             v.peer_id[-8:],
             str(r.get("step", v.step)),
-            "" if v.accuracy is None else f"{v.accuracy:.4f}",
+            *metric.cells(v.metric_value),
             str(r.get("rounds_ok", "")),
             str(r.get("rounds_partial", "")),
             str(r.get("rounds_failed", "")),
@@ -132,8 +135,7 @@ def print_report(result: SwarmResult, console: Console, target: Optional[float])
         kinds = ", ".join(sorted({v.attack for v in byzantine}))
         console.print(f"banned: how many peers each one saw banned, and how many of those are the {len(byzantine)} attackers ({kinds})")
     console.print(startup_line(result), soft_wrap=True)
-    best = "n/a" if result.best_accuracy is None else f"{result.best_accuracy:.4f}"
-    line = f"wall time {result.wall_s:.1f} s, best test accuracy {best}"
+    line = f"wall time {result.wall_s:.1f} s, best {metric.text(result.best)}"
     if target is not None:
         if result.reached_target:
             line += f", reached {target} after {result.time_to_target_s:.1f} s"

@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
+from phalanx.tasks.metric import ACCURACY, Metric
+
 
 @dataclass
 class PeerView:
@@ -17,8 +19,8 @@ class PeerView:
     process: Optional[asyncio.subprocess.Process] = None
     peer_id: str = ""
     step: int = 0
-    loss: Optional[float] = None
-    accuracy: Optional[float] = None
+    loss: Optional[float] = None  # its last minibatch loss
+    metric_value: Optional[float] = None  # its last evaluation's value of the task's metric
     group: int = 0
     bytes_sent: int = 0
     report: Optional[dict[str, Any]] = None
@@ -42,7 +44,10 @@ class SwarmResult:
     wall_s: float
     time_to_target_s: Optional[float]
     peers: list[PeerView]
-    best_accuracy: Optional[float]
+    best: Optional[float]  # the best honest trainer's last value of the metric
+    metric: Metric = ACCURACY  # what the task is judged by
+    target: Optional[float] = None  # in the metric; None: the run was its --steps
+    succeeded: bool = False  # the target was reached; without one, no honest trainer failed
     reasons: dict[str, str] = field(default_factory=dict)  # peer name -> why it exited
     startup: dict[str, Optional[float]] = field(default_factory=dict)  # stage -> seconds since start (every trainer)
     kept_workdir: Optional[Path] = None  # a failed run's own work folder, not removed

@@ -32,6 +32,7 @@ import torch
 from phalanx.aggregation.errors import ConfigError, PhalanxError
 from phalanx.aggregation.spec import parse_params
 from phalanx.peer.checkpoint import Checkpoint, load_latest, save_checkpoint
+from phalanx.peer.config import PeerConfig
 from phalanx.peer.health import PeerMetrics
 from phalanx.peer.local_sgd import look_ahead
 from phalanx.peer.memory import release_large_frees
@@ -40,7 +41,7 @@ from phalanx.peer.node import DHT_DIED, visible_maddrs
 from phalanx.peer.optimizer import Interrupted, JoinHooks, Optimizer
 from phalanx.peer.outer_step import phase_lr_scale, write_flat
 from phalanx.peer.plan import PeerPlan, TrainingConfig
-from phalanx.tasks import compute_gradient, resolve_task
+from phalanx.tasks import ACCURACY, VALIDATION_LOSS, Task, compute_gradient, resolve_task
 
 logger = logging.getLogger(__name__)
 
@@ -84,6 +85,7 @@ class Trainer:
             torch.set_num_threads(config.torch_threads)
         self.device = resolve_device(config.device)
         self.task = resolve_task(config.task, **task_options(config)).to(self.device)
+        self.target = run_target(self.task, config)
         self.model = Model(self.task, config)
         self.model.lr_factor = None  # the schedule is a scheduler on the optimizer, following opt.position
         self.batch_size = config.batch_size or self.task.batch_size
@@ -92,7 +94,8 @@ class Trainer:
         # diloco attackers take honest inner steps (label_flip: on flipped labels) and attack Δ instead
         self.attacks_delta = self.diloco and self.attack is not None and not self.attack.flips_labels
         self.report = Report(attack=plan.attack.name)
-        self.health = PeerMetrics(role="trainer")  # the health server's; the optimizer updates it per round
+        # the health server's; the optimizer updates it per round, the evaluations here
+        self.health = PeerMetrics(role="trainer", metric=self.task.metric.key)
         self.stopping = threading.Event()
         self.opt: Optional[Optimizer] = None
         self._last_event = 0.0
@@ -243,7 +246,7 @@ class Trainer:
         self.opt.interrupt()
 
     def _done(self, position: int) -> bool:
-        """A stop was requested, --steps are taken or --target-accuracy (--target-loss) is reached."""
+        """A stop was requested, --steps are taken or the target (--target-accuracy or --target-loss) is reached."""
         if self.stopping.is_set():
             return True
         if self.config.steps is not None and position >= self.config.steps:
@@ -301,7 +304,7 @@ class Trainer:
 
             logger.info(f"others join this new swarm with: {initial_peers_line(await visible_maddrs(node.dht))}")
         self.emit("started", peer_id=node.peer_id, step=opt.position, params=self.model.numel,
-                  param_hash=self.model.param_hash())  # fmt: skip
+                  param_hash=self.model.param_hash(), metric=self.task.metric.key)  # fmt: skip
 
     def _event(self, name: str, **fields: Any) -> None:
         position = self.opt.position if self.opt is not None else 0
@@ -323,16 +326,15 @@ class Trainer:
         module = self._theta(opt) if self.diloco else self.model.module
         metrics = self.task.evaluate(module)
         self._evaluated_at, self._eval_due = opt.global_step, False
+        metric = self.task.metric
         self.report.accuracy = metrics["accuracy"]
-        self.health.evaluated(metrics["accuracy"])
-        extra = f" perplexity {metrics['perplexity']:.2f}" if "perplexity" in metrics else ""
+        self.health.evaluated(metric.key, accuracy=metrics["accuracy"], loss=metrics["loss"])
         step = opt.position
-        logger.info(f"step {step} test accuracy {metrics['accuracy']:.4f} loss {metrics['loss']:.4f}{extra}")
-        self.emit("eval", step=step, **({"outer_step": opt.global_step} if self.diloco else {}), **metrics)
-        config = self.config
-        if config.target_accuracy is not None and metrics["accuracy"] >= config.target_accuracy:
-            self.report.reached_target = True
-        if config.target_loss is not None and metrics["loss"] <= config.target_loss:
+        others = ", ".join(f"{k} {v:.4f}" for k, v in metrics.items() if k not in (metric.key, "perplexity"))
+        logger.info(f"step {step} {metric.text(metrics[metric.key])}; {others}")
+        diloco = {"outer_step": opt.global_step} if self.diloco else {}
+        self.emit("eval", step=step, **diloco, metric=metric.key, **metrics)
+        if self.target is not None and metric.reached(metrics[metric.key], self.target):
             self.report.reached_target = True
 
     def _theta(self, opt: Optimizer) -> torch.nn.Module:
@@ -430,6 +432,20 @@ def dump_stacks(opt: Optional[Optimizer]) -> None:
                 break
     sys.stderr.write("".join(out))
     sys.stderr.flush()
+
+
+def run_target(task: Task, config: TrainingConfig | PeerConfig) -> Optional[float]:
+    """The target a run stops at, in the task's metric: --target-accuracy or --target-loss, whichever is
+    the task's (None: neither given); the other one is a mistake, said in one line."""
+    given = {ACCURACY: config.target_accuracy, VALIDATION_LOSS: config.target_loss}
+    for metric, value in given.items():
+        if value is not None and metric != task.metric:
+            better = "higher" if task.metric.higher_is_better else "lower"
+            raise ConfigError(
+                f"{metric.flag} {value:g}: task {task.name} is judged by its {task.metric.label} ({better} is "
+                f"better), not its {metric.label}; use {task.metric.flag}"
+            )
+    return given[task.metric]
 
 
 def task_options(config: TrainingConfig) -> dict[str, Any]:

@@ -10,10 +10,13 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+from phalanx.tasks.metric import ACCURACY, Metric
 
 # Inputs of a batch before `preprocess`, and the CPU generator the batch was drawn with.
 Augment = Callable[[Tensor, torch.Generator], Tensor]
@@ -63,6 +66,11 @@ class Task:
     """Recommended per-peer minibatch size (samples)."""
     eval_batch_size: int = 2048
     """Samples per forward pass in `evaluate` (bounded memory, few launches)."""
+    metric: Metric = ACCURACY
+    """What `evaluate()`'s result is judged by (VALIDATION_LOSS for language models): reports show it and
+    a run's target is in it."""
+    default_target: Optional[float] = None
+    """The metric's value `phalanx swarm` stops at when given no target; None: it runs its --steps."""
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     """Where the data tensors live; set by `to`."""
 

@@ -99,4 +99,5 @@ def digits_mlp(hidden: int = 64) -> Task:
         test_targets=torch.tensor(test_y),
         lr=0.1,
         batch_size=32,
+        default_target=0.95,
     )

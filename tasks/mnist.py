@@ -139,4 +139,5 @@ def mnist_cnn(data_dir: Path | str = "data/mnist") -> Task:
         preprocess=_preprocess,
         lr=0.05,
         batch_size=64,
+        default_target=0.95,
     )

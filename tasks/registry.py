@@ -15,6 +15,7 @@ from phalanx.aggregation.errors import ConfigError
 from phalanx.tasks.base import Task
 from phalanx.tasks.cifar import cifar10_resnet18
 from phalanx.tasks.digits import digits_mlp
+from phalanx.tasks.metric import METRICS
 from phalanx.tasks.mnist import mnist_cnn
 from phalanx.tasks.text import tiny_gpt
 
@@ -51,6 +52,8 @@ def resolve_task(spec: str, **options: Any) -> Task:
         raise ConfigError(
             f"task={spec!r} returned {type(task).__name__}, not a phalanx.tasks.Task; make the factory return Task(...)"
         )
+    if task.metric not in METRICS.values():  # health records and target flags know these two
+        raise ConfigError(f"task={spec!r} has metric={task.metric!r}; give it phalanx.tasks.ACCURACY or VALIDATION_LOSS")
     return task
 
 

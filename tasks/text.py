@@ -24,6 +24,7 @@ from torch import Tensor, nn
 
 from phalanx.aggregation.errors import ConfigError
 from phalanx.tasks.base import Task, batch_generator
+from phalanx.tasks.metric import VALIDATION_LOSS, Metric, perplexity
 
 VOCAB = 256  # bytes
 
@@ -76,6 +77,9 @@ class TextTask(Task):
     """Steps of linear learning-rate warm-up from 0."""
     decay_steps: int = 5000
     """Steps of cosine decay after the warm-up, down to a tenth of the learning rate."""
+    metric: Metric = VALIDATION_LOSS
+    """A language model is judged by its validation loss per byte (its next-byte accuracy says little);
+    no default target: what loss a corpus and a model size reach is the run's own question."""
 
     def batch(self, seed: int, peer_id: str, step: int, batch_size: int) -> tuple[Tensor, Tensor]:
         """(inputs, targets), both (B, context) int64: random windows and the same shifted by one byte."""
@@ -112,7 +116,7 @@ class TextTask(Task):
             model.train(was_training)
         tokens = max(count * self.context, 1)
         loss = loss_sum.item() / tokens
-        return {"accuracy": correct.item() / tokens, "loss": loss, "perplexity": math.exp(min(loss, 50.0))}
+        return {"accuracy": correct.item() / tokens, "loss": loss, "perplexity": perplexity(loss)}
 
     def make_optimizer(self, params, lr=None, momentum=None, weight_decay=None) -> torch.optim.Optimizer:
         """AdamW (β = 0.9, 0.95); --momentum is SGD's and does not apply."""

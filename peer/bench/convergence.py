@@ -49,7 +49,7 @@ def run_convergence_bench(
                 "--slowdown", f"const:{base_step_s}", *case,
             ]  # fmt: skip
             swarm = Swarm(
-                peers, args, target_accuracy=target, live=False, stragglers=1,
+                peers, args, target=target, live=False, stragglers=1,
                 straggler_args=["--slowdown", straggler], console=console,
             )  # fmt: skip
             result = uvloop.run(swarm.run())

@@ -23,6 +23,7 @@ import torch
 
 from phalanx.aggregation.errors import ConfigError
 from phalanx.peer.bench import bench_console
+from phalanx.tasks.metric import METRICS
 
 EVAL_EVERY = 10
 SEED = 0
@@ -46,7 +47,7 @@ def _task_and_model(name: str, options: str):
 
 
 def _met(metrics: dict[str, float], metric: str, target: float) -> bool:
-    return metrics["loss"] <= target if metric == "loss" else metrics["accuracy"] >= target
+    return METRICS[metric].reached(metrics[metric], target)
 
 
 def _outer_steps(events: list[dict[str, Any]]) -> dict[int, tuple[list[float], list[float]]]:
@@ -263,8 +264,7 @@ def _run_phalanx(world: int, goal: Goal, extra_args: list[str]) -> dict[str, Any
     ]  # fmt: skip
     if goal.task_options:
         args += ["--task-options", goal.task_options]
-    # an accuracy target the launcher watches; a loss target each trainer stops at by itself
-    swarm = Swarm(world, args, target_accuracy=goal.target if goal.metric == "accuracy" else None, live=False)
+    swarm = Swarm(world, args, target=goal.target, metric=METRICS[goal.metric], live=False)
     result = uvloop.run(swarm.run())
     if result.kept_workdir is not None:
         swarm.console.print(
@@ -293,7 +293,7 @@ def _run_phalanx(world: int, goal: Goal, extra_args: list[str]) -> dict[str, Any
 class Goal:
     task: str
     task_options: str
-    metric: str  # "accuracy" (at least target) or "loss" (at most target)
+    metric: str  # the key of the task's Metric: "accuracy" (at least target) or "loss" (at most target)
     target: float
 
     @classmethod
@@ -306,8 +306,8 @@ class Goal:
         raise ConfigError(f"--task {task}: bench {command} runs digits-mlp or tiny-gpt")
 
     def __str__(self) -> str:
-        what = "test accuracy" if self.metric == "accuracy" else "validation loss"
-        return f"{what} {'≥' if self.metric == 'accuracy' else '≤'} {self.target} on {self.task}"
+        metric = METRICS[self.metric]
+        return f"{metric.label} {'≥' if metric.higher_is_better else '≤'} {self.target} on {self.task}"
 
 
 def run_swarm_bench(

@@ -1,5 +1,5 @@
 """`phalanx doctor`: one row per check of what a peer needs (addresses, ports, daemon, initial
-peers, reachability, clock, swarm compatibility, task, device, disk, identity), each failed row
+peers, reachability, clock, swarm compatibility, task, target, device, disk, identity), each failed row
 with its fix. `preflight` runs the checks that need no network before `phalanx join` starts."""
 
 from phalanx.peer.doctor.rows import Row

@@ -143,6 +143,7 @@ def task_rows(settings: PeerConfig) -> list[Row]:
         rows.append(failed("task", seen, fix or "fix --task / --data-dir (see `phalanx join --help` for the built-in tasks)"))
     else:
         rows.append(ok("task", f"{settings.task}: {len(task.train_targets)} training and {len(task.test_targets)} test samples"))
+        rows.append(target_row(settings, task))
     try:
         device = resolve_device(settings.device)
     except ConfigError as e:
@@ -152,6 +153,20 @@ def task_rows(settings: PeerConfig) -> list[Row]:
         rows.append(ok("device", _describe(device)))
     rows.append(disk_row(settings, task))
     return rows
+
+
+def target_row(settings: PeerConfig, task) -> Row:
+    """The target flag given is the one of the task's metric (--target-loss for a language model)."""
+    from phalanx.peer.trainer import run_target
+
+    try:
+        target = run_target(task, settings)
+    except ConfigError as e:
+        seen, _, fix = str(e).partition("; ")
+        return failed("target", seen, fix)
+    if target is None:
+        return ok("target", f"none: trains until --steps or stopped (judged by its {task.metric.label})")
+    return ok("target", f"{task.metric.label} {'≥' if task.metric.higher_is_better else '≤'} {target:g}")
 
 
 def _describe(device) -> str:

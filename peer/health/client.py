@@ -15,6 +15,8 @@ import logging
 import signal
 import sys
 import time
+from collections import Counter
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from typing import Any, Optional
 
@@ -29,6 +31,7 @@ from phalanx.peer.health.legality import swarm_problems
 from phalanx.peer.health.record import HealthRecord
 from phalanx.peer.health.service import fetch_records, install_validator
 from phalanx.peer.node import start_dht
+from phalanx.tasks.metric import ACCURACY, METRICS, Metric
 
 logger = logging.getLogger(__name__)
 
@@ -44,8 +47,10 @@ class PeerRow:
     version: str
     step: int
     samples_per_s: float
-    loss: Optional[float]
-    accuracy: Optional[float]
+    loss: Optional[float]  # last minibatch loss
+    accuracy: Optional[float]  # last evaluation's, on the task's held-out split
+    eval_loss: Optional[float]  # the same evaluation's loss
+    metric: str  # which of accuracy and eval_loss the task is judged by
     last_seen_s: float  # seconds since the record was signed
     reachability: str
     rounds_ok: int
@@ -56,6 +61,17 @@ class PeerRow:
     legal: bool
     problems: list[str]
     record: dict[str, Any]
+
+    def value(self, metric: Metric) -> Optional[float]:
+        """Its last evaluation's value of `metric`."""
+        return self.accuracy if metric.key == "accuracy" else self.eval_loss
+
+
+def swarm_metric(keys: Iterable[str]) -> Metric:
+    """What the run's trainers are judged by, from their records' `metric` (the most common one; test
+    accuracy when there is none): tables and plots show it."""
+    found = Counter(keys).most_common(1)
+    return METRICS.get(found[0][0], ACCURACY) if found else ACCURACY
 
 
 def swarm_rows(records: dict[str, HealthRecord], *, now: float) -> list[PeerRow]:
@@ -74,6 +90,8 @@ def swarm_rows(records: dict[str, HealthRecord], *, now: float) -> list[PeerRow]
                 samples_per_s=round(r.samples_per_s, 1),
                 loss=r.loss,
                 accuracy=r.accuracy,
+                eval_loss=r.eval_loss,
+                metric=r.metric,
                 last_seen_s=round(max(0.0, now - r.published_at), 1),
                 reachability=r.reachability,
                 rounds_ok=r.rounds_ok,
@@ -90,23 +108,13 @@ def swarm_rows(records: dict[str, HealthRecord], *, now: float) -> list[PeerRow]
 
 
 def render_table(rows: list[PeerRow], *, title: str) -> Table:
+    """One row per peer; the evaluation columns are the trainers' task's metric (accuracy, or validation
+    loss and perplexity)."""
+    metric = swarm_metric(r.metric for r in rows if r.role == "trainer")
     table = Table(title=title, expand=False)
-    for col in (
-        "peer",
-        "role",
-        "state",
-        "version",
-        "step",
-        "samples/s",
-        "loss",
-        "accuracy",
-        "last seen",
-        "reach",
-        "problems",
-    ):
-        table.add_column(
-            col, justify="right" if col in ("step", "samples/s", "loss", "accuracy", "last seen") else "left"
-        )
+    numbers = ("step", "samples/s", "train loss", *metric.columns, "last seen")
+    for col in ("peer", "role", "state", "version", *numbers[:3], *metric.columns, "last seen", "reach", "problems"):
+        table.add_column(col, justify="right" if col in numbers else "left")
     for row in rows:
         state_style = {"online": "green", "joining": "yellow", "offline": "dim"}.get(row.state, "")
         table.add_row(
@@ -117,7 +125,7 @@ def render_table(rows: list[PeerRow], *, title: str) -> Table:
             str(row.step),
             f"{row.samples_per_s:.0f}",
             "" if row.loss is None else f"{row.loss:.4f}",
-            "" if row.accuracy is None else f"{row.accuracy:.4f}",
+            *metric.cells(row.value(metric)),
             f"{row.last_seen_s:.0f} s",
             row.reachability,
             "[red]" + "; ".join(row.problems) + "[/]" if row.problems else "[green]none[/]",
@@ -131,6 +139,7 @@ def rows_json(rows: list[PeerRow]) -> dict[str, Any]:
         states[row.state] = states.get(row.state, 0) + 1
     return {
         "t": time.time(),
+        "metric": swarm_metric(r.metric for r in rows if r.role == "trainer").key,  # what the peers' tables show
         "peers": [asdict(r) for r in rows],
         "by_state": states,
         "problems": sum(bool(r.problems) for r in rows),

@@ -20,6 +20,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoM
 from prometheus_client.registry import Collector
 
 from phalanx.peer.health.record import LastRound, Outcome, Role
+from phalanx.tasks.metric import MetricKey
 
 if TYPE_CHECKING:
     from phalanx.peer.health.swarm_view import RecentPeers
@@ -42,7 +43,8 @@ def package_version() -> str:
 @dataclass
 class PeerMetrics:
     """Progress of one peer. Units: seconds, samples; `loss` is the last local minibatch loss,
-    `accuracy` the last test accuracy; `staleness_penalty` the average divisor the last late
+    `accuracy` and `eval_loss` the last evaluation's on the task's held-out split, `metric` which
+    of the two the task is judged by; `staleness_penalty` the average divisor the last late
     contribution was corrected by (0 = none yet; lasgd and gossip set it)."""
 
     role: Role
@@ -51,6 +53,8 @@ class PeerMetrics:
     step: int = 0
     loss: Optional[float] = None
     accuracy: Optional[float] = None
+    eval_loss: Optional[float] = None
+    metric: MetricKey = "accuracy"
     samples_per_s: float = 0.0
     staleness_penalty: float = 0.0
     accusations_seen: int = 0
@@ -94,8 +98,8 @@ class PeerMetrics:
     def resynced(self, step: int) -> None:
         self.step = step
 
-    def evaluated(self, accuracy: float) -> None:
-        self.accuracy = accuracy
+    def evaluated(self, metric: MetricKey, *, accuracy: float, loss: float) -> None:
+        self.metric, self.accuracy, self.eval_loss = metric, accuracy, loss
 
     def _round(self, group: GroupSpec, outcome: Outcome, duration_s: Optional[float]) -> None:
         if duration_s is not None:
@@ -211,7 +215,9 @@ class NodeCollector(Collector):
         if m.loss is not None:
             yield _gauge("phalanx_loss", "Last minibatch loss.", m.loss)
         if m.accuracy is not None:
-            yield _gauge("phalanx_accuracy", "Last test accuracy.", m.accuracy)
+            yield _gauge("phalanx_accuracy", "Accuracy of the last evaluation on the task's held-out split.", m.accuracy)
+        if m.eval_loss is not None:
+            yield _gauge("phalanx_eval_loss", "Loss of the last evaluation on the task's held-out split.", m.eval_loss)
         yield _gauge(
             "phalanx_staleness_penalty",
             "Last staleness penalty applied to a late contribution (0: none).",

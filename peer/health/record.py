@@ -22,6 +22,7 @@ from pydantic import Field
 from phalanx.aggregation.errors import PeerProtocolError
 from phalanx.security.identity import Identity, verify
 from phalanx.security.wire import PeerIdStr, WireModel, unpack
+from phalanx.tasks.metric import MetricKey
 
 PUBLISH_EVERY_S = 3.0  # how often a peer refreshes its record
 TTL_S = 10.0  # DHT expiration of a record: a silent peer vanishes from every view after this
@@ -90,6 +91,8 @@ class HealthRecord(WireModel):
     leader: Optional[PeerIdStr] = None  # trainers: the matchmaking leader it follows (tells split groups apart)
     state_version: Hex = ""  # trainers: first 16 hex digits of its state version (equal at equal steps: same model)
     swarm_problems: list[Text] = Field(default_factory=list, max_length=MAX_VIOLATIONS)  # cut off, split, … (swarm_view)
+    eval_loss: Optional[Annotated[float, Field(ge=0, allow_inf_nan=False)]] = None  # last evaluation's loss (held-out split)
+    metric: MetricKey = "accuracy"  # what its task is judged by: `accuracy` or `eval_loss` (tasks/metric.py)
 
     def encode(self) -> bytes:
         """Canonical bytes (field order of the model, msgpack): what the signature covers."""

@@ -265,6 +265,8 @@ class HealthService:
             leader=self.node.membership.leader() if self.node is not None else None,
             state_version=self.node.engine.version.hex()[:16] if self.node is not None else "",
             swarm_problems=[p[:200] for p in self.swarm_problems],
+            eval_loss=m.eval_loss,
+            metric=m.metric,
         )
 
     async def _publish(self, expire_in_s: float) -> None:
@@ -343,6 +345,8 @@ class HealthService:
             "step": m.step,
             "loss": m.loss,
             "accuracy": m.accuracy,
+            "eval_loss": m.eval_loss,
+            "metric": m.metric,  # which of accuracy and eval_loss the task is judged by
             "samples_per_s": m.samples_per_s,
             "staleness_penalty": m.staleness_penalty,
             "rounds": {

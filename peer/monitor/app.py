@@ -2,7 +2,7 @@
 dashboard it serves on the same event loop.
 
     GET /                    the page: peer table and plots (refreshes itself)
-    GET /plots/<kind>.png    loss | accuracy | throughput | states
+    GET /plots/<kind>.png    loss | evaluation (the task's metric) | throughput | states
     GET /api/v1/status       JSON: the monitor itself, every peer (record + problems), counts by state
     GET /api/v1/peers        JSON: the peer table only
     GET /metrics             Prometheus: the swarm, aggregated from the records
@@ -145,7 +145,8 @@ class SwarmCollector(Collector):
             "step": GaugeMetricFamily("phalanx_swarm_peer_step", "Training step per peer.", labels=labels),
             "sps": GaugeMetricFamily("phalanx_swarm_peer_samples_per_second", "Throughput per peer.", labels=labels),
             "loss": GaugeMetricFamily("phalanx_swarm_peer_loss", "Last minibatch loss per peer.", labels=labels),
-            "accuracy": GaugeMetricFamily("phalanx_swarm_peer_accuracy", "Last test accuracy per peer.", labels=labels),
+            "accuracy": GaugeMetricFamily("phalanx_swarm_peer_accuracy", "Last evaluation's accuracy per peer.", labels=labels),
+            "eval_loss": GaugeMetricFamily("phalanx_swarm_peer_eval_loss", "Last evaluation's loss per peer.", labels=labels),
             "seen": GaugeMetricFamily(
                 "phalanx_swarm_peer_last_seen_seconds", "Age of each peer's record.", labels=labels
             ),
@@ -164,6 +165,8 @@ class SwarmCollector(Collector):
                 families["loss"].add_metric(key, r.loss)
             if r.accuracy is not None:
                 families["accuracy"].add_metric(key, r.accuracy)
+            if r.eval_loss is not None:
+                families["eval_loss"].add_metric(key, r.eval_loss)
             families["seen"].add_metric(key, r.last_seen_s)
             families["problems"].add_metric(key, len(r.problems))
             for outcome, value in (

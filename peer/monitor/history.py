@@ -24,6 +24,7 @@ class Point:
     loss: Optional[float]
     accuracy: Optional[float]
     samples_per_s: float
+    eval_loss: Optional[float]
 
 
 @dataclass
@@ -44,7 +45,7 @@ class SwarmHistory:
             (
                 now,
                 {
-                    p: Point(r.state, r.step, r.loss, r.accuracy, r.samples_per_s)
+                    p: Point(r.state, r.step, r.loss, r.accuracy, r.samples_per_s, r.eval_loss)
                     for p, r in records.items()
                     if r.role == "trainer"
                 },
@@ -54,7 +55,8 @@ class SwarmHistory:
             self._points.popleft()
 
     def series(self, name: str) -> dict[str, tuple[list[float], list[float]]]:
-        """{peer: (times, values)} of `name` (loss, accuracy, samples_per_s, step), skipping polls without a value."""
+        """{peer: (times, values)} of `name` (loss, accuracy, eval_loss, samples_per_s, step), skipping polls
+        without a value."""
         out: dict[str, tuple[list[float], list[float]]] = {}
         for t, points in self._points:
             for peer, point in points.items():

@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import html
 
-from phalanx.peer.health.client import PeerRow
+from phalanx.peer.health.client import PeerRow, swarm_metric
 from phalanx.peer.monitor.plots import PLOTS
+from phalanx.tasks.metric import Metric
 
 _STYLE = """
 body { font-family: system-ui, sans-serif; margin: 1.5em; color: #222; }
@@ -21,25 +22,17 @@ td.num { text-align: right; font-variant-numeric: tabular-nums; }
 figure { margin: 0; }
 """
 
-_COLUMNS = (
-    "peer",
-    "role",
-    "state",
-    "version",
-    "step",
-    "samples/s",
-    "loss",
-    "accuracy",
-    "last seen",
-    "reach",
-    "problems",
-)
-
 _SCRIPT = """
-const cols = (r) => [
+// the task's metric (Metric.cells in phalanx/tasks/metric.py): accuracy, or validation loss and perplexity
+const evaluation = (r, metric) => {
+  const v = metric === "accuracy" ? r.accuracy : r.eval_loss;
+  if (metric === "accuracy") return [v === null ? "" : v.toFixed(4)];
+  return v === null ? ["", ""] : [v.toFixed(4), Math.exp(Math.min(v, 50)).toFixed(2)];
+};
+const cols = (r, metric) => [
   [r.short_id, "", r.peer_id], [r.role, ""], [r.state, r.state], [r.version, ""], [String(r.step), "num"],
   [r.samples_per_s.toFixed(0), "num"], [r.loss === null ? "" : r.loss.toFixed(4), "num"],
-  [r.accuracy === null ? "" : r.accuracy.toFixed(4), "num"], [r.last_seen_s.toFixed(0) + " s", "num"],
+  ...evaluation(r, metric).map((text) => [text, "num"]), [r.last_seen_s.toFixed(0) + " s", "num"],
   [r.reachability, ""], [r.problems.length ? r.problems.join("; ") : "none", r.problems.length ? "problems" : "ok"]];
 let generation = -1;
 async function refresh() {
@@ -49,7 +42,7 @@ async function refresh() {
     body.replaceChildren(...data.peers.map((r) => {
       const tr = document.createElement("tr");
       tr.dataset.peerId = r.peer_id;
-      for (const [text, cls, title] of cols(r)) {
+      for (const [text, cls, title] of cols(r, data.metric)) {
         const td = document.createElement("td");
         td.textContent = text; if (cls) td.className = cls; if (title) td.title = title;
         tr.appendChild(td);
@@ -73,7 +66,11 @@ setInterval(refresh, 3000);
 """
 
 
-def _row(r: PeerRow) -> str:
+def _columns(metric: Metric) -> tuple[str, ...]:
+    return ("peer", "role", "state", "version", "step", "samples/s", "train loss", *metric.columns, "last seen", "reach", "problems")
+
+
+def _row(r: PeerRow, metric: Metric) -> str:
     cells = [
         (r.short_id, "", r.peer_id),
         (r.role, "", ""),
@@ -82,7 +79,7 @@ def _row(r: PeerRow) -> str:
         (str(r.step), "num", ""),
         (f"{r.samples_per_s:.0f}", "num", ""),
         ("" if r.loss is None else f"{r.loss:.4f}", "num", ""),
-        ("" if r.accuracy is None else f"{r.accuracy:.4f}", "num", ""),
+        *((text, "num", "") for text in metric.cells(r.value(metric))),
         (f"{r.last_seen_s:.0f} s", "num", ""),
         (r.reachability, "", ""),
         ("; ".join(r.problems) if r.problems else "none", "problems" if r.problems else "ok", ""),
@@ -101,7 +98,8 @@ def _q(text: str) -> str:
 def render_page(run_id: str, rows: list[PeerRow], polls: int) -> str:
     online = sum(r.state == "online" for r in rows)
     problems = sum(bool(r.problems) for r in rows)
-    head = "".join(f"<th>{c}</th>" for c in _COLUMNS)
+    metric = swarm_metric(r.metric for r in rows if r.role == "trainer")
+    head = "".join(f"<th>{c}</th>" for c in _columns(metric))
     figures = "".join(
         f'<figure><img class="plot" id="plot-{kind}" data-kind="{kind}" src="/plots/{kind}.png?poll={polls}" '
         f'alt={_q(title)} width="576" height="288"></figure>'
@@ -113,7 +111,7 @@ def render_page(run_id: str, rows: list[PeerRow], polls: int) -> str:
 <body>
 <h1>Phalanx swarm <code>{html.escape(run_id)}</code></h1>
 <p id="summary">{len(rows)} peers, {online} online, {problems} with problems (poll {polls})</p>
-<table id="peers"><thead><tr>{head}</tr></thead><tbody>{"".join(_row(r) for r in rows)}</tbody></table>
+<table id="peers"><thead><tr>{head}</tr></thead><tbody>{"".join(_row(r, metric) for r in rows)}</tbody></table>
 <div class="plots">{figures}</div>
 <p><a href="/api/v1/status">JSON status</a> · <a href="/metrics">Prometheus metrics</a></p>
 <script>{_SCRIPT}</script>

@@ -14,11 +14,12 @@ matplotlib.use("Agg")  # headless; must precede pyplot's import
 
 from matplotlib.figure import Figure  # noqa: E402
 
+from phalanx.peer.health.client import swarm_metric  # noqa: E402
 from phalanx.peer.monitor.history import STATES, SwarmHistory  # noqa: E402
 
 PLOTS = {
     "loss": ("Training loss (last minibatch)", "loss"),
-    "accuracy": ("Test accuracy", "accuracy"),
+    "evaluation": ("Evaluation (the task's metric)", None),  # test accuracy, or validation loss
     "throughput": ("Throughput (samples/s)", "samples_per_s"),
     "states": ("Trainers by state", None),
 }
@@ -28,6 +29,9 @@ _COLORS = {"joining": "#e0a800", "online": "#2e9d4e", "offline": "#9e9e9e"}
 def render_plot(kind: str, history: SwarmHistory) -> bytes:
     """PNG of one plot; a plot without data yet says so (it is still a valid image)."""
     title, field = PLOTS[kind]
+    if kind == "evaluation":  # of the trainers' task's metric
+        metric = swarm_metric(r.metric for r in history.latest.values() if r.role == "trainer")
+        title, field = metric.label.capitalize(), "accuracy" if metric.key == "accuracy" else "eval_loss"
     fig = Figure(figsize=(6.4, 3.2), dpi=90)  # a bare Figure: no pyplot global state
     ax = fig.add_subplot()
     ax.set_title(title)
@@ -41,7 +45,7 @@ def render_plot(kind: str, history: SwarmHistory) -> bytes:
             drawn = True
         if kind == "loss" and drawn:
             ax.set_yscale("log")
-        if kind == "accuracy":
+        if field == "accuracy":
             ax.set_ylim(0, 1)
     else:
         times, counts = history.states()

@@ -20,7 +20,7 @@ def test_async_swarm_converges(mode, peers, compression, tmp_path):
         "--wait-for-peers", str(peers), "--compression", compression,
         "--slowdown", "const:0.01",  # a step takes some time, as on a GPU: exchanges overlap with training
     ]  # fmt: skip
-    swarm = Swarm(peers, args, target_accuracy=None, workdir=tmp_path / mode, live=False)
+    swarm = Swarm(peers, args, workdir=tmp_path / mode, live=False)
     result = asyncio.run(swarm.run())
     reports = [v.report for v in result.peers]
     assert all(r is not None and r["step"] == STEPS for r in reports), reports

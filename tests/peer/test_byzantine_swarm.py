@@ -22,7 +22,7 @@ MIXES = {
 
 def _run(peers: int, attacks: list[str], workdir):
     swarm = Swarm(
-        peers, [*ARGS, "--wait-for-peers", str(peers)], target_accuracy=None, workdir=workdir, live=False, attacks=attacks
+        peers, [*ARGS, "--wait-for-peers", str(peers)], workdir=workdir, live=False, attacks=attacks
     )
     return asyncio.run(swarm.run())
 

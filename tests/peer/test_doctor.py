@@ -108,6 +108,24 @@ def test_task_without_its_data_fails_with_the_fix(tmp_path):
     assert rows["device"].status == "pass" and rows["checkpoint disk"].status == "pass"
 
 
+@pytest.mark.parametrize(
+    ("settings", "status", "text"),
+    [
+        ({"task": "tiny-gpt", "target_loss": 2.6}, "pass", "validation loss ≤ 2.6"),
+        ({"target_accuracy": 0.9}, "pass", "test accuracy ≥ 0.9"),
+        (
+            {"task": "tiny-gpt", "target_accuracy": 0.5},
+            "fail",
+            "target: --target-accuracy 0.5: task tiny-gpt is judged by its validation loss (lower is better), not its "
+            "test accuracy; use --target-loss",
+        ),
+    ],
+)
+def test_the_target_is_in_the_tasks_metric(settings, status, text):
+    row = next(r for r in task_rows(PeerConfig(**settings)) if r.check == "target")
+    assert row.status == status and (row.detail if status == "pass" else row.line()) == text
+
+
 def test_checkpoint_disk_counts_the_kept_checkpoints(tmp_path):
     rows = {r.check: r for r in task_rows(PeerConfig(checkpoint_dir=tmp_path / "ckpt", checkpoint_keep=3))}
     assert rows["checkpoint disk"].status == "pass" and "MiB needed)" in rows["checkpoint disk"].detail
@@ -228,8 +246,9 @@ def test_healthy_swarm_passes_every_row(swarm, tmp_path):
     assert direct.startswith(f"{peer} connected to port ") and "(any free one, as --direct-port 0 picks) at 127.0.0.1:" in direct
     assert rows["run config"]["detail"].endswith("as all 1 trainers in view")
     assert rows["identity free"]["detail"].startswith("no live peer of the swarm runs as")
+    assert rows["target"]["detail"] == "none: trains until --steps or stopped (judged by its test accuracy)"
     code, table, _ = doctor("--initial-peers", swarm.initial_peers, json_out=False)
-    assert code == 0 and "18 checks, 0 failed" in table
+    assert code == 0 and "19 checks, 0 failed" in table
 
 
 @pytest.mark.integration

@@ -17,17 +17,15 @@ from phalanx.peer.swarm import Swarm
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
 
-def _no_data_args(tmp_path: Path) -> list[str]:
-    empty = tmp_path / "no-mnist"
-    empty.mkdir(exist_ok=True)
-    return ["--task", "mnist-cnn", "--data-dir", str(empty)]  # every trainer stops at start with a one-line error
+# every trainer stops at start with a one-line error (the launcher builds the task, not the device)
+NO_DEVICE = ["--device", "cuda:99"]
 
 
 def test_failing_trainers_are_reported_with_their_error_and_the_folder_is_kept(tmp_path):
     scratch = tmp_path / "tmp"  # the swarm's own temporary folder is made here, so the test can find it
     scratch.mkdir()
     result = subprocess.run(
-        [sys.executable, "-m", "phalanx", "swarm", "--peers", "3", "--byzantine", "2", *_no_data_args(tmp_path)],
+        [sys.executable, "-m", "phalanx", "swarm", "--peers", "3", "--byzantine", "2", *NO_DEVICE],
         capture_output=True,
         text=True,
         timeout=240,
@@ -41,19 +39,33 @@ def test_failing_trainers_are_reported_with_their_error_and_the_folder_is_kept(t
     assert workdir.parent == scratch and workdir.is_dir()
     log = workdir / "trainer-0.log"
     last = log.read_text().strip().splitlines()[-1]
-    assert last.startswith("error: ") and "lacks train-images" in last  # the trainer's own one-line error
+    assert last.startswith("error: device: ") and "--device cuda:99 is not usable here" in last  # the trainer's own line
     assert f"trainer-0 exited with code 2: {last} (log: {log})" in err, err[-3000:]
     # the attackers failed the same way, or were stopped first: each row of the final table says which
     rows = {line.split()[1]: line for line in err.splitlines() if re.match(r"│ (trainer|byzantine)-\d", line)}
-    failed_at_start = re.compile(r"error: task: mnist-cnn: data_dir=")  # the start-up check's row text, cut to the column
+    failed_at_start = re.compile(r"error: device: ")  # the start-up check's row text, cut to the column
     assert failed_at_start.search(rows["trainer-0"]), rows
     for name in ("byzantine-0", "byzantine-1"):
         assert failed_at_start.search(rows[name]) or "stopped by the launcher" in rows[name], rows
     assert "the 2 attackers (sign_flip)" in err
-    assert "target 0.95 NOT reached" in err
+    assert "target 0.95 NOT reached" in err  # digits-mlp's own target
     assert "no trainer took a step" in err
     ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
     assert str(workdir) not in ps  # every process the swarm started is gone
+
+
+def test_a_task_the_launcher_cannot_build_is_one_line_before_any_trainer_starts(tmp_path):
+    """The launcher builds the task to learn its metric and target: missing data is its one line (exit 2),
+    not every trainer's failure at start."""
+    empty = tmp_path / "no-mnist"
+    empty.mkdir()
+    result = subprocess.run(
+        [sys.executable, "-m", "phalanx", "swarm", "--peers", "2", "--task", "mnist-cnn", "--data-dir", str(empty)],
+        capture_output=True, text=True, timeout=240, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )  # fmt: skip
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert result.returncode == 2 and len(lines) == 1, result.stderr[-3000:]
+    assert lines[0].startswith(f"error: task mnist-cnn: data_dir='{empty}' lacks "), lines
 
 
 def test_debug_reaches_the_trainers(tmp_path):
@@ -61,25 +73,25 @@ def test_debug_reaches_the_trainers(tmp_path):
     --debug it is the one line above)."""
     result = subprocess.run(
         [sys.executable, "-m", "phalanx", "--debug", "swarm", "--peers", "1", "--workdir", str(tmp_path / "run"),
-         *_no_data_args(tmp_path)],
+         *NO_DEVICE],
         capture_output=True, text=True, timeout=240, env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )  # fmt: skip
     assert result.returncode == 1, result.stderr[-3000:]
     log = (tmp_path / "run" / "trainer-0.log").read_text()
-    assert "Traceback (most recent call last)" in log and "lacks train-images" in log, log[-3000:]
+    assert "Traceback (most recent call last)" in log and "--device cuda:99 is not usable here" in log, log[-3000:]
 
 
 def test_the_run_stops_once_no_honest_trainer_is_left(tmp_path):
-    # The one honest peer (a "straggler", to give it its own flags) cannot load its task; the attacker
+    # The one honest peer (a "straggler", to give it its own flags) cannot use its device; the attacker
     # would wait for it, then train alone through 100000 steps: the launcher stops it instead.
     out = io.StringIO()
     swarm = Swarm(
-        2, ["--steps", "100000", "--wait-for-peers", "2"], target_accuracy=None, workdir=tmp_path / "run", live=False,
-        console=Console(file=out, width=200), attacks=["sign_flip"], stragglers=1, straggler_args=_no_data_args(tmp_path),
+        2, ["--steps", "100000", "--wait-for-peers", "2"], workdir=tmp_path / "run", live=False,
+        console=Console(file=out, width=200), attacks=["sign_flip"], stragglers=1, straggler_args=NO_DEVICE,
     )  # fmt: skip
     result = asyncio.run(swarm.run())
     text = out.getvalue()
-    assert result.reasons["straggler-0"].startswith("error: ") and "lacks train-images" in result.reasons["straggler-0"]
+    assert result.reasons["straggler-0"].startswith("error: device: ") and "cuda:99" in result.reasons["straggler-0"]
     assert result.reasons["byzantine-0"].startswith("stopped by the launcher"), text  # (or before it was up)
     assert "every honest trainer has exited: stopping the others" in text
     assert "straggler-0 exited with code 2" in text
@@ -94,7 +106,7 @@ def test_a_diloco_swarm_runs_to_its_target_under_the_launcher(tmp_path):
     out = io.StringIO()
     swarm = Swarm(
         2, ["--mode", "diloco", "--inner-steps", "10", "--eval-every", "10", "--wait-for-peers", "2", "--steps", "3000"],
-        target_accuracy=0.9, workdir=tmp_path / "run", live=False, console=Console(file=out, width=200),
+        target=0.9, workdir=tmp_path / "run", live=False, console=Console(file=out, width=200),
     )  # fmt: skip
     result = asyncio.run(swarm.run())
     assert result.reached_target, out.getvalue()[-3000:]

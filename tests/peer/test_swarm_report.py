@@ -99,12 +99,12 @@ def test_report_counts_attackers_that_never_started_and_says_why_and_where(tmp_p
     ]
     reasons = {v.name: exit_reason(v, steps=None, swarm_reached_target=False) for v in peers}
     result = SwarmResult(
-        reached_target=False, wall_s=3.0, time_to_target_s=None, peers=peers, best_accuracy=None, reasons=reasons,
+        reached_target=False, wall_s=3.0, time_to_target_s=None, peers=peers, best=None, target=0.95, reasons=reasons,
         startup={"bootstrap up": 1.5, "all on the DHT": None, "all see their peers": None, "first step": None},
         kept_workdir=tmp_path,
     )  # fmt: skip
     out = io.StringIO()
-    print_report(result, Console(file=out, width=200), 0.95)
+    print_report(result, Console(file=out, width=200))
     text = out.getvalue()
     assert "the 2 attackers (sign_flip)" in text
     assert "error: --task: no such task" in text
@@ -115,7 +115,7 @@ def test_report_counts_attackers_that_never_started_and_says_why_and_where(tmp_p
 
 def test_startup_line_gives_time_to_first_step_and_each_stage():
     result = SwarmResult(
-        reached_target=True, wall_s=9.0, time_to_target_s=8.0, peers=[], best_accuracy=0.95,
+        reached_target=True, wall_s=9.0, time_to_target_s=8.0, peers=[], best=0.95,
         startup={"bootstrap up": 2.0, "all on the DHT": 5.25, "all see their peers": 5.5, "first step": 6.0},
     )  # fmt: skip
     assert startup_line(result) == "time to first step 6.0 s (bootstrap up 2.0 s, all on the DHT 5.2 s, all see their peers 5.5 s)"
@@ -124,7 +124,7 @@ def test_startup_line_gives_time_to_first_step_and_each_stage():
 def test_startup_stages_count_trainers_and_take_the_last_one_to_get_there(tmp_path):
     from phalanx.peer.swarm import Swarm
 
-    swarm = Swarm(3, ["--steps", "50"], target_accuracy=None, workdir=tmp_path, live=False)
+    swarm = Swarm(3, ["--steps", "50"], workdir=tmp_path, live=False)
     assert swarm.steps == 50
     assert swarm._stage().startswith("starting the bootstrap peer…")
     swarm.bootstrap_s = 1.0

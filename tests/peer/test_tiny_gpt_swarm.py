@@ -1,6 +1,11 @@
-"""`tiny-gpt` trained by three `phalanx join` processes on loopback."""
+"""`tiny-gpt` trained by three `phalanx join` processes on loopback, and by `phalanx swarm`, which judges
+it by validation loss (and perplexity), not accuracy."""
 
 import math
+import os
+import re
+import subprocess
+import sys
 
 import hivemind
 import pytest
@@ -38,3 +43,70 @@ def test_three_cli_peers_train_tiny_gpt_below_a_validation_loss_that_an_untraine
         for p in procs:
             p.kill()
         dht.shutdown()
+
+
+def _swarm(tmp_path, *args: str) -> tuple[subprocess.CompletedProcess, str]:
+    """`phalanx swarm` on tiny-gpt at SWARM_OPTIONS, its temporary folder in `tmp_path`: (result, stderr)."""
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    done = subprocess.run(
+        [sys.executable, "-m", "phalanx", "swarm", "--task", "tiny-gpt", "--task-options", SWARM_OPTIONS, *args],
+        capture_output=True, text=True, timeout=800, env={**os.environ, "PYTHONUNBUFFERED": "1", "TMPDIR": str(scratch)},
+    )  # fmt: skip
+    assert not list(scratch.glob("phalanx-swarm-*")), done.stderr[-3000:]  # a run that succeeded leaves no folder
+    assert str(scratch) not in subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
+    return done, done.stderr
+
+
+def _final_rows(err: str) -> list[list[str]]:
+    return [[c.strip() for c in line.split("│")[1:-1]] for line in err.splitlines() if re.match(r"│ trainer-\d", line)]
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(900)
+def test_a_swarm_with_no_target_succeeds_by_its_steps_and_reports_validation_loss_and_perplexity(tmp_path):
+    done, err = _swarm(tmp_path, "--peers", "2", "--steps", "40", "--eval-every", "20")
+    assert done.returncode == 0, err[-3000:]
+    assert "NOT reached" not in err and "accuracy" not in err, err[-3000:]
+    header = next(line for line in err.splitlines() if "┃ peer" in line)
+    assert [c.strip() for c in header.split("┃")[1:6]] == ["peer", "id", "steps", "val loss", "perplexity"], header
+    rows = _final_rows(err)
+    assert len(rows) == 2 and all(r[2] == "40" and r[-1] == "steps done" for r in rows), rows
+    for row in rows:
+        assert float(row[4]) == pytest.approx(math.exp(float(row[3])), rel=1e-3)  # perplexity of that loss
+    best = re.search(r"best validation loss (\d+\.\d+) \(perplexity (\d+\.\d+)\)", err)
+    assert best and float(best.group(1)) == min(float(r[3]) for r in rows), err[-1000:]
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(900)
+def test_a_swarm_stops_when_a_trainers_validation_loss_reaches_its_target_loss(tmp_path):
+    done, err = _swarm(tmp_path, "--peers", "3", "--target-loss", str(TARGET_LOSS), "--eval-every", "25", "--steps", "600")
+    assert done.returncode == 0, err[-3000:]
+    assert re.search(rf"reached {TARGET_LOSS} after \d+\.\d s", err), err[-3000:]
+    rows = _final_rows(err)
+    assert any(r[-1] == "target reached" for r in rows) and all(int(r[2]) < 600 for r in rows), rows
+    assert min(float(r[3]) for r in rows) <= TARGET_LOSS, rows
+
+
+def test_the_live_line_and_table_show_the_tasks_metric(tmp_path):
+    """What `phalanx swarm` prints while it runs: validation loss and perplexity for a language model (the
+    best is the lowest), test accuracy for a classifier (the highest)."""
+    import io
+
+    from rich.console import Console
+
+    from phalanx.peer.swarm import Swarm
+    from phalanx.tasks import ACCURACY, VALIDATION_LOSS
+
+    for metric, values, best in ((VALIDATION_LOSS, (2.9, 2.5), "best validation loss 2.5000 (perplexity 12.18)"),
+                                 (ACCURACY, (0.9, 0.5), "best test accuracy 0.9000")):  # fmt: skip
+        out = io.StringIO()
+        swarm = Swarm(2, ["--steps", "40"], metric=metric, workdir=tmp_path, live=False, console=Console(file=out, width=200))
+        for view, value in zip(swarm.views, values, strict=True):
+            view.first_step_s, view.step, view.metric_value = 1.0, 20, value
+        swarm._print_progress([0.0])
+        assert out.getvalue().rstrip().endswith(f"steps 20–20 {best}"), out.getvalue()
+        Console(file=out, width=200).print(swarm._table())
+        header = next(line for line in out.getvalue().splitlines() if "peer" in line)
+        assert [c.strip() for c in header.split("┃")[4:-3]] == ["train loss", *metric.columns], header

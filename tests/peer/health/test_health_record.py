@@ -47,6 +47,12 @@ def test_signed_record_round_trips(alice):
     assert verify_entry(alice.peer_id, sign_record(alice, record), now=NOW) == record
 
 
+def test_a_language_models_record_carries_its_validation_loss_as_its_metric(alice):
+    record = record_of(alice, accuracy=0.3, eval_loss=2.5, metric="loss")
+    assert verify_entry(alice.peer_id, sign_record(alice, record), now=NOW) == record
+    assert record_of(alice).metric == "accuracy" and record_of(alice).eval_loss is None  # what older peers sent
+
+
 def test_rsa_identity_signs_too(tmp_path):
     from hivemind.p2p import P2P
 
@@ -103,6 +109,8 @@ def test_freshness_bounds_replays(alice, published_at, accepted):
         ("loss", float("nan"), "invalid HealthRecord.loss"),
         ("samples_per_s", -1.0, "invalid HealthRecord.samples_per_s"),
         ("accuracy", 1.5, "invalid HealthRecord.accuracy"),
+        ("eval_loss", -1.0, "invalid HealthRecord.eval_loss"),
+        ("metric", "f1", "invalid HealthRecord.metric"),
         ("bans", ["Qm" + "a" * 44] * 257, "invalid HealthRecord.bans"),
         ("state", "hacked", "invalid HealthRecord.state"),
         ("version", "x" * 33, "invalid HealthRecord.version"),
