@@ -215,7 +215,7 @@ def test_monitor_page_in_chromium_shows_every_peer_and_its_plots_render(live_swa
             plots = page.evaluate(
                 "[...document.querySelectorAll('img.plot')].map(i => [i.dataset.kind, i.naturalWidth, i.naturalHeight])"
             )
-            assert sorted(kind for kind, _, _ in plots) == ["accuracy", "loss", "states", "throughput"]
+            assert sorted(kind for kind, _, _ in plots) == ["evaluation", "loss", "states", "throughput"]
             assert all(w > 100 and h > 100 for _, w, h in plots), plots
             page.wait_for_function("() => document.getElementById('summary').textContent.includes('poll')")
             assert not errors, errors
