@@ -36,6 +36,9 @@ MAX_TTL_S = 60.0  # DHT nodes refuse records that live longer: a peer gone silen
 # A peer suspected again soon after its last suspicion ended is suspected twice as long each time, up to 2**this
 # times: a record whose peer never answers (made up by a key holder, docs/threat-model.md) stops costing rounds
 MAX_SUSPICION_DOUBLINGS = 4
+# a peer nobody can dial keeps waiting for a dialable leader this long after its record was last read (one
+# read can miss it); only then do such peers pick one of their own to lead
+DIALABLE_MEMORY_S = 30.0
 MAX_SUSPECTS_KEPT = 1024  # suspicions remembered past their end (to double the next one), before the oldest go
 
 
@@ -78,6 +81,7 @@ class Membership:
     _view: dict[str, tuple[PeerRecord, float]] = field(default_factory=dict)
     _suspects: dict[str, float] = field(default_factory=dict)
     _strikes: dict[str, tuple[int, float]] = field(default_factory=dict)  # peer -> (doublings, its last suspicion's length)
+    _dialable_seen: dict[str, float] = field(default_factory=dict)  # peers others can dial -> when last in view
     _task: Optional[asyncio.Task] = None
     _refreshed: Optional[asyncio.Event] = None
     _soon: Optional[asyncio.Event] = None  # wakes the refresh loop early (see announce_soon)
@@ -149,6 +153,8 @@ class Membership:
         records, invalid = read_signed(found, PeerRecord, key=self.key, max_ttl_s=MAX_TTL_S, now=get_dht_time())
         self.stats.invalid_records += invalid
         self._view = {peer: entry for peer, entry in records.items() if peer not in self.banned}
+        now = time.monotonic()
+        self._dialable_seen.update((peer, now) for peer, (record, _) in self._view.items() if record.reachable)
         self.stats.refreshes += 1
         if self._refreshed is not None:
             self._refreshed.set()
@@ -201,6 +207,14 @@ class Membership:
         """`peer` told us itself (a join it redirected) that it steps down: as if its record named it, until then."""
         self._stepping_down[peer] = time.monotonic() + for_s
 
+    def _dialable_lately(self, excluding: frozenset[str]) -> list[str]:
+        """Peers others can dial that were in view within DIALABLE_MEMORY_S, banned and `excluding` aside."""
+        now = time.monotonic()
+        return sorted(
+            p for p, seen in self._dialable_seen.items()
+            if now - seen < DIALABLE_MEMORY_S and p not in excluding and p not in self.banned and p != self.peer_id
+        )  # fmt: skip
+
     def slow_votes(self) -> dict[str, int]:
         """Peers that more than half of the others in view name as slow in their records, with how many name
         them. Every peer reads the same records, the slow one included, so all agree it should not lead:
@@ -246,13 +260,18 @@ class Membership:
         period, so a Byzantine peer leads about its share of the periods, not all of them. `excluding`: who
         would lead without them; `trusting`: who would lead if no one were suspected. Only peers others can dial
         lead (every joiner must reach the leader), unless none is in view."""
-        view = self.peers()
-        others = [p for p in view if (trusting or not self.is_suspect(p)) and p not in excluding and p != self.peer_id]
+        view = {p: record for p, record in self.peers().items() if p not in excluding and p != self.peer_id}
+        others = [p for p in view if trusting or not self.is_suspect(p)]
         dialable = [p for p in others if view[p].reachable]
         if self.reachable:
             pool = [*dialable, self.peer_id]
-        else:  # we lead no one, unless no candidate can be dialed: then all of us pick the same one (relays may help)
-            pool = dialable or [*others, self.peer_id]
+        elif dialable or (lately := [p for p, record in view.items() if record.reachable] or self._dialable_lately(excluding)):
+            # we lead no one while a peer others can dial is in view, suspected or not, or was a moment ago (its
+            # record may miss one read): leading ourselves would train alone, as nobody can join us; a suspected
+            # leader is waited for (its joins fail, and are retried)
+            pool = dialable or lately
+        else:  # nobody in view can be dialed: all of us pick the same one by the usual rule (relays may help)
+            pool = [*others, self.peer_id]
         slow, aside = self.slow_flagged(), self.stepping_aside()
         candidates = [p for p in pool if p not in slow | aside] or [p for p in pool if p not in slow] or pool
         if self.leader_period_s is None:

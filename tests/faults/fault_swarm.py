@@ -121,12 +121,30 @@ def alive(pid: int) -> bool:
 class FaultSwarm:
     """Bootstrap host "boot", trainers "t1".."tN", spare hosts for newcomers; `close()` ends all."""
 
-    def __init__(self, workdir: Path, trainers: int = 4, spare: int = 0, join_args: tuple[str, ...] = (), tag: str = "s") -> None:
+    def __init__(
+        self,
+        workdir: Path,
+        trainers: int = 4,
+        spare: int = 0,
+        join_args: tuple[str, ...] = (),
+        tag: str = "s",
+        homes: tuple[str, ...] = (),
+        symmetric: tuple[str, ...] = (),
+    ) -> None:
+        """`homes`: trainers (by name) each behind a home router of its own, nobody able to dial them;
+        `symmetric`: those of them whose router's NAT is symmetric."""
         self.workdir = workdir
         self.trainer_names = [f"t{i}" for i in range(1, trainers + 1)]
         self.spare_names = [f"n{i}" for i in range(1, spare + 1)]
         self.join_args = list(join_args)
-        self.lab = Lab(["boot", *self.trainer_names, *self.spare_names], tag=tag)
+        public = [n for n in ("boot", *self.trainer_names, *self.spare_names) if n not in homes]
+        self.lab = Lab(public, tag=tag)
+        try:
+            for name in homes:
+                self.lab.add_home(name, symmetric=name in symmetric)
+        except BaseException:
+            self.lab.close()
+            raise
         self.peers: dict[str, Peer] = {}
         self._stop = threading.Event()
         self._pollers: list[threading.Thread] = []

@@ -2,6 +2,7 @@
 to every part and get every aggregate, over the calls they make themselves."""
 
 import asyncio
+import time
 
 import pytest
 import torch
@@ -9,10 +10,11 @@ import torch
 from phalanx.protocol.allreduce import AllReduceService
 from phalanx.protocol.config import RoundConfig
 from phalanx.protocol.engine import Averaged
-from phalanx.protocol.membership import Membership, PeerRecord
+from phalanx.protocol.membership import DIALABLE_MEMORY_S, Membership, PeerRecord
 from swarm_fixture import open_swarm
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+module_time = time.monotonic  # what Membership reads its clock with
 
 
 def _view(me: str, reachable: dict[str, bool], *, me_reachable: bool) -> Membership:
@@ -59,3 +61,19 @@ def test_members_nobody_can_dial_send_their_parts_and_get_the_mean(homes, monkey
             assert all(served.get(p.peer_id) for p in peers[: n - homes])
 
     asyncio.run(main())
+
+
+def test_a_peer_nobody_can_dial_never_leads_itself_while_a_dialable_peer_is_in_view():
+    peers = {"QmA": False, "QmB": True, "QmC": False}
+    home = _view("QmA", peers, me_reachable=False)
+    home.suspect("QmB", for_s=60)  # its joins to the only dialable peer failed a moment ago
+    assert home.leader() == "QmB"  # it waits for it rather than lead a group nobody can join
+
+
+def test_a_dialable_peer_missing_from_one_read_is_still_waited_for():
+    home = _view("QmA", {"QmA": False, "QmB": True, "QmC": False}, me_reachable=False)
+    home._dialable_seen["QmB"] = module_time()  # read a moment ago ...
+    home._view.pop("QmB")  # ... but not in this read
+    assert home.leader() == "QmB"
+    home._dialable_seen["QmB"] = module_time() - DIALABLE_MEMORY_S - 1  # long gone: the homes pick one of theirs
+    assert home.leader() == "QmA"

@@ -1,0 +1,80 @@
+"""Volunteers behind home routers train in one swarm: trainers on hosts nobody can dial (a router's NAT,
+no port forwarded) beside public ones, with no NAT flag on any `phalanx join`.
+
+Each scenario starts a bootstrap and 4 trainers (digits-mlp, `--mode sync`) on hosts of the fault lab,
+reads every trainer's status each second, and checks: one group of all 4 trainers in every round once
+it formed, and the same parameters at every step they all checkpointed. Before peers knew whom others
+can dial, such swarms split into groups of 1, 1 and 2 (three models), or a home trainer stopped training.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from fault_swarm import FaultSwarm
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
+
+FORM_S = 120.0  # bound on the first group of all trainers (the goal, 30 s from the last start, is printed)
+WINDOW_S = 20.0  # measured after it formed
+MIN_THROUGHPUT = 0.7  # the homes' swarm against the same swarm with every host public
+
+
+def _run(workdir, tag: str, homes: tuple[str, ...] = (), symmetric: tuple[str, ...] = ()) -> dict:
+    """Start the swarm, wait for one group of all, watch WINDOW_S; the numbers, and failures as strings."""
+    workdir.mkdir(parents=True)
+    swarm = FaultSwarm(workdir, trainers=4, homes=homes, symmetric=symmetric, join_args=("--mode", "sync"), tag=tag)
+    try:
+        swarm.start()
+        last_start = max(swarm.peers[n].started_at for n in swarm.trainer_names)
+        formed_s = swarm.wait(lambda: swarm.training_together(min_step=1), FORM_S, "one group of all 4 trainers")
+        formed_at = time.monotonic()
+        since_wall = time.time()
+        steps0 = {n: swarm.peers[n].last().step for n in swarm.trainer_names}
+        time.sleep(WINDOW_S)
+        ended_at = time.monotonic()
+        rate = min((swarm.peers[n].last().step - steps0[n]) / WINDOW_S for n in swarm.trainer_names)
+        split = {
+            n: sorted({s.group for s in swarm.peers[n].between(formed_at + 2.0, ended_at) if s.ok})
+            for n in swarm.trainer_names
+        }  # (a poll taken as the group formed may still show the round before)
+        common, differing = swarm.same_model(swarm.trainer_names, since_wall)
+        reachability = {n: swarm.peers[n].samples[-1] for n in swarm.trainer_names}
+        return {
+            "formed_after_last_start_s": formed_at - last_start,
+            "formed_s": formed_s,
+            "steps_per_s": rate,
+            "groups_seen": split,
+            "common_checkpoints": common,
+            "differing": differing,
+            "last": reachability,
+        }
+    finally:
+        swarm.close()
+
+
+def _check_one_swarm(result: dict, label: str) -> None:
+    print(
+        f"{label}: one group {result['formed_after_last_start_s']:.1f} s after the last start (goal 30 s), "
+        f"{result['steps_per_s']:.1f} steps/s, {len(result['common_checkpoints'])} common checkpoints"
+    )
+    assert all(groups == [4] for groups in result["groups_seen"].values()), f"{label}: groups of {result['groups_seen']}"
+    assert result["common_checkpoints"], f"{label}: no step that every trainer checkpointed"
+    assert not result["differing"], f"{label}: different parameters at steps {result['differing']}"
+
+
+def test_one_public_and_three_home_trainers_train_as_one_swarm(lab_machine, tmp_path):
+    """N1: bootstrap + 1 public + 3 home trainers; throughput against every host public, in one run."""
+    public = _run(tmp_path / "public", "p")
+    _check_one_swarm(public, "every host public")
+    homes = _run(tmp_path / "homes", "h", homes=("t2", "t3", "t4"))
+    _check_one_swarm(homes, "3 homes")
+    ratio = homes["steps_per_s"] / public["steps_per_s"]
+    print(f"3 homes: {ratio:.2f}x the steps/s of every host public (goal >= {MIN_THROUGHPUT})")
+    assert ratio >= MIN_THROUGHPUT
+
+
+def test_homes_on_symmetric_nat_train_in_the_same_swarm(lab_machine, tmp_path):
+    """N3: N1 with two of the homes behind symmetric NAT (where hole punching cannot work)."""
+    _check_one_swarm(_run(tmp_path / "symmetric", "y", homes=("t2", "t3", "t4"), symmetric=("t3", "t4")), "2 of 3 homes symmetric")
