@@ -25,7 +25,7 @@ import time
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, cast
 
 import torch
 
@@ -37,9 +37,10 @@ from phalanx.peer.health import PeerMetrics
 from phalanx.peer.local_sgd import look_ahead
 from phalanx.peer.memory import release_large_frees
 from phalanx.peer.model import Model, resolve_device, zero_optimizer_state
+from phalanx.peer.modes.diloco import DiLoCoMode
 from phalanx.peer.node import DHT_DIED, visible_maddrs
 from phalanx.peer.optimizer import Interrupted, JoinHooks, Optimizer
-from phalanx.peer.outer_step import phase_lr_scale, write_flat
+from phalanx.peer.outer_step import OuterStep, phase_lr_scale, write_flat
 from phalanx.peer.plan import PeerPlan, TrainingConfig
 from phalanx.tasks import ACCURACY, VALIDATION_LOSS, Task, compute_gradient, resolve_task
 
@@ -144,8 +145,8 @@ class Trainer:
                 self._stepped(opt, loss, *before)
                 if self.plan.slowdown is not None:
                     self.stopping.wait(self.plan.slowdown.draw(self._slow_rng))
-            if self.diloco and opt.round_in_flight and not self.stopping.is_set():
-                opt.flush()  # the last boundary waits for its round, so the peer stops on θ of it
+            if self.diloco and opt.mode.round_in_flight and not self.stopping.is_set():
+                opt.mode.flush()  # the last boundary waits for its round, so the peer stops on θ of it
                 if self._eval_due or self._evaluated_at != opt.global_step:
                     self._evaluate(opt)
         except Interrupted:
@@ -220,7 +221,7 @@ class Trainer:
         if position % config.eval_every == 0 or last:
             self._eval_due = True
         # diloco with overlap: θ_t changes when the round in flight lands, and state_dict() would wait for it
-        busy = self.diloco and opt.round_in_flight
+        busy = self.diloco and opt.mode.round_in_flight
         # diloco evaluates θ_t, which only an outer step changes: a due evaluation waits for the next one
         # rather than repeat the last (with H = 50 and --eval-every 10, four in five would)
         stale = self.diloco and self._evaluated_at == opt.global_step and not last
@@ -339,12 +340,11 @@ class Trainer:
 
     def _theta(self, opt: Optimizer) -> torch.nn.Module:
         """A copy of the model at θ_t, with the module's buffers as they are now."""
-        assert opt.outer is not None
         module = self.model.module
         if self._theta_module is None:
             self._theta_module = copy.deepcopy(module)
         self._theta_module.load_state_dict(module.state_dict())
-        write_flat([p for p in self._theta_module.parameters() if p.requires_grad], opt.outer.anchor)
+        write_flat([p for p in self._theta_module.parameters() if p.requires_grad], _outer(opt).anchor)
         return self._theta_module
 
     def _checkpoint(self, opt: Optimizer) -> Path:
@@ -392,8 +392,8 @@ class Trainer:
     def _replay(self, batch_key: str) -> torch.Tensor:
         """Δ of H inner steps from θ_t on `batch_key`'s batches, on a copy of the model: from a fresh
         inner state in verified runs, as every peer's phase starts there; otherwise from our own."""
-        assert self.opt is not None and self.opt.outer is not None
-        outer, model = self.opt.outer, self.model
+        assert self.opt is not None
+        outer, model = _outer(self.opt), self.model
         if self._replica is None:
             self._replica = copy.deepcopy(model, {id(model.task): model.task})  # the task's data stay shared
             self._replica.lr_factor = self.task.lr_factor
@@ -411,6 +411,11 @@ class Trainer:
             scale = phase_lr_scale(step - first, self.plan.outer.phase_warmup) if verified else 1.0
             replica.apply(grad, step, scale)
         return outer.anchor - torch.cat([p.detach().reshape(-1).to(torch.float32) for p in replica.params])
+
+
+def _outer(opt: Optimizer) -> OuterStep:
+    """diloco's outer state: θ_t (`anchor`), v, the outer step."""
+    return cast(DiLoCoMode, opt.mode).outer
 
 
 def dump_stacks(opt: Optional[Optimizer]) -> None:

@@ -207,7 +207,7 @@ def _diloco_trainer(attack: Optional[str], inner_steps: int = 3, **settings):
         outer_momentum=plan.outer.outer_momentum, in_thread=None, topk_fraction=plan.outer.topk_fraction,
         contribute=trainer._attacked if trainer.attacks_delta else None,
     )  # fmt: skip
-    trainer.opt = SimpleNamespace(outer=outer, node=node)
+    trainer.opt = SimpleNamespace(mode=SimpleNamespace(outer=outer), node=node)
     return trainer, outer
 
 

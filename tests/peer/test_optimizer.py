@@ -246,12 +246,12 @@ def test_each_setting_of_the_trainer_is_refused_or_configures_the_swarm():
 def test_phalanx_variables_never_configure_the_library_and_it_says_so(monkeypatch, caplog):
     """A shell or container set up for `phalanx join` leaves the script's settings alone (the script
     would serve HTTP, use another aggregator, or be refused a checkpoint folder it never asked for)."""
-    from phalanx.peer.optimizer import _plan
+    from phalanx.peer.optimizer_arguments import plan_for
 
     for name, value in {"PHALANX_HTTP_PORT": "8123", "PHALANX_AGGREGATOR": "median", "PHALANX_CHECKPOINT_DIR": "/tmp/c"}.items():
         monkeypatch.setenv(name, value)
     _, inner = _model_and_adamw()
-    plan = _plan(inner, "env", "sync", 8, None, 0, False, {"compression": "fp16"})
+    plan = plan_for(inner, "env", "sync", 8, None, 0, False, {"compression": "fp16"})
     assert plan.network.http_port == 0 and plan.round.aggregator == "mean" and plan.training.checkpoint_dir is None
     assert plan.round.compression.value == "fp16"
     warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
@@ -503,32 +503,30 @@ def test_interrupt_finishes_a_round_whose_group_formed_and_ends_matchmaking_at_o
     import asyncio
     from types import SimpleNamespace
 
-    from phalanx.peer.optimizer import Interrupted, Optimizer
+    from phalanx.peer.modes.base import Interrupted, unless_interrupted
 
     async def main() -> None:
-        opt = Optimizer.__new__(Optimizer)  # only the wait under test: no node, no swarm
-        engine = SimpleNamespace(in_group=False)
-        opt.node = SimpleNamespace(engine=engine)
-
-        opt._stop, reduced = asyncio.Event(), asyncio.Event()
+        engine = SimpleNamespace(in_group=False)  # only the wait under test: no node, no swarm
+        node = SimpleNamespace(engine=engine)
+        stop, reduced = asyncio.Event(), asyncio.Event()
 
         async def in_group() -> str:
             engine.in_group = True
             await reduced.wait()
             return "averaged"
 
-        waiting = asyncio.ensure_future(opt._unless_interrupted(in_group()))
+        waiting = asyncio.ensure_future(unless_interrupted(in_group(), stop, node))
         await asyncio.sleep(0.01)
-        opt._stop.set()
+        stop.set()
         await asyncio.sleep(0.2)
         assert not waiting.done()  # the group counts on this peer's part
         reduced.set()
         assert await waiting == "averaged"
 
-        engine.in_group, opt._stop = False, asyncio.Event()
-        matchmaking = asyncio.ensure_future(opt._unless_interrupted(asyncio.Event().wait()))
+        engine.in_group, stop = False, asyncio.Event()
+        matchmaking = asyncio.ensure_future(unless_interrupted(asyncio.Event().wait(), stop, node))
         await asyncio.sleep(0.01)
-        opt._stop.set()
+        stop.set()
         with pytest.raises(Interrupted):
             await matchmaking
 

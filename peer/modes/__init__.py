@@ -1,6 +1,6 @@
-"""The training modes: name → the few facts the rest of the peer asks about a mode. Every mode runs in
-`phalanx.Optimizer` (peer/optimizer.py), under `phalanx join`'s loop (peer/trainer.py) or a user's.
-Importing this loads no torch (config checks and `--help` read it).
+"""The training modes. This registry (name → the few facts the rest of the peer asks about a mode) loads
+no torch: config checks and `--help` read it. Each mode's behaviour inside `phalanx.Optimizer` is a class
+of its own beside it (peer/modes/sync.py, local.py, diloco.py; what they share in base.py).
 """
 
 from __future__ import annotations
