@@ -201,7 +201,7 @@ def swarm(
 @app.command("health", cls=PlainHelp)
 @settings_command_with(
     NetworkSettings,
-    exclude=("direct", "direct_port", "upload_limit_mbps", "http_port", "http_host", "client_mode", "port", "public_ip", "announce_maddrs"),
+    exclude=("direct", "direct_port", "upload_limit_mbps", "http_port", "http_host", "client_mode", "port", "public_ip", "announce_maddrs", "relay_budget_gb"),
     as_json=(bool, typer.Option(False, "--json", help="Print JSON (every record, with the problems found) instead of a table.")),
     watch=(bool, typer.Option(False, "--watch", help="Keep polling: a live table, or one JSON line per poll with --json.")),
     interval_s=(float, typer.Option(2.0, "--interval-s", min=0.2, help="Seconds between polls.")),
@@ -233,7 +233,7 @@ def health(settings: NetworkSettings, as_json: bool, watch: bool, interval_s: fl
 
 
 @app.command("monitor", cls=PlainHelp)
-@settings_command(MonitorSettings, exclude=("direct", "direct_port", "upload_limit_mbps", "client_mode", "public_ip", "announce_maddrs"))
+@settings_command(MonitorSettings, exclude=("direct", "direct_port", "upload_limit_mbps", "client_mode", "public_ip", "announce_maddrs", "relay_budget_gb"))
 def monitor(settings: MonitorSettings) -> None:
     """Serve a swarm dashboard: the peer table and plots of loss, accuracy, throughput and peers by
     state over time, a JSON API (/api/v1/status) and aggregated Prometheus /metrics.

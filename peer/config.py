@@ -52,6 +52,7 @@ class NetworkSettings(BaseSettings):
     identity_path: Optional[Path] = Field(None, description="Private key file fixing this peer's ID; created if missing. Never share one between peers.")
     use_relay: bool = Field(True, description="Allow reaching and being reached through libp2p circuit relays.")
     use_auto_relay: bool = Field(False, description="Look for relays to become reachable when behind NAT.")
+    relay_budget_gb: float = Field(4.0, ge=0.0, le=1e6, description="As a swarm's entry point (no --initial-peers): relay up to this many GB each way per relayed connection for peers nobody can dial (0: relay nobody).")
     client_mode: bool = Field(False, description="Do not accept incoming DHT connections (behind NAT without relays).")
     direct_port: int = Field(0, ge=0, le=65535, description="TCP port for the direct tensor path (0: any free port).")
     direct: bool = Field(True, description="Move bulk tensor bytes over direct TCP when reachable (libp2p streams otherwise).")

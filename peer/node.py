@@ -11,7 +11,7 @@ import signal
 import socket
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import suppress
 from dataclasses import dataclass
 from functools import partial
@@ -35,6 +35,7 @@ from phalanx.protocol.dial_back import DialBackService, dialable
 from phalanx.protocol.engine import RoundEngine
 from phalanx.protocol.membership import LEADER_PERIOD_S, Membership
 from phalanx.protocol.redial import Redialer
+from phalanx.protocol.relays import RelayKeeper
 from phalanx.protocol.transport import Transport
 from phalanx.security.admission import load_owner_public
 from phalanx.security.identity import Identity
@@ -43,6 +44,9 @@ if TYPE_CHECKING:
     from phalanx.peer.plan import PeerPlan
 
 logger = logging.getLogger(__name__)
+
+RELAY_TIME_LIMIT = "168h"  # a relayed connection may last a week-long run
+RELAY_MAX_CIRCUITS = 128  # relayed connections per peer: each home keeps one to every other relayed trainer
 
 
 class _DHT(hivemind.DHT):
@@ -56,7 +60,13 @@ class _DHT(hivemind.DHT):
     nothing of a dead peer keeps its identity.
     """
 
+    def __init__(self, *args, p2pd_flags: Optional[dict] = None, **kwargs) -> None:
+        self._p2pd_flags = dict(p2pd_flags or {})  # before Process.__init__: `start=True` forks at once
+        super().__init__(*args, **kwargs)
+
     def run(self) -> None:
+        if self._p2pd_flags:
+            _add_p2pd_flags(self._p2pd_flags)
         signal.set_wakeup_fd(-1)
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -77,6 +87,36 @@ class _DHT(hivemind.DHT):
                 socket_file(maddr).unlink(missing_ok=True)
 
 
+def _add_p2pd_flags(flags: dict) -> None:
+    """(In the DHT process only.) Pass p2pd flags that hivemind's `P2P.create` has no parameter for."""
+    make = P2P._make_process_args
+
+    def with_flags(*args, **kwargs) -> list[str]:
+        return make(*args, **{**kwargs, **flags})
+
+    P2P._make_process_args = staticmethod(with_flags)
+
+
+def relay_flags(settings: NetworkSettings, relays: Sequence[str] = ()) -> tuple[dict, dict]:
+    """(P2P.create arguments, extra p2pd flags) for relays. With `relays` (the initial peers of a peer
+    nobody can dial), p2pd reserves a slot on each at once (libp2p's relay discovery would wait minutes
+    for candidates) and reachability is private, so it keeps them. A peer with no initial peer is a
+    swarm's entry point, dialable by definition: it serves as a relay whatever AutoNAT concludes (AutoNAT
+    never dials private addresses), up to --relay-budget-gb each way per relayed connection, for as long as
+    a run lasts (libp2p's 30 min default would cut a long run's relayed connections)."""
+    if relays:
+        return dict(force_reachability="private", use_auto_relay=True, trusted_relays=list(relays)), {"relayDiscovery": False}
+    if settings.initial_peers or not settings.use_relay:
+        return {}, {}
+    if settings.relay_budget_gb <= 0:
+        return {}, {"relayService": False}
+    budget = {
+        "relayDataLimit": int(settings.relay_budget_gb * 1e9), "relayTimeLimit": RELAY_TIME_LIMIT,
+        "relayMaxCircuits": RELAY_MAX_CIRCUITS,
+    }  # fmt: skip
+    return dict(force_reachability="public"), budget
+
+
 def load_identity(settings: NetworkSettings, scratch: Path) -> tuple[Path, Identity]:
     """The identity file this peer runs with, and its key (to sign messages).
 
@@ -95,12 +135,14 @@ def load_identity(settings: NetworkSettings, scratch: Path) -> tuple[Path, Ident
     return path, Identity.load(path)
 
 
-def start_dht_as(settings: NetworkSettings, prefix: str) -> tuple[hivemind.DHT, Identity]:
+def start_dht_as(settings: NetworkSettings, prefix: str, relays: Sequence[str] = ()) -> tuple[hivemind.DHT, Identity]:
     """The DHT under this peer's identity (see `load_identity`). p2pd reads a throwaway key at its start,
     so its folder goes as soon as the DHT is up: a SIGKILL later leaves no file behind."""
     with tempfile.TemporaryDirectory(prefix=prefix) as scratch:
         identity_path, identity = load_identity(settings, Path(scratch))
-        return start_dht(settings, identity_path), identity
+        # behind relays, a DHT client: hivemind's routing tables hold our unreachable own addresses, so a DHT
+        # server at home would lose the records stored with it and answer no reads
+        return start_dht(settings, identity_path, relays=relays, client_mode=True if relays else None), identity
 
 
 class InitialPeersUnreachable(ConfigError):
@@ -108,7 +150,11 @@ class InitialPeersUnreachable(ConfigError):
 
 
 def start_dht(
-    settings: NetworkSettings, identity_path: Optional[Path] = None, *, client_mode: Optional[bool] = None
+    settings: NetworkSettings,
+    identity_path: Optional[Path] = None,
+    *,
+    client_mode: Optional[bool] = None,
+    relays: Sequence[str] = (),
 ) -> hivemind.DHT:
     """Start hivemind's DHT process with the settings' addresses, identity and relay flags. Peers
     started together (a launcher, compose) pass --initial-peers-wait-s: until then, a start that no
@@ -119,7 +165,7 @@ def start_dht(
         if settings.initial_peers_wait_s:
             _wait_for_a_port(settings.initial_peers, deadline)
         try:
-            return _start_dht_once(settings, identity_path, client_mode=client_mode)
+            return _start_dht_once(settings, identity_path, client_mode=client_mode, relays=relays)
         except InitialPeersUnreachable:
             if time.monotonic() + delay >= deadline:
                 raise
@@ -147,26 +193,30 @@ def _wait_for_a_port(maddrs: list[str], deadline: float) -> None:
         time.sleep(0.1)
 
 
-def _start_dht_once(settings: NetworkSettings, identity_path: Optional[Path], *, client_mode: Optional[bool]) -> hivemind.DHT:
+def _start_dht_once(
+    settings: NetworkSettings, identity_path: Optional[Path], *, client_mode: Optional[bool], relays: Sequence[str]
+) -> hivemind.DHT:
     identity_path = identity_path or settings.identity_path
     if identity_path is not None and not identity_path.parent.is_dir():
         raise ConfigError(f"--identity-path: directory {str(identity_path.parent)!r} does not exist")
     check_listen_ports(settings)
+    relay_kwargs, p2pd_flags = relay_flags(settings, relays)
     kwargs = dict(
         initial_peers=settings.initial_peers,
         host_maddrs=settings.listen_maddrs(),
         announce_maddrs=settings.announce() or None,
         identity_path=str(identity_path) if identity_path else None,
         # hivemind's duplicate-identity check reads RSA keys only; a throwaway key cannot be shared
-        check_if_identity_free=identity_path is not None and _is_rsa(identity_path),
+        # (a restart behind relays keeps the identity it just had)
+        check_if_identity_free=identity_path is not None and _is_rsa(identity_path) and not relays,
         use_relay=settings.use_relay,
         use_auto_relay=settings.use_auto_relay,
         client_mode=settings.client_mode if client_mode is None else client_mode,
         start=True,
         await_ready=False,
-    )
+    ) | relay_kwargs
     try:
-        dht = _DHT(**kwargs, shutdown_timeout=3)
+        dht = _DHT(**kwargs, shutdown_timeout=3, p2pd_flags=p2pd_flags)
     except Exception as e:
         raise _explain(e, settings) from None
     deadline = time.monotonic() + 120
@@ -298,6 +348,14 @@ async def find_reachable(p2p: P2P, dht: hivemind.DHT, settings: NetworkSettings)
     return answer
 
 
+def relay_candidates(settings: NetworkSettings) -> list[str]:
+    """The initial peers a peer nobody can dial reserves a relay slot on (none with --no-use-relay or
+    --client-mode, which asks to dial out only)."""
+    if not settings.use_relay or settings.client_mode:
+        return []
+    return [m for m in settings.initial_peers if "/p2p/" in m and "p2p-circuit" not in m]
+
+
 async def direct_hosts(dht: hivemind.DHT, settings: NetworkSettings) -> tuple[str, list[str]]:
     """(listen host, announced hosts) for the direct TCP path, following the libp2p listen address."""
     listen = "0.0.0.0"
@@ -391,6 +449,7 @@ class Node:
     engine: RoundEngine
     redialer: Redialer
     keys: dict[str, DhtKey]  # the run's DHT keys, each with its validator installed (peer/dht_keys.py)
+    relays: RelayKeeper
 
     @property
     def peer_id(self) -> str:
@@ -399,6 +458,7 @@ class Node:
     async def aclose(self) -> None:
         alive = self.dht.is_alive()  # a Ctrl-C or killpg may have taken the DHT and p2pd down already
         steps = (
+            self.relays.aclose(),
             self.redialer.aclose(),
             self.engine.aclose(),
             self.membership.aclose(announce_leaving=alive),
@@ -421,6 +481,13 @@ async def open_node(plan: PeerPlan, *, loss: Callable[[], Optional[float]] = lam
     dht, identity = await loop.run_in_executor(None, start_dht_as, config, "phalanx-peer-")
     try:
         p2p = await replicate_p2p(dht)
+        reachable = await find_reachable(p2p, dht, config)
+        relays = relay_candidates(config) if not reachable else []
+        if relays:  # p2pd takes relays at its start only: start again, reserving a slot on each
+            await p2p.shutdown()
+            await loop.run_in_executor(None, dht.shutdown)
+            dht, identity = await loop.run_in_executor(None, start_dht_as, config, "phalanx-peer-", relays)
+            p2p = await replicate_p2p(dht)
         key = plan.run_key
         owner = load_owner_public(plan.private.owner_key) if plan.private is not None else None
         keys = run_keys(config.run_id, key, owner)
@@ -434,7 +501,6 @@ async def open_node(plan: PeerPlan, *, loss: Callable[[], Optional[float]] = lam
                 raise ConfigError(f"--certificate: {e} (ask the owner for a certificate of {identity.peer_id})") from None
         listen, hosts = await direct_hosts(dht, config)
         await DialBackService.open(p2p, admission=gate)  # `phalanx doctor` of other peers asks us to dial their data port
-        reachable = await find_reachable(p2p, dht, config)
         transport = await Transport.open(
             p2p,
             namespace=key,
@@ -454,7 +520,11 @@ async def open_node(plan: PeerPlan, *, loss: Callable[[], Optional[float]] = lam
             transport, membership, plan.round, plan.run_hash, identity=identity, bans=bans,
             behavior=plan.attack.behavior, sync_policy=plan.sync_policy, loss=loss,
         )  # fmt: skip
+        keeper = RelayKeeper(transport, membership, relays)
+        await keeper.tick()  # the first record names its circuits already
         await membership.start()
+        await keeper.tick()  # and relayed peers in view are dialed before the first join
+        await keeper.start()
         await engine.start()
         if transport.peer_id != identity.peer_id:
             raise PhalanxError(f"the daemon runs as {transport.peer_id}, not as the identity file's {identity.peer_id}")
@@ -463,7 +533,7 @@ async def open_node(plan: PeerPlan, *, loss: Callable[[], Optional[float]] = lam
     except BaseException:
         dht.shutdown()
         raise
-    return Node(dht, identity, transport, membership, engine, redialer, keys)
+    return Node(dht, identity, transport, membership, engine, redialer, keys, keeper)
 
 
 def _membership_view(membership: Membership) -> tuple[dict[str, tuple[str, ...]], list[str]]:

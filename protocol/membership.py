@@ -14,11 +14,12 @@ import hashlib
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Literal, Optional
+from typing import Annotated, Callable, Literal, Optional
 
 from hivemind import DHT
 from hivemind.utils import get_dht_time
-from pydantic import Field
+from multiaddr import Multiaddr
+from pydantic import AfterValidator, Field
 
 from phalanx.protocol.dht_calls import dht_get, dht_store
 from phalanx.protocol.dht_records import SignedRecordValidator, read_signed
@@ -31,6 +32,8 @@ logger = logging.getLogger(__name__)
 PeerState = Literal["joining", "online", "leaving"]
 LEADER_PERIOD_S = 600.0  # verified runs: how long one leader serves (a change redirects a forming group's joiners)
 MAX_SLOW_MARKS = 16  # peers one record may name as slow
+MAX_RELAYS = 4  # relay addresses one record may name
+MAX_RELAY_ADDRESS = 400  # characters of one
 REREAD_S = 0.5  # the least time between two early re-reads of the view (see Membership.reread)
 MAX_TTL_S = 60.0  # DHT nodes refuse records that live longer: a peer gone silent leaves every view within this
 # A peer suspected again soon after its last suspicion ended is suspected twice as long each time, up to 2**this
@@ -40,6 +43,18 @@ MAX_SUSPICION_DOUBLINGS = 4
 # read can miss it); only then do such peers pick one of their own to lead
 DIALABLE_MEMORY_S = 30.0
 MAX_SUSPECTS_KEPT = 1024  # suspicions remembered past their end (to double the next one), before the oldest go
+
+
+def _circuit_address(text: str) -> str:
+    if len(text) > MAX_RELAY_ADDRESS:
+        raise ValueError(f"a relay address has at most {MAX_RELAY_ADDRESS} characters")
+    maddr = Multiaddr(text)  # raises on malformed ones
+    if str(maddr).count("/p2p-circuit/p2p/") != 1:
+        raise ValueError("a relay address is <relay>/p2p-circuit/p2p/<peer>")
+    return text
+
+
+RelayAddress = Annotated[str, AfterValidator(_circuit_address)]
 
 
 class PeerRecord(WireModel):
@@ -54,6 +69,12 @@ class PeerRecord(WireModel):
     # it stepped down lately and is back in groups, but does not lead yet (Matchmaker.on_probation)
     probation: bool = False
     reachable: bool = True  # others can dial it; False: it only dials out (home router), so it never leads
+    # where a peer nobody can dial is reached: circuits through relays it holds a slot on (empty: nowhere)
+    relays: list[RelayAddress] = Field(default=[], max_length=MAX_RELAYS)
+
+    def circuits(self, peer: str) -> list[str]:
+        """Its relay addresses that lead to `peer` (the record's signer): no other peer can be named."""
+        return [r for r in self.relays if r.endswith(f"/p2p-circuit/p2p/{peer}")]
 
 
 @dataclass
@@ -72,6 +93,7 @@ class Membership:
     peer_id: str
     identity: Optional[Identity] = None  # signs this peer's records (None: a view that never announces)
     reachable: bool = True  # whether others can dial this peer (published; one that cannot never leads)
+    relays: list[str] = field(default_factory=list)  # circuits others reach it through (published; RelayKeeper)
     refresh_s: float = 2.0
     ttl_s: float = 8.0
     state: PeerState = "joining"
@@ -164,7 +186,7 @@ class Membership:
             raise ValueError("a membership without an identity cannot announce")
         record = PeerRecord(
             state=self.state, step=self.step, slow=sorted(self.slow_marks())[:MAX_SLOW_MARKS],
-            probation=self.on_probation(), reachable=self.reachable,
+            probation=self.on_probation(), reachable=self.reachable, relays=self.relays[:MAX_RELAYS],
         )  # fmt: skip
         value, expiration = sign_record(self.identity, self.key, record, signed_at=get_dht_time(), ttl_s=expire_in_s)
         await dht_store(self.dht, self.key, value, expiration, subkey=self.peer_id)

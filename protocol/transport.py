@@ -42,6 +42,7 @@ from typing import Optional
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from google.protobuf.wrappers_pb2 import BytesValue
 from hivemind.p2p import P2P, P2PContext, PeerID, ServicerBase
+from multiaddr import Multiaddr
 
 from phalanx.aggregation.errors import PeerProtocolError, RoundAbortedError
 from phalanx.protocol.admission import Admission
@@ -50,6 +51,7 @@ from phalanx.protocol.channel import (
     CallFailed,
     Channel,
     ChannelAuthError,
+    ChannelStats,
     Hasher,
     SocketPipe,
     StreamPipe,
@@ -64,6 +66,7 @@ from phalanx.protocol.transport_wire import (
     Status,
     Ticket,
     TicketRequest,
+    RelayedStats,
     TransportStats,
     UnaryCall,
     UnaryReply,
@@ -150,6 +153,7 @@ class Transport(ServicerBase):
         self._in_round: Counter[str] = Counter()  # members of the rounds under way (see `round_with`)
         self.admission = admission  # private swarms: callers need its approval (protocol.admission.AdmissionGate)
         self.prefer_direct = True  # benchmarks turn this off to measure the libp2p path alone
+        self.circuits: dict[str, list[str]] = {}  # relayed peers' circuit addresses (kept by protocol.relays)
         self._stream_proto = f"{namespace}.stream"
 
     @classmethod
@@ -351,10 +355,17 @@ class Transport(ServicerBase):
         try:
             response = await self._unary_call(stub.rpc_call(request))
         except Exception as e:
-            raise CallFailed(f"{method} to {peer[-8:]} failed over libp2p: {e!r}") from None
+            if not await self._through_relay(peer, e):
+                raise CallFailed(f"{method} to {peer[-8:]} failed over libp2p: {e!r}") from None
+            try:
+                response = await self._unary_call(stub.rpc_call(request))
+            except Exception as e:
+                raise CallFailed(f"{method} to {peer[-8:]} failed over libp2p (through a relay): {e!r}") from None
         self.stats.unary_calls += 1
         self.stats.bytes_sent += len(request.value)
         self.stats.bytes_received += len(response.value)
+        if peer in self.circuits:
+            self.stats.relayed_bytes += len(request.value) + len(response.value)
         reply = unpack(response.value, UnaryReply, peer=peer)
         _raise_for_status(reply.status, reply.reason, method, peer)
         return reply.header, bytearray(reply.payload)
@@ -373,6 +384,21 @@ class Transport(ServicerBase):
         self._unary.discard(task)
         if not task.cancelled():
             task.exception()  # retrieved: a caller that left does not want it logged as unhandled
+
+    async def _through_relay(self, peer: str, error: Exception) -> bool:
+        """After p2pd failed to dial `peer`: whether a connection through one of its relays opened (a
+        relayed peer's circuits reach p2pd's address book only by `protocol.relays.RelayKeeper`, which
+        may not have dialed a peer that just appeared)."""
+        circuits = self.circuits.get(peer)
+        if not circuits or "dial" not in str(error):
+            return False
+        try:
+            async with asyncio.timeout(self.connect_timeout_s + 2.0):
+                await self.p2p._client.connect(PeerID.from_base58(peer), [Multiaddr(c) for c in circuits])
+        except Exception as e:
+            logger.debug(f"no connection to {peer[-8:]} through its relays: {e!r}")
+            return False
+        return True
 
     async def _open_direct(self, peer: str) -> Optional[Channel]:
         stub = self.get_stub(self.p2p, PeerID.from_base58(peer), namespace=self.namespace)
@@ -407,9 +433,18 @@ class Transport(ServicerBase):
         try:
             _, reader, writer = await self.p2p.call_binary_stream_handler(PeerID.from_base58(peer), self._stream_proto)
         except Exception as e:
-            raise CallFailed(f"libp2p stream to {peer[-8:]} failed: {e!r}") from None
+            if not await self._through_relay(peer, e):
+                raise CallFailed(f"libp2p stream to {peer[-8:]} failed: {e!r}") from None
+            try:
+                _, reader, writer = await self.p2p.call_binary_stream_handler(PeerID.from_base58(peer), self._stream_proto)
+            except Exception as e:
+                raise CallFailed(f"libp2p stream to {peer[-8:]} failed (through a relay): {e!r}") from None
         self.stats.stream_calls += 1
-        return Channel(StreamPipe(reader, writer), self.stats, None, initiator=True, idle_timeout_s=self.idle_timeout_s, limiter=self.limiter)
+        return Channel(StreamPipe(reader, writer), self._stats_for(peer), None, initiator=True, idle_timeout_s=self.idle_timeout_s, limiter=self.limiter)
+
+    def _stats_for(self, peer: str) -> ChannelStats:
+        """The counters a libp2p channel with `peer` adds to: relayed ones too, if a relay carries it."""
+        return RelayedStats(self.stats) if peer in self.circuits else self.stats
 
     async def _exchange(
         self, channel: Channel, peer, method, header, payload, max_reply_payload, landing: Landing, on_header, *, patient: bool
@@ -454,6 +489,8 @@ class Transport(ServicerBase):
             status, reason, header, payload = Status.REJECTED, str(e), b"", b""
         reply = pack(UnaryReply(status=int(status), reason=reason, header=header, payload=bytes(payload)))
         self.stats.bytes_sent += len(reply)  # a reducer's aggregate goes back this way: its uplink's bytes too
+        if peer in self.circuits:
+            self.stats.relayed_bytes += len(request.value) + len(reply)
         return BytesValue(value=reply)
 
     def _spawn_connection(self, coro) -> None:
@@ -560,8 +597,9 @@ class Transport(ServicerBase):
         task = asyncio.current_task()
         self._connections.add(task)
         try:
-            channel = Channel(StreamPipe(reader, writer), self.stats, None, initiator=False, idle_timeout_s=self.idle_timeout_s, limiter=self.limiter)
-            await self._serve_channel(stream_info.peer_id.to_base58(), channel)
+            peer = stream_info.peer_id.to_base58()
+            channel = Channel(StreamPipe(reader, writer), self._stats_for(peer), None, initiator=False, idle_timeout_s=self.idle_timeout_s, limiter=self.limiter)
+            await self._serve_channel(peer, channel)
         finally:
             writer.close()
             self._connections.discard(task)

@@ -51,6 +51,36 @@ class TransportStats(ChannelStats):
     failed_calls: int = 0
     direct_refused: int = 0  # direct connections closed as soon as accepted or authenticated: a cap was reached
     direct_dropped: int = 0  # direct connections closed for no hello in time, or a ticket unknown or expired
+    relayed_bytes: int = 0  # of the bytes sent and received, those to and from peers reached through a relay
+
+
+class RelayedStats(ChannelStats):
+    """A channel's counters for a peer reached through a relay: every byte also counts in `totals`,
+    and there as relayed."""
+
+    def __init__(self, totals: TransportStats) -> None:
+        self._totals = totals
+        self._sent = self._received = 0
+
+    @property
+    def bytes_sent(self) -> int:
+        return self._sent
+
+    @bytes_sent.setter
+    def bytes_sent(self, value: int) -> None:
+        self._totals.bytes_sent += value - self._sent
+        self._totals.relayed_bytes += value - self._sent
+        self._sent = value
+
+    @property
+    def bytes_received(self) -> int:
+        return self._received
+
+    @bytes_received.setter
+    def bytes_received(self, value: int) -> None:
+        self._totals.bytes_received += value - self._received
+        self._totals.relayed_bytes += value - self._received
+        self._received = value
 
 
 class CallHeader(WireModel):

@@ -212,10 +212,17 @@ async def reachability_row(p2p, settings: PeerConfig, probes: list[Probe]) -> Ro
     if relayed:
         return ok(check, f"relayed: {short(target.peer_id)} could not dial us directly, peers reach us through {relayed[0]}")
     listed = ", ".join(str(m) for m in own) or "none"
-    if answer.status == autonat.E_DIAL_ERROR and settings.use_auto_relay:
-        return warned(check, f"not directly: {short(target.peer_id)} could not dial back any of {listed}, and no relay reserved yet", "--use-auto-relay is on: it becomes reachable once it finds a relay (the reach column of `phalanx health`); else use --client-mode")
+    if answer.status == autonat.E_DIAL_ERROR and settings.use_relay:
+        relays = ", ".join(short(m.rsplit("/p2p/", 1)[1]) for m in settings.initial_peers if "/p2p/" in m)
+        return warned(
+            check,
+            f"not directly: {short(target.peer_id)} could not dial back any of {listed}. Rounds: this peer opens "
+            f"its connections itself and reduces no part while a trainer others can dial is in its group; other "
+            f"trainers reach it through a relay slot on {relays} (the reach column of `phalanx health` says relay)",
+            "nothing to do; for direct rounds forward --port and pass --public-ip",
+        )
     if answer.status == autonat.E_DIAL_ERROR:
-        return failed(check, f"unreachable: {short(target.peer_id)} could not dial back any of {listed}", "behind NAT or a firewall: use --use-auto-relay (reachable through a relay) or --client-mode (dial out only); or forward --port and pass --public-ip")
+        return failed(check, f"unreachable: {short(target.peer_id)} could not dial back any of {listed}, and --no-use-relay leaves no way in", "drop --no-use-relay, or forward --port and pass --public-ip")
     status = autonat.STATUS_NAMES.get(answer.status, str(answer.status))
     return warned(check, f"{short(target.peer_id)} would not dial back ({status}: {answer.text})", "if peers cannot reach you, use --use-auto-relay or --client-mode")
 

@@ -53,6 +53,7 @@ class PeerRow:
     metric: str  # which of accuracy and eval_loss the task is judged by
     last_seen_s: float  # seconds since the record was signed
     reachability: str
+    relayed_bytes: int  # its rounds' bytes to and from peers reached through a relay
     rounds_ok: int
     rounds_partial: int
     rounds_failed: int
@@ -65,6 +66,11 @@ class PeerRow:
     def value(self, metric: Metric) -> Optional[float]:
         """Its last evaluation's value of `metric`."""
         return self.accuracy if metric.key == "accuracy" else self.eval_loss
+
+    def reach(self) -> str:
+        """How others reach it, and what its rounds moved through relays."""
+        relayed = f" ({self.relayed_bytes / 1e6:.1f} MB relayed)" if self.relayed_bytes else ""
+        return self.reachability + relayed
 
 
 def swarm_metric(keys: Iterable[str]) -> Metric:
@@ -94,6 +100,7 @@ def swarm_rows(records: dict[str, HealthRecord], *, now: float) -> list[PeerRow]
                 metric=r.metric,
                 last_seen_s=round(max(0.0, now - r.published_at), 1),
                 reachability=r.reachability,
+                relayed_bytes=r.relayed_bytes,
                 rounds_ok=r.rounds_ok,
                 rounds_partial=r.rounds_partial,
                 rounds_failed=r.rounds_failed,
@@ -127,7 +134,7 @@ def render_table(rows: list[PeerRow], *, title: str) -> Table:
             "" if row.loss is None else f"{row.loss:.4f}",
             *metric.cells(row.value(metric)),
             f"{row.last_seen_s:.0f} s",
-            row.reachability,
+            row.reach(),
             "[red]" + "; ".join(row.problems) + "[/]" if row.problems else "[green]none[/]",
         )
     return table

@@ -190,6 +190,19 @@ class NodeCollector(Collector):
             "Bytes received by the round transport.",
             transport.bytes_received if transport else 0,
         )
+        yield _counter(
+            "phalanx_relayed_bytes",
+            "Of the bytes sent and received, those to and from peers reached through a relay.",
+            transport.relayed_bytes if transport else 0,
+        )
+        relays = s.node.relays.stats if s.node is not None else None
+        yield GaugeMetricFamily(
+            "phalanx_relay_circuits", "Relays this peer is reachable through now (0: dialed directly, or unreachable).",
+            value=relays.circuits if relays else 0,
+        )
+        yield GaugeMetricFamily(
+            "phalanx_relayed_peers", "Trainers in view that are reached through a relay.", value=relays.relayed_peers if relays else 0
+        )
         calls = CounterMetricFamily("phalanx_transport_calls", "Transport calls by path.", labels=["path"])
         for path in ("direct", "stream", "unary", "failed"):
             calls.add_metric([path], getattr(transport, f"{path}_calls") if transport else 0)

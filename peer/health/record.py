@@ -93,6 +93,7 @@ class HealthRecord(WireModel):
     swarm_problems: list[Text] = Field(default_factory=list, max_length=MAX_VIOLATIONS)  # cut off, split, … (swarm_view)
     eval_loss: Optional[Annotated[float, Field(ge=0, allow_inf_nan=False)]] = None  # last evaluation's loss (held-out split)
     metric: MetricKey = "accuracy"  # what its task is judged by: `accuracy` or `eval_loss` (tasks/metric.py)
+    relayed_bytes: Count = 0  # bytes its rounds moved to and from peers reached through a relay
 
     def encode(self) -> bytes:
         """Canonical bytes (field order of the model, msgpack): what the signature covers."""

@@ -59,10 +59,11 @@ async def install_validator(dht: hivemind.DHT, run_id: str) -> None:
     await install(dht, run_keys(run_id))
 
 
-def reachability(maddrs: list[str], client_mode: bool) -> str:
+def reachability(maddrs: list[str], client_mode: bool, relayed: bool = False) -> str:
+    """direct: others dial its own address; relay: only through a relay; client: not at all."""
     if client_mode:
         return "client"
-    return "direct" if any("p2p-circuit" not in m for m in maddrs) else "relay"
+    return "relay" if relayed or not any("p2p-circuit" not in m for m in maddrs) else "direct"
 
 
 class HealthService:
@@ -245,7 +246,8 @@ class HealthService:
             published_at=get_dht_time(),
             started_at=self.started_at,
             addresses=[a[:256] for a in self.addresses],
-            reachability=reachability(self.addresses, self.dials_out_only()),
+            reachability=reachability(self.addresses, self.dials_out_only(), bool(self.relayed())),
+            relayed_bytes=self.node.transport.stats.relayed_bytes if self.node is not None else 0,
             step=m.step,
             samples_per_s=m.samples_per_s,
             loss=m.loss,
@@ -286,8 +288,15 @@ class HealthService:
         return self.dht.is_alive()
 
     def dials_out_only(self) -> bool:
-        """Nobody can dial this peer: `--client-mode`, or an initial peer could not dial it back."""
-        return self.settings.client_mode or (self.node is not None and not self.node.membership.reachable)
+        """Nobody can dial this peer: `--client-mode`, or an initial peer could not dial it back and it
+        holds no relay slot (or lost every relay)."""
+        return self.settings.client_mode or (self.relayed() is False)
+
+    def relayed(self) -> Optional[bool]:
+        """None: others dial it directly (or it is no trainer); else whether a relay leads to it now."""
+        if self.node is None or self.node.membership.reachable:
+            return None
+        return bool(self.node.membership.relays)
 
     def peers_seen(self) -> int:
         if self.node is not None:
@@ -336,7 +345,8 @@ class HealthService:
             "config_hash": self.config_hash,
             "addresses": self.addresses,
             "direct_addresses": node.transport.direct_addresses if node is not None else [],  # host:port of the data port
-            "reachability": reachability(self.addresses, self.dials_out_only()),
+            "relays": list(node.membership.relays) if node is not None else [],  # circuits others reach it through
+            "reachability": reachability(self.addresses, self.dials_out_only(), bool(self.relayed())),
             "state": self.state(),
             "alive": self.alive(),
             "ready": ready,
@@ -365,6 +375,7 @@ class HealthService:
             "transport": asdict(node.transport.stats) if node is not None else {},
             "bytes_sent": node.transport.stats.bytes_sent if node is not None else 0,
             "bytes_received": node.transport.stats.bytes_received if node is not None else 0,
+            "relayed_bytes": node.transport.stats.relayed_bytes if node is not None else 0,  # of those, through relays
             "peers_seen": self.peers_seen(),
             # reads of the membership key, and records in them that failed their signature or bounds
             "membership_reads": asdict(node.membership.stats) if node is not None else {},

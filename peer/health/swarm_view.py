@@ -148,8 +148,9 @@ def swarm_reasons(me: Self, records: Mapping[str, HealthRecord], recent: int, *,
     }  # fmt: skip
     if me.dials_out_only and all(r.reachability == "client" for r in others.values()):
         reasons.append(
-            "unreachable: no relay: nobody can dial this peer, and no trainer in view can be dialed either "
-            "(a peer others can reach must join, or this peer needs a forwarded port: --public-ip)"
+            "unreachable: no relay: nobody can dial this peer, no relay leads to it (its initial peers relay while "
+            "they run), and no trainer in view can be dialed either (restart its relay, or forward --port and pass "
+            "--public-ip)"
         )
     if me.last_round_members == (me.peer_id,) and (others or recent > 2):
         reasons.append("training alone: its last round had no other member while other trainers are around")

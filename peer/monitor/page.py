@@ -33,7 +33,7 @@ const cols = (r, metric) => [
   [r.short_id, "", r.peer_id], [r.role, ""], [r.state, r.state], [r.version, ""], [String(r.step), "num"],
   [r.samples_per_s.toFixed(0), "num"], [r.loss === null ? "" : r.loss.toFixed(4), "num"],
   ...evaluation(r, metric).map((text) => [text, "num"]), [r.last_seen_s.toFixed(0) + " s", "num"],
-  [r.reachability, ""], [r.problems.length ? r.problems.join("; ") : "none", r.problems.length ? "problems" : "ok"]];
+  [r.reachability + (r.relayed_bytes ? " (" + (r.relayed_bytes / 1e6).toFixed(1) + " MB relayed)" : ""), ""], [r.problems.length ? r.problems.join("; ") : "none", r.problems.length ? "problems" : "ok"]];
 let generation = -1;
 async function refresh() {
   try {
@@ -81,7 +81,7 @@ def _row(r: PeerRow, metric: Metric) -> str:
         ("" if r.loss is None else f"{r.loss:.4f}", "num", ""),
         *((text, "num", "") for text in metric.cells(r.value(metric))),
         (f"{r.last_seen_s:.0f} s", "num", ""),
-        (r.reachability, "", ""),
+        (r.reach(), "", ""),
         ("; ".join(r.problems) if r.problems else "none", "problems" if r.problems else "ok", ""),
     ]
     tds = "".join(

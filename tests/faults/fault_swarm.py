@@ -44,6 +44,8 @@ class Sample:
     reasons: tuple[str, ...] = ()
     accuracy: Optional[float] = None
     peers_seen: int = 0
+    reachability: str = ""  # direct, relay or client
+    bans: tuple[str, ...] = ()  # peers it has banned
 
     @property
     def rounds_done(self) -> int:
@@ -72,6 +74,7 @@ def to_sample(t: float, status: Optional[dict[str, Any]]) -> Sample:
         rounds_failed=int(rounds.get("failed", 0)), group=int(rounds.get("last_group_size", 0)),
         ready=bool(status.get("ready")), reasons=tuple(status.get("not_ready_because", ()))[:4],
         accuracy=status.get("accuracy"), peers_seen=int(status.get("peers_seen", 0)),
+        reachability=str(status.get("reachability", "")), bans=tuple(status.get("bans", ())),
     )  # fmt: skip
 
 

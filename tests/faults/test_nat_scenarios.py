@@ -29,9 +29,10 @@ def _run(
     join_args: tuple[str, ...] = ("--mode", "sync"),
     delay_s: float = 0.0,
     home_mbit: tuple[float, float] | None = None,
+    then=None,
 ) -> dict:
     """Start the swarm, wait for one group of all, watch WINDOW_S; the numbers. `delay_s`: one-way delay
-    added on every host; `home_mbit`: (up, down) caps of each home's link."""
+    added on every host; `home_mbit`: (up, down) caps of each home's link; `then(swarm)` runs last."""
     workdir.mkdir(parents=True)
     swarm = FaultSwarm(workdir, trainers=4, homes=homes, symmetric=symmetric, join_args=join_args, tag=tag)
     try:
@@ -54,6 +55,8 @@ def _run(
         }  # (a poll taken as the group formed may still show the round before)
         common, differing = swarm.same_model(swarm.trainer_names, since_wall)
         reachability = {n: swarm.peers[n].samples[-1] for n in swarm.trainer_names}
+        if then is not None:
+            then(swarm)
         return {
             "formed_after_last_start_s": formed_at - last_start,
             "formed_s": formed_s,
@@ -90,6 +93,70 @@ def test_one_public_and_three_home_trainers_train_as_one_swarm(lab_machine, tmp_
     ratio = homes["steps_per_s"] / public["steps_per_s"]
     print(f"3 homes: {ratio:.2f}x the steps/s of every host public (goal >= {MIN_THROUGHPUT})")
     assert ratio >= MIN_THROUGHPUT
+
+
+def test_four_home_trainers_train_as_one_swarm_through_the_bootstrap_relay(lab_machine, tmp_path):
+    """N2: the bootstrap is the only host anyone can dial; 4 home trainers reach each other through it."""
+    unready_s = []
+
+    def without_the_relay(swarm: FaultSwarm) -> None:
+        """The relay goes: every home says so and is not ready (rather than train alone silently)."""
+        swarm.stop("boot")
+
+        def said(name: str) -> bool:
+            last = swarm.peers[name].last()
+            return last is not None and not last.ready and any(r.startswith("unreachable: no relay") for r in last.reasons)
+
+        began = time.monotonic()  # (not swarm.wait: it stops at a bootstrap that exited)
+        while not all(said(n) for n in swarm.trainer_names):
+            assert time.monotonic() - began < 60, f"not every home says it has no relay within 60 s\n{swarm.log_tails()}"
+            time.sleep(0.2)
+        unready_s.append(time.monotonic() - began)
+
+    homes = _run(tmp_path / "homes", "r", homes=("t1", "t2", "t3", "t4"), then=without_the_relay)
+    _check_one_swarm(homes, "4 homes, the bootstrap relays")
+    assert all(s.reachability == "relay" for s in homes["last"].values()), homes["last"]
+    print(f"4 homes without their relay: every one unready, 'unreachable: no relay', {unready_s[0]:.1f} s after it stopped")
+
+
+BAN_S = 240.0  # bound on every honest trainer banning both attackers
+
+
+def test_verified_rounds_with_home_members_ban_a_home_and_a_public_attacker(lab_machine, tmp_path):
+    """N4: N1 plus a home attacker (sign_flip) and a public protocol attacker (wrong_aggregate), verified
+    CenteredClip rounds: every honest trainer bans both and no one else, and the honest hold one model."""
+    verified = ("--mode", "sync", "--aggregator", "centered_clip", "--tau", "1", "--verify", "--phase-timeout-s", "3")
+    attacks = {"t5": "sign_flip", "t6": "wrong_aggregate"}
+    honest = ["t1", "t2", "t3", "t4"]
+    workdir = tmp_path / "verified"
+    workdir.mkdir()
+    swarm = FaultSwarm(workdir, trainers=6, homes=("t2", "t3", "t4", "t5"), join_args=verified, tag="v")
+    try:
+        swarm.start_bootstrap()
+        swarm.wait(lambda: swarm.answering("boot"), 120, "the bootstrap never answered its status")
+        for name in swarm.trainer_names:
+            attack = ["--attack", attacks[name]] if name in attacks else []
+            swarm.start_trainer(name, None, "--wait-for-peers", "6", *attack)
+        attackers = {swarm.identity(name)[1] for name in attacks}
+
+        def all_banned() -> bool:
+            lasts = [swarm.peers[n].last() for n in honest]
+            return all(s is not None and attackers <= set(s.bans) for s in lasts)
+
+        banned_s = swarm.wait(all_banned, BAN_S, "every honest trainer banning both attackers")
+        since_wall = time.time()
+        steps0 = {n: swarm.peers[n].last().step for n in honest}
+        time.sleep(WINDOW_S)
+        for name in honest:
+            last = swarm.peers[name].last()
+            assert set(last.bans) == attackers, f"{name} banned {sorted(last.bans)}"
+            assert last.step > steps0[name], f"{name} stopped training after the bans"
+        common, differing = swarm.same_model(honest, since_wall)
+        print(f"verified with homes: both attackers banned by every honest trainer after {banned_s:.1f} s, "
+              f"{len(common)} common checkpoints after")
+        assert common and not differing, f"honest parameters differ at steps {differing}"
+    finally:
+        swarm.close()
 
 
 def test_homes_on_symmetric_nat_train_in_the_same_swarm(lab_machine, tmp_path):
