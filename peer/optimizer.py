@@ -103,6 +103,7 @@ class _Setup:
     scheduler: Optional[Scheduler] = None
     hooks: JoinHooks = field(default_factory=JoinHooks)
     state: Optional[dict[str, Any]] = None  # a checkpoint's state_dict() to start from
+    node: Optional[Node] = None  # the caller's, instead of one of its own
 
 
 class Optimizer(torch.optim.Optimizer):
@@ -116,7 +117,9 @@ class Optimizer(torch.optim.Optimizer):
     if their run id, parameter shapes, optimizer hyperparameters, batch sizes and round settings agree.
     `scheduler` (an LR scheduler, or a factory called with the wrapped optimizer) steps once per global
     step, so every peer's learning rate follows the swarm's step. What only one mode has (diloco's outer
-    state, say) is on `opt.mode`.
+    state, say) is on `opt.mode`. `node` (as hivemind's optimizer takes `dht=`) trains over a node the
+    caller opened and closes instead of opening one, with no health service: tests give a stand-in for
+    the swarm, so what needs no network runs without one.
     """
 
     def __init__(
@@ -134,6 +137,7 @@ class Optimizer(torch.optim.Optimizer):
         batch_fn: Optional[Callable[[int, str, int], Any]] = None,
         loss_fn: Optional[Callable[[torch.nn.Module, Any], torch.Tensor]] = None,
         seed: int = 0,
+        node: Optional[Node] = None,
         **settings: Any,
     ) -> None:
         if isinstance(optimizer, _Setup):  # for_plan's: run_id and batch_size_per_step are in it
@@ -150,7 +154,9 @@ class Optimizer(torch.optim.Optimizer):
         plan = plan_for(inner, run_id, mode, batch_size_per_step, target_batch_size, seed, verify, settings)
         trainable = Trainable([p for g in inner.param_groups for p in g["params"]], inner)
         self._start(
-            _Setup(plan, trainable, batch_size_per_step, target_batch_size, model, batch_fn, loss_fn, scheduler)
+            _Setup(
+                plan, trainable, batch_size_per_step, target_batch_size, model, batch_fn, loss_fn, scheduler, node=node
+            )
         )
 
     @classmethod
@@ -196,6 +202,7 @@ class Optimizer(torch.optim.Optimizer):
         self._scheduled = 0  # steps of the schedule the scheduler has taken
         self.metrics = setup.hooks.metrics or PeerMetrics(role="trainer")  # what the health server shows
         self._health = None
+        self._owns_node = setup.node is None
         self._closed = False
         self._loop = SwarmLoop()
         self._swarm = Swarm(
@@ -204,7 +211,7 @@ class Optimizer(torch.optim.Optimizer):
         )  # fmt: skip
         try:
             self.mode: Mode = MODE_CLASSES[plan.training.mode](self._swarm)
-            self.node: Node = self._loop.call(self._open(setup.state))
+            self.node: Node = self._loop.call(self._open(setup))
         except BaseException:
             self._loop.close()
             raise
@@ -374,31 +381,34 @@ class Optimizer(torch.optim.Optimizer):
 
     # ---- inside ------------------------------------------------------------------------------
 
-    async def _open(self, initial_state: Optional[dict[str, Any]]) -> Node:
+    async def _open(self, setup: _Setup) -> Node:
         swarm = self._swarm
         stop = swarm.stop = asyncio.Event()
-        node = self.node = swarm.node = await open_node(self.plan, loss=lambda: swarm.last_loss)
+        opened = setup.node if setup.node is not None else await open_node(self.plan, loss=lambda: swarm.last_loss)
+        node = self.node = swarm.node = opened
         try:
             await self.mode.open()
-            self._health = await open_node_health(node, self.plan, self.metrics)
-            if initial_state is not None:
-                await self._load_state(initial_state)
-            opened = self.hooks.opened(self)
-            if inspect.isawaitable(opened):
-                await opened
+            if self._owns_node:  # a given node's health service, if any, is the caller's
+                self._health = await open_node_health(node, self.plan, self.metrics)
+            if setup.state is not None:
+                await self._load_state(setup.state)
+            hooked = self.hooks.opened(self)
+            if inspect.isawaitable(hooked):
+                await hooked
             await wait_for_trainers(node, self.plan.training.wait_for_peers, stop)
             if stop.is_set():
                 raise Interrupted("interrupted while waiting for the other trainers")
             await self.mode.joined()
         except BaseException:
-            await node.aclose()
+            await self._aclose()
             raise
         return node
 
     async def _aclose(self) -> None:
         if self._health is not None:
             await self._health.aclose()
-        await self.node.aclose()
+        if self._owns_node:
+            await self.node.aclose()
 
     def _follow_schedule(self) -> None:
         """Step the scheduler to the position (diloco: the inner step, H per outer step); a newcomer's

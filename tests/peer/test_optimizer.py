@@ -531,3 +531,46 @@ def test_interrupt_finishes_a_round_whose_group_formed_and_ends_matchmaking_at_o
             await matchmaking
 
     asyncio.run(main())
+
+
+def _alone_node(peer_id: str = "12D3KooWalone"):
+    """A stand-in for the swarm (`node=`) where no round ever forms: no network, no other peer."""
+    import asyncio
+    from types import SimpleNamespace
+
+    async def never(*args, **kwargs):
+        await asyncio.Event().wait()
+
+    async def nothing(*args, **kwargs):
+        return None
+
+    stats = SimpleNamespace(rounds_ok=0, rounds_partial=0, rounds_failed=0, resyncs=0)
+    state = SimpleNamespace(keep_serving=lambda key: None, publish=nothing)
+    engine = SimpleNamespace(step=0, in_group=False, stats=stats, run_round=never, state=state)
+    engine.set_state = lambda version, step, **_: setattr(engine, "step", step)
+    membership = SimpleNamespace(peers=lambda: {peer_id: SimpleNamespace(step=0)}, banned=set(), refresh=nothing)
+    return SimpleNamespace(
+        peer_id=peer_id, engine=engine, membership=membership, dht=SimpleNamespace(is_alive=lambda: True),
+        transport=SimpleNamespace(stats=SimpleNamespace(bytes_sent=0, bytes_received=0)),
+    )  # fmt: skip
+
+
+def test_lasgd_steps_never_wait_for_an_exchange_and_the_schedule_follows_them():
+    """No network (a stand-in node where no exchange ever completes): every step returns at once, the LR
+    schedule follows the local steps, and the exchange begun at sync_every runs on in the background."""
+    import phalanx
+
+    model, inner = _model_and_adamw()
+    halve = lambda optimizer: torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)  # noqa: E731
+    settings = {"run_id": "alone-lasgd", "batch_size_per_step": 2, "mode": "lasgd", "sync_every": 2}
+    with phalanx.Optimizer(inner, scheduler=halve, node=_alone_node(), **settings) as opt:
+        for _ in range(5):
+            F.mse_loss(model(torch.randn(2, 4)), torch.randn(2, 2)).backward()
+            opt.step()
+            opt.zero_grad()
+        assert opt.position == 5 and opt.global_step == 0 and opt.mode.round_in_flight
+        stats = opt.statistics()
+        assert (stats.local_samples, stats.samples_per_round, stats.rounds_ok) == (3 * 2, 2 * 2, 0)
+        assert inner.param_groups[0]["lr"] == pytest.approx(1e-3 * 0.5**5)
+        state = opt.state_dict()
+        assert state["local_steps"] == 5 and state["global_step"] == 0 and state["local_base"].numel() == 10
