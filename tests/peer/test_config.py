@@ -145,6 +145,7 @@ LOCAL = {  # how this one peer connects, stores, reports and behaves; the swarm 
     "identity_path": ({}, {"identity_path": "/tmp/phalanx-test-id.key"}),
     "use_relay": ({}, {"use_relay": False}),
     "use_auto_relay": ({}, {"use_auto_relay": True}),
+    "relay_budget_gb": ({}, {"relay_budget_gb": 0.5}),
     "client_mode": ({}, {"client_mode": True}),
     "direct_port": ({}, {"direct_port": 4001}),
     "direct": ({}, {"direct": False}),
