@@ -31,7 +31,7 @@ from phalanx.protocol.engine import Averaged, Resync
 
 logger = logging.getLogger(__name__)
 
-InThread = Callable[..., Awaitable[Any]]  # (fn, *args) -> awaitable of fn(*args) on the training thread
+InThread = Callable[..., Awaitable[Any]]  # (fn, *args) -> awaitable of fn(*args) on the loop's executor (off the loop)
 
 
 class GlobalStep:

@@ -5,7 +5,7 @@ it completed: version' = H(version ‖ round id ‖ which parts came back). Peer
 completed the same rounds with the same parts hold the same version, so the leader
 can tell who is in sync without comparing parameters, and anyone whose round went
 differently (a lost part, a missed round, a split group) resyncs from a donor.
-Phases 2 (commitments) and 6 (verification) slot in around `_allreduce`.
+Verified rounds (`_verified_round`) add phases 2 (commitments) and 6 (verification) around the data exchange.
 """
 
 from __future__ import annotations
