@@ -7,19 +7,17 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
-import subprocess
-import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
 import hivemind
-from health_swarm import LOOPBACK, Proc, free_port, get_json, http_get, spawn, wait_until
 
 from phalanx.security.admission import generate_owner_key, issue, load_owner_private
 from phalanx.security.identity import Identity
+from tests.peer.health.health_swarm import free_port, get_json, http_get, wait_until
+from tests.procs import LOOPBACK, FileProc, spawn_to_files
 
 REREADS = 4  # membership reads every trainer makes after an attack before it is judged (one every 2 s)
 
@@ -28,22 +26,22 @@ REREADS = 4  # membership reads every trainer makes after an attack before it is
 class LiveSwarm:
     workdir: Path
     initial_peers: list[str]
-    bootstrap: Proc
-    trainers: list[Proc]  # the honest ones
+    bootstrap: FileProc
+    trainers: list[FileProc]  # the honest ones
     run_key: str  # phalanx.<run id>.<config hash prefix>: what an outsider reads off /api/v1/status
     run_id: str
-    attacker: Optional[Proc] = None  # a patched trainer, if any
+    attacker: Optional[FileProc] = None  # a patched trainer, if any
 
     @property
-    def procs(self) -> list[Proc]:
+    def procs(self) -> list[FileProc]:
         return [self.bootstrap, *self.trainers, *([self.attacker] if self.attacker is not None else [])]
 
-    def events(self, trainer: Proc, kind: str) -> list[dict]:
+    def events(self, trainer: FileProc, kind: str) -> list[dict]:
         """The trainer's `--events` of `kind` so far."""
         lines = trainer.stdout.read_text().splitlines()
         return [e for e in map(_json_or_none, lines) if e is not None and e.get("event") == kind]
 
-    def status(self, trainer: Proc) -> dict:
+    def status(self, trainer: FileProc) -> dict:
         return get_json(trainer.url + "/api/v1/status")[1]
 
     def reads(self) -> dict[str, int]:
@@ -95,10 +93,10 @@ def open_live_swarm(
     each holds the owner's certificate and refuses peers without one. `attacker`: the command line of one
     more trainer that runs instead of `python -m phalanx` (a patched joiner), started with the others and
     given the same flags and `attacker_args`."""
-    procs: list[Proc] = []
+    procs: list[FileProc] = []
     try:
         port = free_port()
-        boot = spawn(
+        boot = spawn_to_files(
             "bootstrap",
             ["--log-format", "json", "bootstrap", "--host-maddrs", LOOPBACK, "--identity-path", str(workdir / "bootstrap.id"), "--http-port", str(port)],
             workdir, port,
@@ -130,10 +128,10 @@ def open_live_swarm(
                 "--eval-every", "50", "--events", *flags,
             ]  # fmt: skip
             if i < trainers:
-                started.append(spawn(name, join, workdir, port))
+                started.append(spawn_to_files(name, join, workdir, port))
                 procs.append(started[-1])
             else:
-                bad = _spawn_script(name, [*attacker, *join, *attacker_args], workdir, port)
+                bad = spawn_to_files(name, [*join, *attacker_args], workdir, port, command=attacker)
                 procs.append(bad)
         for p in procs:
             p.peer_id = wait_until(lambda p=p: get_json(p.url + "/api/v1/status")[1]["peer_id"], f"{p.name}'s status", procs)
@@ -161,17 +159,6 @@ def open_attacker(initial_peers: list[str], identity: Optional[Path] = None) -> 
         yield dht
     finally:
         dht.shutdown()
-
-
-def _spawn_script(name: str, command: list[str], workdir: Path, http_port: int) -> Proc:
-    """Like health_swarm.spawn, for a script that runs `phalanx` its own way (`command`: the script and its arguments)."""
-    out, err = workdir / f"{name}.out", workdir / f"{name}.err"
-    with open(out, "wb") as stdout, open(err, "wb") as stderr:
-        popen = subprocess.Popen(
-            [sys.executable, *command], stdout=stdout, stderr=stderr, start_new_session=True,
-            env={**os.environ, "PYTHONUNBUFFERED": "1", "PHALANX_TORCH_THREADS": "1"},
-        )  # fmt: skip
-    return Proc(name, popen, out, err, http_port)
 
 
 def _json_or_none(line: str) -> Optional[dict]:

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import pytest
 from hivemind.utils import get_dht_time
-from live_swarm import open_attacker, open_live_swarm
 
 from phalanx.protocol.membership import PeerRecord
 from phalanx.security.admission import generate_owner_key, issue, load_owner_private
 from phalanx.security.identity import Identity
 from phalanx.security.records import sign_record
+from tests.adversary.live_swarm import open_attacker, open_live_swarm
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 

@@ -10,8 +10,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from health_swarm import wait_until
-from live_swarm import open_live_swarm, peak_rss_bytes
+
+from tests.adversary.live_swarm import open_live_swarm, peak_rss_bytes
+from tests.peer.health.health_swarm import wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 

@@ -10,10 +10,10 @@ import os
 import socket
 
 import pytest
-from health_swarm import wait_until
-from live_swarm import open_live_swarm
 
 from phalanx.protocol.transport import MAX_DIRECT_SERVED, MAX_PENDING_HELLOS
+from tests.adversary.live_swarm import open_live_swarm
+from tests.peer.health.health_swarm import wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 

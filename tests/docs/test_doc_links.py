@@ -7,7 +7,7 @@ from urllib.parse import unquote, urlparse
 
 import pytest
 
-from markdown_blocks import PAGES, ROOT, anchors, links, slug
+from tests.docs.markdown_blocks import PAGES, ROOT, anchors, links, slug
 
 README_LIMIT = 10_000
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from markdown_blocks import PAGES, ROOT, SKIP_CATEGORIES, Block, blocks
+from tests.docs.markdown_blocks import PAGES, ROOT, SKIP_CATEGORIES, Block, blocks
 
 TIMEOUT_S = 90  # one block; the slowest that runs (a swarm of 2 on digits) takes about 15 s
 

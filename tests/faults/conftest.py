@@ -1,14 +1,10 @@
 """Fault tests need root (network namespaces, iptables, tc): skipped loudly, with a warning, otherwise."""
 
-import sys
 import warnings
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))  # fault_lab, fault_swarm, fault_table
-
-from fault_lab import missing_requirements, sweep_stale  # noqa: E402
+from tests.faults.fault_lab import missing_requirements, sweep_stale
 
 
 @pytest.fixture(scope="session")

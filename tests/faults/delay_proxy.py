@@ -63,7 +63,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Optional, Union
 
 if TYPE_CHECKING:
-    from fault_lab import Host, Lab
+    from tests.faults.fault_lab import Host, Lab
 
 # ---- marks, queue and rules ------------------------------------------------------------------
 

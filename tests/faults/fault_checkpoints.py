@@ -11,8 +11,8 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from fault_swarm import FaultSwarm, Peer
-from fault_table import Row, last_error
+from tests.faults.fault_swarm import FaultSwarm, Peer
+from tests.faults.fault_table import Row, last_error
 
 
 def run_checkpoint_kills(workdir: Path, kills: int = 20, seed: int = 16, log: Callable[[str], None] = print) -> list[Row]:

@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Optional
 
 if TYPE_CHECKING:
-    from delay_proxy import DelayProxies
+    from tests.faults.delay_proxy import DelayProxies
 
 PREFIX = "phxlab"
 SUBNET = "10.77.0"  # private; reachable only inside this lab's namespaces
@@ -427,7 +427,7 @@ class Lab:
         sees d_A + d_B each way, the connect included); 0 keeps the proxy in the path without delay,
         None removes it. Transparent to the host's processes; see delay_proxy.py. A router's delay
         is its own connections' (what it forwards for its homes takes theirs, not its own)."""
-        from delay_proxy import DelayProxies
+        from tests.faults.delay_proxy import DelayProxies
 
         if self.delay_proxies is None:
             self.delay_proxies = DelayProxies(self)

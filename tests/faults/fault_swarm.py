@@ -21,7 +21,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-from fault_lab import Lab
+from tests.faults.fault_lab import Lab
+from tests.procs import alive, descendants
 
 REPO = Path(__file__).resolve().parents[2]
 P2P_PORT, DIRECT_PORT, HTTP_PORT = 31337, 31338, 9100
@@ -96,29 +97,6 @@ class Peer:
     def last(self) -> Optional[Sample]:
         answered = [s for s in self.samples if s.ok]
         return answered[-1] if answered else None
-
-
-def descendants(pid: int) -> list[int]:
-    """`pid` and every process below it (from /proc, parent links)."""
-    parents: dict[int, int] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            parents[int(stat.parent.name)] = int(stat.read_text().rpartition(")")[2].split()[1])
-        except (OSError, ValueError, IndexError):
-            continue
-    found, frontier = [pid], [pid]
-    while frontier:
-        frontier = [p for p, pp in parents.items() if pp in frontier]
-        found += frontier
-    return found
-
-
-def alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
-    except (OSError, IndexError):
-        return False
-    return state != "Z"
 
 
 class FaultSwarm:
@@ -245,12 +223,12 @@ class FaultSwarm:
 
     def signal_main(self, name: str, sig: int) -> None:
         peer = self.peers[name]
-        peer.tree = descendants(peer.proc.pid)
+        peer.tree = [peer.proc.pid, *descendants(peer.proc.pid)]
         os.kill(peer.proc.pid, sig)
 
     def signal_tree(self, name: str, sig: int) -> None:
         peer = self.peers[name]
-        peer.tree = descendants(peer.proc.pid)
+        peer.tree = [peer.proc.pid, *descendants(peer.proc.pid)]
         for pid in peer.tree:
             try:
                 os.kill(pid, sig)

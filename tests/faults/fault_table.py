@@ -19,9 +19,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from fault_swarm import FaultSwarm, Sample
-
 from phalanx.peer.health.record import TTL_S
+from tests.faults.fault_swarm import FaultSwarm, Sample
 
 REF_S = 10.0  # clean reference window before the first fault
 # A peer notices a cut once the others' records in its own DHT storage expire (TTL_S after their
@@ -437,7 +436,7 @@ def only_load_bound(scenario: Scenario, rows: list[Row], checks: tuple[str, ...]
 def run_scenario(scenario: Scenario, workdir: Path, log: Callable[[str], None] = print) -> list[Row]:
     workdir.mkdir(parents=True, exist_ok=True)
     if scenario.key == "g":
-        from fault_checkpoints import run_checkpoint_kills
+        from tests.faults.fault_checkpoints import run_checkpoint_kills
 
         return run_checkpoint_kills(workdir, log=log)
     return Runner(scenario, workdir, log).run()

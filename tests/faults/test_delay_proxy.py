@@ -21,7 +21,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from fault_lab import Lab
+
+from tests.faults.fault_lab import Lab
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
@@ -293,7 +294,7 @@ def test_throughput_and_a_few_hundred_concurrent_connections(lab):
     print(f"through the proxy at 0 ms {mb / proxied_s:.0f}, at 50 ms one-way {mb / delayed_s:.0f}")
     assert mb / proxied_s >= MIN_THROUGHPUT_MBPS
 
-    proxy_stats = lambda: lab.delay_proxies.stats("a")  # noqa: E731
+    proxy_stats = lambda: lab.delay_proxies.stats("a")
     each, took_all, stats = in_host(a, lambda: many_connections(b.ip, CONNECTIONS, proxy_stats))
     print(f"{CONNECTIONS} concurrent connections at 50 ms one-way: all echoed in {took_all:.2f} s, ", end="")
     print(f"each {min(each) * 1000:.0f}-{max(each) * 1000:.0f} ms; proxy {stats}")

@@ -9,9 +9,9 @@ import time
 from pathlib import Path
 
 import pytest
-from fault_lab import Lab
 
 from phalanx.security.identity import Identity
+from tests.faults.fault_lab import Lab
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 

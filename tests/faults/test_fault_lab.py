@@ -6,7 +6,8 @@ import threading
 import time
 
 import pytest
-from fault_lab import Lab, sh
+
+from tests.faults.fault_lab import Lab, sh
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 

@@ -1,8 +1,9 @@
 """The fault table's measures and checks on hand-made polls and rows (no lab, no root)."""
 
 import pytest
-from fault_swarm import Sample
-from fault_table import (
+
+from tests.faults.fault_swarm import Sample
+from tests.faults.fault_table import (
     BY_KEY,
     SCENARIOS,
     Row,

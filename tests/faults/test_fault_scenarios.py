@@ -9,7 +9,8 @@ printed as a warning; it must pass one of them. Failures of the other checks are
 import warnings
 
 import pytest
-from fault_table import SCENARIOS, failed_checks, format_rows, only_load_bound, run_scenario
+
+from tests.faults.fault_table import SCENARIOS, failed_checks, format_rows, only_load_bound, run_scenario
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(1200)]  # (g) restarts a trainer 20 times
 

@@ -24,7 +24,9 @@ from pathlib import Path
 from typing import Any, Optional
 
 import pytest
-from fault_lab import Lab, sh
+
+from tests.faults.fault_lab import Lab, sh
+from tests.procs import alive, script_env
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
@@ -305,7 +307,7 @@ def test_plain_nat_keeps_the_home_s_port_and_symmetric_nat_draws_a_fresh_one_per
     assert not plain.router.symmetric and symmetric.router.symmetric
     assert "--random-fully" in symmetric.router.run("iptables", "-w", "-t", "nat", "-S").stdout
     labs.serve([a, b], {WHO_PORT: WhoHandler})
-    trials = lambda: [same_port_to_both(a.ip, b.ip) for _ in range(TRIALS)]  # noqa: E731
+    trials = lambda: [same_port_to_both(a.ip, b.ip) for _ in range(TRIALS)]
     seen = {h.name: in_host(h, trials) for h in (plain, symmetric)}
     print()
     for name, trials in seen.items():
@@ -595,9 +597,8 @@ def test_a_dht_node_at_home_joins_through_a_public_one_which_cannot_dial_it(labs
 
 
 DOOMED_SESSION = """
-import sys, time
-sys.path.insert(0, sys.argv[1])
-from fault_lab import Lab
+import time
+from tests.faults.fault_lab import Lab
 
 lab = Lab(["pub"], tag="doomed")
 home = lab.add_home("home")
@@ -609,10 +610,10 @@ time.sleep(600)  # killed before its cleanup
 
 
 def test_sweep_stale_removes_a_dead_session_s_routers_homes_and_their_processes(lab_machine):
-    from fault_lab import sweep_stale
+    from tests.faults.fault_lab import sweep_stale
 
     session = subprocess.Popen(
-        [sys.executable, "-c", DOOMED_SESSION, str(Path(__file__).parent)], stdout=subprocess.PIPE, text=True
+        [sys.executable, "-c", DOOMED_SESSION], stdout=subprocess.PIPE, text=True, env=script_env()
     )
     try:
         lab_id = session.stdout.readline().strip()
@@ -632,13 +633,6 @@ def test_sweep_stale_removes_a_dead_session_s_routers_homes_and_their_processes(
     assert set(left) <= set(removed)
     assert not [n for n in sh("ip", "netns", "list").stdout.split() if n.startswith(lab_id + "-")]
     deadline = time.monotonic() + 10  # SIGKILL lands when the process is next scheduled
-    while any(running(pid) for pid in stray):
+    while any(alive(pid) for pid in stray):
         assert time.monotonic() < deadline, f"processes of the dead session still run: {stray}"
         time.sleep(0.05)
-
-
-def running(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] != "Z"
-    except OSError:
-        return False

@@ -12,7 +12,8 @@ from __future__ import annotations
 import time
 
 import pytest
-from fault_swarm import FaultSwarm
+
+from tests.faults.fault_swarm import FaultSwarm
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 

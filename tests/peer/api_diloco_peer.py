@@ -7,16 +7,13 @@ plain SGD inside, the outer Nesterov step across the swarm; writes its final θ 
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 import phalanx
-
-sys.path.insert(0, str(Path(__file__).parent))
-from trainer_procs import load_example  # noqa: E402
+from tests.peer.trainer_procs import load_example  # run by its path: start_script puts the repository on PYTHONPATH
 
 plain_loop = load_example("plain_loop")
 

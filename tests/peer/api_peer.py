@@ -15,9 +15,7 @@ import torch
 import torch.nn.functional as F
 
 import phalanx
-
-sys.path.insert(0, str(Path(__file__).parent))
-from trainer_procs import load_example  # noqa: E402
+from tests.peer.trainer_procs import load_example  # run by its path: start_script puts the repository on PYTHONPATH
 
 plain_loop = load_example("plain_loop")
 

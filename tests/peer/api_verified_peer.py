@@ -18,9 +18,7 @@ import torch.nn.functional as F
 import phalanx
 from phalanx.aggregation.errors import PhalanxError
 from phalanx.tasks import batch_generator
-
-sys.path.insert(0, str(Path(__file__).parent))
-from trainer_procs import load_example  # noqa: E402
+from tests.peer.trainer_procs import load_example  # run by its path: start_script puts the repository on PYTHONPATH
 
 plain_loop = load_example("plain_loop")
 

@@ -1,12 +1,14 @@
 import sys
-from pathlib import Path
 
 import hivemind
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))  # trainer_procs
+from tests.peer import trainer_procs
+from tests.procs import LOOPBACK
 
-from trainer_procs import LOOPBACK  # noqa: E402
+# test_diloco.py and test_optimizer.py still import it by its bare name; the next edit of each can
+# import tests.peer.trainer_procs instead, and this line go
+sys.modules.setdefault("trainer_procs", trainer_procs)
 
 
 @pytest.fixture

@@ -8,7 +8,8 @@ import sys
 import time
 
 import pytest
-from trainer_procs import LOOPBACK, children, group_members, unix_socket_files
+
+from tests.procs import LOOPBACK, children, group_members, unix_socket_files
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 

@@ -14,21 +14,19 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent / "health"))  # health_swarm: real processes on loopback
-
-from health_swarm import LOOPBACK, Proc, free_port, get_json, spawn, wait_until  # noqa: E402
-
-from phalanx.peer.config import PROTOCOL_VERSION, PeerConfig  # noqa: E402
-from phalanx.peer.doctor import autonat  # noqa: E402
-from phalanx.peer.doctor.local import identity_row, multiaddr_row, port_rows, task_rows  # noqa: E402
-from phalanx.peer.doctor.rows import exit_code  # noqa: E402
-from phalanx.peer.doctor.swarm import CLOCK_FIX, clock_row, swarm_rows  # noqa: E402
-from phalanx.peer.health.record import HealthRecord  # noqa: E402
-from phalanx.peer.plan import make_plan  # noqa: E402
+from phalanx.peer.config import PROTOCOL_VERSION, PeerConfig
+from phalanx.peer.doctor import autonat
+from phalanx.peer.doctor.local import identity_row, multiaddr_row, port_rows, task_rows
+from phalanx.peer.doctor.rows import exit_code
+from phalanx.peer.doctor.swarm import CLOCK_FIX, clock_row, swarm_rows
+from phalanx.peer.health.record import HealthRecord
+from phalanx.peer.plan import make_plan
 from phalanx.security.identity import (
-    Identity,  # noqa: E402
-    read_varint,  # noqa: E402
+    Identity,
+    read_varint,
 )
+from tests.peer.health.health_swarm import free_port, get_json, wait_until
+from tests.procs import LOOPBACK, FileProc, spawn_to_files
 
 PEER = "QmaDnkJn14L31L9kNtpb1q1BjmENLgXCn6hcG7FqP4Gcyn"
 OTHER = "QmBbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbb"
@@ -211,14 +209,14 @@ class LiveSwarm:
 def swarm(tmp_path_factory):
     """A bootstrap and one trainer (slowed down: it trains alone for the whole module)."""
     workdir = tmp_path_factory.mktemp("doctor-swarm")
-    procs: list[Proc] = []
+    procs: list[FileProc] = []
     try:
-        boot = spawn("bootstrap", ["bootstrap", "--host-maddrs", LOOPBACK, "--identity-path", str(workdir / "b.id")], workdir)
+        boot = spawn_to_files("bootstrap", ["bootstrap", "--host-maddrs", LOOPBACK, "--identity-path", str(workdir / "b.id")], workdir)
         procs.append(boot)
         line = wait_until(lambda: next((x for x in boot.stdout.read_text().splitlines() if x.startswith("--initial-peers ")), None), "the --initial-peers line", procs)
         initial_peers = line.split(maxsplit=1)[1]
         port = free_port()
-        trainer = spawn("trainer", ["join", "--initial-peers", initial_peers, "--host-maddrs", LOOPBACK, "--http-port", str(port), "--slowdown", "const:0.5"], workdir, port)
+        trainer = spawn_to_files("trainer", ["join", "--initial-peers", initial_peers, "--host-maddrs", LOOPBACK, "--http-port", str(port), "--slowdown", "const:0.5"], workdir, port)
         procs.append(trainer)
         # its HTTP server opens after its first health record is stored
         wait_until(lambda: get_json(trainer.url + "/api/v1/status")[1]["peer_id"], "the trainer's status", procs)
@@ -348,7 +346,7 @@ def test_peer_with_a_skewed_clock(tmp_path):
             [sys.executable, str(Path(__file__).with_name("skewed_peer.py")), "600", "bootstrap", "--host-maddrs", LOOPBACK],
             stdout=stdout, stderr=stderr, env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True,
         )  # fmt: skip
-    proc = Proc("skewed", popen, out, err)
+    proc = FileProc("skewed", popen, out, err)
     try:
         line = wait_until(lambda: next((x for x in out.read_text().splitlines() if x.startswith("--initial-peers ")), None), "the skewed peer's line", [proc])
         initial_peers = line.split(maxsplit=1)[1]

@@ -7,7 +7,8 @@ import json
 from pathlib import Path
 
 import pytest
-from trainer_procs import start_script, wait_scripts
+
+from tests.procs import start_script, wait_scripts
 
 ROOT = Path(__file__).parents[2]
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]

@@ -10,7 +10,9 @@ from pathlib import Path
 
 import hivemind
 import pytest
-from trainer_procs import LOOPBACK, descendants, join_args, spawn, unix_socket_files, wait_gone
+
+from tests.peer.trainer_procs import join_args
+from tests.procs import LOOPBACK, descendants, spawn_events, unix_socket_files, wait_gone
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
@@ -74,7 +76,7 @@ def bootstrap():
 
 def test_a_sigkilled_trainer_leaves_no_process_and_restarts_under_its_identity(bootstrap, tmp_path):
     args = join_args(bootstrap, tmp_path, "a", "--steps", "1000000", "--eval-every", "1000000")
-    first = spawn(args, tmp_path / "first.log")
+    first = spawn_events(args, tmp_path / "first.log")
     again = None
     try:
         first.next_event("step", where=lambda e: e["step"] >= 5)
@@ -90,7 +92,7 @@ def test_a_sigkilled_trainer_leaves_no_process_and_restarts_under_its_identity(b
         assert not [s for s in daemon_sockets if s.exists()], "the dead trainer's p2pd left its socket file"
         assert "is gone; exiting with it" in first.tail(20000)
         # The bootstrap still knows the identity's peer ID; nothing answers for it any more.
-        again = spawn(args, tmp_path / "again.log")
+        again = spawn_events(args, tmp_path / "again.log")
         again.next_event("step", where=lambda e: e["step"] >= 5)
         assert "already taken" not in again.tail(20000)
     finally:

@@ -9,7 +9,6 @@ import threading
 
 import hivemind
 import pytest
-from trainer_procs import LOOPBACK, children
 
 from phalanx.aggregation.errors import PhalanxError
 from phalanx.peer.dht_keys import install, run_keys
@@ -20,6 +19,7 @@ from phalanx.peer.node import (
     remove_if_stale,
     visible_maddrs,
 )
+from tests.procs import LOOPBACK, children
 
 
 async def _never_returns(_dht, _node) -> None:

@@ -9,7 +9,9 @@ import sys
 
 import hivemind
 import pytest
-from trainer_procs import LOOPBACK, join_args, spawn
+
+from tests.peer.trainer_procs import join_args
+from tests.procs import LOOPBACK, spawn_events
 
 # the swarm test: a model small enough for two shared cores, and a threshold measured on it
 SWARM_OPTIONS = "dim=64,layers=2,heads=4,context=64"
@@ -25,7 +27,7 @@ def test_three_cli_peers_train_tiny_gpt_below_a_validation_loss_that_an_untraine
         "--task", "tiny-gpt", "--task-options", SWARM_OPTIONS, "--batch-size", "16", "--target-loss", str(TARGET_LOSS),
         "--eval-every", "25", "--steps", "600", "--wait-for-peers", "3",
     )  # fmt: skip
-    procs = [spawn(join_args(boot, tmp_path, n, *common), tmp_path / f"{n}.log") for n in "abc"]
+    procs = [spawn_events(join_args(boot, tmp_path, n, *common), tmp_path / f"{n}.log") for n in "abc"]
     try:
         first = procs[0].next_event("eval", timeout=300)
         assert first["step"] == 25 and first["loss"] > TARGET_LOSS + 1, first  # far above the target early on

@@ -9,9 +9,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from trainer_procs import children, join_args, spawn, unix_socket_files
 
 from phalanx.peer.checkpoint import load_latest
+from tests.peer.trainer_procs import join_args
+from tests.procs import children, spawn_events, unix_socket_files
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 
@@ -28,10 +29,10 @@ def test_newcomer_downloads_state_and_matches_the_others(bootstrap, tmp_path):
     try:
         for name in ("a", "b"):
             args = join_args(bootstrap, tmp_path, name, *common, "--wait-for-peers", "2", "--checkpoint-dir", str(tmp_path / name))
-            procs.append(spawn(args, tmp_path / f"{name}.log"))
+            procs.append(spawn_events(args, tmp_path / f"{name}.log"))
         for p in procs:
             p.next_event("step", where=lambda e: e["step"] >= 20)
-        newcomer = spawn(
+        newcomer = spawn_events(
             join_args(bootstrap, tmp_path, "c", *common, "--checkpoint-dir", str(tmp_path / "c")), tmp_path / "c.log"
         )
         procs.append(newcomer)
@@ -67,12 +68,12 @@ def test_newcomer_downloads_state_and_matches_the_others(bootstrap, tmp_path):
 
 def test_resume_restores_identical_parameters(bootstrap, tmp_path):
     ckpt = tmp_path / "ckpt"
-    first = spawn(join_args(bootstrap, tmp_path, "p", "--steps", "30", "--checkpoint-dir", str(ckpt), "--checkpoint-every", "10"), tmp_path / "1.log")
+    first = spawn_events(join_args(bootstrap, tmp_path, "p", "--steps", "30", "--checkpoint-dir", str(ckpt), "--checkpoint-every", "10"), tmp_path / "1.log")
     done = first.next_event("done")
     assert first.popen.wait(60) == 0
     assert done["step"] == 30 and load_latest(ckpt).step == 30
 
-    again = spawn(join_args(bootstrap, tmp_path, "p", "--steps", "40", "--checkpoint-dir", str(ckpt), "--resume"), tmp_path / "2.log")
+    again = spawn_events(join_args(bootstrap, tmp_path, "p", "--steps", "40", "--checkpoint-dir", str(ckpt), "--resume"), tmp_path / "2.log")
     started = again.next_event("started")
     assert started["step"] == 30 and started["param_hash"] == done["param_hash"]
     finished = again.next_event("done")
@@ -82,7 +83,7 @@ def test_resume_restores_identical_parameters(bootstrap, tmp_path):
 def test_trainer_whose_dht_process_dies_says_so_and_exits(bootstrap, tmp_path):
     # before, it trained on alone, and a thread blocked on the dead DHT kept it from ever exiting
     ckpt = tmp_path / "ckpt"
-    proc = spawn(join_args(bootstrap, tmp_path, "p", "--steps", "100000000", "--checkpoint-dir", str(ckpt)), tmp_path / "p.log")
+    proc = spawn_events(join_args(bootstrap, tmp_path, "p", "--steps", "100000000", "--checkpoint-dir", str(ckpt)), tmp_path / "p.log")
     sockets: set[Path] = set()
     try:
         proc.next_event("training")

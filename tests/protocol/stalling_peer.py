@@ -12,7 +12,7 @@ import sys
 import torch
 
 from phalanx.protocol.config import MatchmakingConfig, RoundConfig
-from swarm_fixture import open_peer
+from tests.protocol.swarm_fixture import open_peer
 
 
 async def main(initial_peers: list[str]) -> None:

@@ -7,12 +7,12 @@ import pytest
 import torch
 
 from phalanx.aggregation.staleness import GapAware
-from phalanx.peer.local_sgd import LocalState, StalenessCorrection
 from phalanx.peer.local_exchange import BASE_KEY
+from phalanx.peer.local_sgd import LocalState, StalenessCorrection
 from phalanx.protocol.config import MatchmakingConfig, RoundConfig
 from phalanx.protocol.engine import Averaged
 from phalanx.protocol.state_sync import StateSnapshot
-from swarm_fixture import open_swarm
+from tests.protocol.swarm_fixture import open_swarm
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 

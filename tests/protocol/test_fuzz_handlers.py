@@ -20,7 +20,7 @@ from phalanx.protocol.state_sync import CHECK_METHOD, STATE_METHOD, CheckRequest
 from phalanx.protocol.transport import HELLO_MAGIC, CallFailed, Status
 from phalanx.security.statements import Signed
 from phalanx.security.wire import pack
-from swarm_fixture import RUN_HASH, open_swarm
+from tests.protocol.swarm_fixture import RUN_HASH, open_swarm
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 PARAMS = (("tau", 1.0),)

@@ -13,7 +13,7 @@ from phalanx.protocol.config import MatchmakingConfig, RoundConfig
 from phalanx.protocol.engine import Averaged
 from phalanx.protocol.matchmaking import JOIN_METHOD, PROBE_METHOD
 from phalanx.protocol.membership import Membership, PeerRecord
-from swarm_fixture import open_swarm
+from tests.protocol.swarm_fixture import open_swarm
 
 PERIOD_S = 600.0
 PEERS = [f"12D3KooW{c}" + "x" * 45 for c in "ABCDEFGH"]  # fixed base58 IDs, in leading order: the draw is deterministic

@@ -16,8 +16,8 @@ from phalanx.protocol.engine import Averaged
 from phalanx.protocol.partition import partition_bounds
 from phalanx.protocol.transport import CallFailed
 from phalanx.security.wire import pack
-from oversized_parts import DECLARED, allocations, declaring_oversized_parts  # noqa: F401 (a fixture)
-from swarm_fixture import open_swarm
+from tests.protocol.oversized_parts import DECLARED, allocations, declaring_oversized_parts  # noqa: F401 (a fixture)
+from tests.protocol.swarm_fixture import open_swarm
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 NUMEL = 300_000  # honest fp16 parts of 75 K values: about 150 KB each

@@ -15,7 +15,8 @@ import torch
 from phalanx.protocol.config import Codec, MatchmakingConfig, RoundConfig
 from phalanx.protocol.engine import Averaged
 from phalanx.protocol.partition import partition_bounds
-from swarm_fixture import open_swarm
+from tests.procs import script_env
+from tests.protocol.swarm_fixture import open_swarm
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 HERE = Path(__file__).parent
@@ -145,7 +146,7 @@ def test_member_killed_mid_round_is_dropped_and_the_next_round_proceeds(fault, a
                 text=True,
                 cwd=HERE,
                 # killed, it cannot remove its temporary files: they go where the test removes them
-                env={**os.environ, "PYTHONPATH": f"{HERE}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", "TMPDIR": scratch},
+                env=script_env(TMPDIR=scratch),
                 start_new_session=True,
             )
             try:

@@ -10,13 +10,13 @@ import sys
 import pytest
 from google.protobuf.wrappers_pb2 import BytesValue
 from hivemind.p2p import PeerID
-from test_transport import _close, _pair
 
 import phalanx.protocol.transport as transport
 from phalanx.protocol.channel import Channel, ChannelStats, SocketPipe
 from phalanx.protocol.transport import HELLO_MAGIC, MAX_PENDING_HELLOS, MAX_PENDING_PER_SOURCE, CallFailed, Landing
 from phalanx.protocol.transport_wire import Ticket, TicketRequest
 from phalanx.security.wire import pack, unpack
+from tests.protocol.test_transport import _close, _pair
 
 pytestmark = pytest.mark.timeout(300)
 

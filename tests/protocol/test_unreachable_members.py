@@ -11,7 +11,7 @@ from phalanx.protocol.allreduce import AllReduceService
 from phalanx.protocol.config import RoundConfig
 from phalanx.protocol.engine import Averaged
 from phalanx.protocol.membership import DIALABLE_MEMORY_S, Membership, PeerRecord
-from swarm_fixture import open_swarm
+from tests.protocol.swarm_fixture import open_swarm
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 module_time = time.monotonic  # what Membership reads its clock with

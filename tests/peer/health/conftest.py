@@ -1,24 +1,20 @@
 """A small live swarm for the health tests: a bootstrap, two trainers and a monitor as real `phalanx`
 processes on loopback, each with its HTTP server on a free port, stopped at the end of the module."""
 
-import sys
-from pathlib import Path
-
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))  # health_swarm
-
-from health_swarm import LOOPBACK, Proc, Swarm, free_port, get_json, http_get, spawn, wait_until  # noqa: E402
+from tests.peer.health.health_swarm import Swarm, free_port, get_json, http_get, wait_until
+from tests.procs import LOOPBACK, FileProc, spawn_to_files
 
 
 @pytest.fixture(scope="module")
 def live_swarm(tmp_path_factory):
     """Bootstrap + 2 trainers (each ready: a round completed) + monitor, all logging JSON."""
     workdir = tmp_path_factory.mktemp("health-swarm")
-    procs: list[Proc] = []
+    procs: list[FileProc] = []
     try:
         port = free_port()
-        boot = spawn(
+        boot = spawn_to_files(
             "bootstrap",
             [
                 "--log-format",
@@ -44,7 +40,7 @@ def live_swarm(tmp_path_factory):
         trainers = []
         for name in ("trainer-a", "trainer-b"):
             port = free_port()
-            t = spawn(
+            t = spawn_to_files(
                 name,
                 [
                     "--log-format",
@@ -69,7 +65,7 @@ def live_swarm(tmp_path_factory):
             procs.append(t)
             trainers.append(t)
         port = free_port()
-        monitor = spawn(
+        monitor = spawn_to_files(
             "monitor",
             [
                 "--log-format",

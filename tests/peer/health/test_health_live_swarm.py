@@ -10,12 +10,13 @@ from pathlib import Path
 
 import hivemind
 import pytest
-from health_swarm import LOOPBACK, WAIT_S, get_json, http_get, wait_until
 from hivemind.utils import get_dht_time
 from prometheus_client.parser import text_string_to_metric_families
 
 from phalanx.peer.health.record import HealthRecord, health_key, sign_record
 from phalanx.security.identity import Identity
+from tests.peer.health.health_swarm import WAIT_S, get_json, http_get, wait_until
+from tests.procs import LOOPBACK
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 

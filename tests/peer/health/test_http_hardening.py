@@ -6,19 +6,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import sys
-from pathlib import Path
 from typing import Any, Awaitable, Callable
 
 import pytest
 import uvloop
 
-sys.path.insert(0, str(Path(__file__).parent))  # health_swarm
-
-from health_swarm import free_port  # noqa: E402
-
-from phalanx.peer.health import server  # noqa: E402
-from phalanx.peer.health.server import open_http, peer_app  # noqa: E402
+from phalanx.peer.health import server
+from phalanx.peer.health.server import open_http, peer_app
+from tests.peer.health.health_swarm import free_port
 
 pytestmark = pytest.mark.timeout(300)
 

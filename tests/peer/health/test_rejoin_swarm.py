@@ -9,46 +9,44 @@ is ready again once it trained with them. Durations are printed (pytest -s), not
 from __future__ import annotations
 
 import signal
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))  # health_swarm
-
-from health_swarm import Proc, free_port, get_json, http_get, spawn, wait_until  # noqa: E402
+from tests.peer.health.health_swarm import free_port, get_json, http_get, wait_until
+from tests.procs import FileProc, spawn_to_files
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 
 
-def _bootstrap(workdir: Path, port: int, http_port: int, name: str) -> Proc:
+def _bootstrap(workdir: Path, port: int, http_port: int, name: str) -> FileProc:
     args = ["--log-format", "json", "bootstrap", "--host-maddrs", f"/ip4/127.0.0.1/tcp/{port}",
             "--identity-path", str(workdir / "bootstrap.id"), "--http-port", str(http_port)]  # fmt: skip
-    return spawn(name, args, workdir, http_port)
+    return spawn_to_files(name, args, workdir, http_port)
 
 
-def _trainer(workdir: Path, name: str, initial_peers: list[str]) -> Proc:
+def _trainer(workdir: Path, name: str, initial_peers: list[str]) -> FileProc:
     port = free_port()
     args = ["--log-format", "json", "join", "--initial-peers", ",".join(initial_peers), "--host-maddrs",
             "/ip4/127.0.0.1/tcp/0", "--identity-path", str(workdir / f"{name}.id"), "--http-port", str(port),
             "--wait-for-peers", "2", "--eval-every", "1000"]  # fmt: skip
-    return spawn(name, args, workdir, port)
+    return spawn_to_files(name, args, workdir, port)
 
 
-def _trainers_seen(proc: Proc) -> set[str]:
+def _trainers_seen(proc: FileProc) -> set[str]:
     records = get_json(proc.url + "/api/v1/status")[1]["health_records"]
     return {p for p, r in records.items() if r["role"] == "trainer" and r["state"] != "offline"}
 
 
-def _last_group(proc: Proc) -> set[str]:
+def _last_group(proc: FileProc) -> set[str]:
     last = get_json(proc.url + "/api/v1/status")[1]["last_round"]
     return set(last["members"]) if last else set()
 
 
 def test_a_restarted_bootstrap_relearns_the_trainers_and_a_newcomer_through_it_joins_them(tmp_path):
-    procs: list[Proc] = []
+    procs: list[FileProc] = []
     try:
         port, http_port = free_port(), free_port()
         boot = _bootstrap(tmp_path, port, http_port, "bootstrap")
@@ -94,7 +92,7 @@ def test_a_restarted_bootstrap_relearns_the_trainers_and_a_newcomer_through_it_j
 
 
 def test_a_trainer_frozen_long_enough_to_be_dropped_is_unready_then_rejoins_the_others(tmp_path):
-    procs: list[Proc] = []
+    procs: list[FileProc] = []
     try:
         port, http_port = free_port(), free_port()
         boot = _bootstrap(tmp_path, port, http_port, "bootstrap")
@@ -138,6 +136,6 @@ def test_a_trainer_frozen_long_enough_to_be_dropped_is_unready_then_rejoins_the_
             p.stop()
 
 
-def _last_round_after(proc: Proc, t: float) -> set[str]:
+def _last_round_after(proc: FileProc, t: float) -> set[str]:
     last = get_json(proc.url + "/api/v1/status")[1]["last_round"]
     return set(last["members"]) if last and last["finished_at"] > t else set()

@@ -6,12 +6,12 @@ import asyncio
 import dataclasses
 
 import pytest
-from btard_rounds import CONFIG, inputs, run_round
-from swarm_fixture import close_peer, open_peer, open_swarm
 
 from phalanx.protocol.adversary import PROTOCOL_ATTACKS, Behavior
 from phalanx.protocol.config import Codec
 from phalanx.protocol.engine import Averaged
+from tests.protocol.btard.btard_rounds import CONFIG, inputs, run_round
+from tests.protocol.swarm_fixture import close_peer, open_peer, open_swarm
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 

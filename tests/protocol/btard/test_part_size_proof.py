@@ -6,15 +6,15 @@ import asyncio
 import dataclasses
 
 import pytest
-from btard_rounds import CONFIG, inputs, run_round
-from oversized_parts import DECLARED, allocations, declaring_oversized_parts  # noqa: F401 (a fixture)
-from swarm_fixture import open_swarm
 
 from phalanx.protocol.adversary import PROTOCOL_ATTACKS
 from phalanx.protocol.config import Codec
 from phalanx.protocol.engine import Averaged
 from phalanx.security.evidence import BanVote, Offense, Vote, banned
 from phalanx.security.statements import open_statement
+from tests.protocol.btard.btard_rounds import CONFIG, inputs, run_round
+from tests.protocol.oversized_parts import DECLARED, allocations, declaring_oversized_parts  # noqa: F401 (a fixture)
+from tests.protocol.swarm_fixture import open_swarm
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 # phases of 6 s as the other attack tests (a loaded machine must not stall an honest member past one); fp16

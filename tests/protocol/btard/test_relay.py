@@ -7,13 +7,13 @@ import dataclasses
 
 import pytest
 import torch
-from btard_rounds import CONFIG, NUMEL, inputs, run_round
-from swarm_fixture import open_swarm
 
 from phalanx.aggregation.errors import RoundAbortedError
 from phalanx.protocol.adversary import Behavior
 from phalanx.protocol.config import Codec
 from phalanx.protocol.engine import Averaged
+from tests.protocol.btard.btard_rounds import CONFIG, NUMEL, inputs, run_round
+from tests.protocol.swarm_fixture import open_swarm
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 

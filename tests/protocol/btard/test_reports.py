@@ -6,11 +6,11 @@ import asyncio
 
 import pytest
 import torch
-from btard_rounds import CONFIG, inputs, run_round
-from swarm_fixture import open_swarm
 
 from phalanx.protocol.adversary import PROTOCOL_ATTACKS, Behavior
 from phalanx.protocol.engine import Averaged
+from tests.protocol.btard.btard_rounds import CONFIG, inputs, run_round
+from tests.protocol.swarm_fixture import open_swarm
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 

@@ -9,8 +9,6 @@ import os
 
 import pytest
 import torch
-from btard_rounds import CONFIG, NUMEL, inputs, run_round
-from swarm_fixture import close_peer, open_peer, open_swarm
 
 from phalanx.aggregation.centered_clip import centered_clip
 from phalanx.aggregation.errors import PeerProtocolError
@@ -19,6 +17,8 @@ from phalanx.protocol.btard.behavior import Behavior
 from phalanx.protocol.config import Codec, verify_config_for
 from phalanx.protocol.engine import Averaged
 from phalanx.protocol.partition import partition_bounds
+from tests.protocol.btard.btard_rounds import CONFIG, NUMEL, inputs, run_round
+from tests.protocol.swarm_fixture import close_peer, open_peer, open_swarm
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 

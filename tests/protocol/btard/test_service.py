@@ -3,10 +3,10 @@
 import asyncio
 
 import pytest
-from btard_rounds import CONFIG, NUMEL, inputs, run_round
-from swarm_fixture import close_peer, open_peer, open_swarm
 
 from phalanx.protocol.adversary import PROTOCOL_ATTACKS
+from tests.protocol.btard.btard_rounds import CONFIG, NUMEL, inputs, run_round
+from tests.protocol.swarm_fixture import close_peer, open_peer, open_swarm
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 

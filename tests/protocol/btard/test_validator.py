@@ -6,10 +6,10 @@ import dataclasses
 
 import pytest
 import torch
-from btard_rounds import CONFIG, inputs
-from swarm_fixture import open_swarm
 
 from phalanx.protocol.adversary import PROTOCOL_ATTACKS
+from tests.protocol.btard.btard_rounds import CONFIG, inputs
+from tests.protocol.swarm_fixture import open_swarm
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
