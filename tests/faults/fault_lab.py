@@ -39,6 +39,9 @@ if TYPE_CHECKING:
 
 PREFIX = "phxlab"
 SUBNET = "10.77.0"  # private; reachable only inside this lab's namespaces
+# a subnet libp2p counts as public (it advertises circuits through relays there and punches holes between
+# homes behind them); it too exists only inside the lab's namespaces, which have no route out
+PUBLIC_LOOKING_SUBNET = "11.77.0"
 LAN_BASE = "10.78"  # router n's LAN is 10.78.<n>.0/24: its own address .1, its homes .2 and up
 UPLINK = "eth0"  # every host's link to the lab (a router's uplink, a home's link to its LAN)
 LAN_DEV = "lan0"  # a router's LAN: a bridge whose ports are its homes' links
@@ -145,7 +148,7 @@ class Host:
     @property
     def links(self) -> list[tuple[str, str]]:
         """(interface, subnet) of every lab subnet this host dials, and the interface it leaves by."""
-        lab_subnet = (UPLINK, f"{SUBNET}.0/24")
+        lab_subnet = (UPLINK, f"{self.lab.subnet}.0/24")
         if self.kind == ROUTER:
             return [lab_subnet, (LAN_DEV, self.lan)]
         if self.kind == HOME:
@@ -193,8 +196,11 @@ class Lab:
     """Hosts on one bridge, and homes behind routers on it. Use as a context manager or call
     `close()`; idempotent."""
 
-    def __init__(self, names: list[str], tag: str = "s") -> None:
+    def __init__(self, names: list[str], tag: str = "s", *, subnet: str = SUBNET) -> None:
+        """`subnet`: the first three octets of the public hosts' /24 (`PUBLIC_LOOKING_SUBNET` for what
+        libp2p does on the internet)."""
         self.id = f"{PREFIX}-{os.getpid()}-{tag}"
+        self.subnet = subnet
         self.bridge_ns = f"{self.id}-br"
         self.hosts: dict[str, Host] = {}  # public hosts, routers and homes
         self._rules: list[Rule] = []
@@ -237,7 +243,7 @@ class Lab:
             raise ValueError(f"a lab has at most {MAX_PUBLIC} hosts and routers")
         self._public += 1
         i = self._public
-        host = Host(self, i, name, f"{self.id}-{i}", f"{SUBNET}.{i}", f"v{i}", kind=kind)
+        host = Host(self, i, name, f"{self.id}-{i}", f"{self.subnet}.{i}", f"v{i}", kind=kind)
         self._register(host)
         # both ends are made inside the lab's namespaces: no interface name in the machine's own
         peer = ["peer", "name", UPLINK, "netns", host.netns]
@@ -247,11 +253,13 @@ class Lab:
         sh("ip", "-n", host.netns, "link", "set", UPLINK, "up")
         return host
 
-    def add_router(self, name: str, *, symmetric: bool = False) -> Host:
+    def add_router(self, name: str, *, symmetric: bool = False, stealth: bool = False) -> Host:
         """A home router: a lab host (public address, uplink `eth0`) with a LAN for homes behind it.
         It forwards and masquerades the LAN's connections out of its uplink (`--random-fully` when
         `symmetric`) and lets in from outside only what belongs to them: nobody can dial a home.
-        Its own connections are not masqueraded (it is a host as well: its ports stay its own)."""
+        Its own connections are not masqueraded (it is a host as well: its ports stay its own). A
+        `stealth` router drops what nobody asked for instead of refusing it, as most home routers do:
+        a refusal would kill the simultaneous open of a hole punch whose other half comes late."""
         if self._routers >= MAX_ROUTERS:
             raise ValueError(f"a lab has at most {MAX_ROUTERS} routers")
         self._routers += 1
@@ -270,15 +278,19 @@ class Lab:
         established = ["-m", "conntrack", "--ctstate", "ESTABLISHED,RELATED", "-j", "ACCEPT"]
         router.run("iptables", "-w", "-A", "FORWARD", "-i", UPLINK, "-o", LAN_DEV, *established)
         router.run("iptables", "-w", "-P", "FORWARD", "DROP")
+        if stealth:
+            router.run("iptables", "-w", "-A", "INPUT", "-i", UPLINK, "-m", "conntrack", "--ctstate", "NEW", "-j", "DROP")
         self._refresh_delays()
         return router
 
-    def add_home(self, name: str, *, symmetric: Optional[bool] = None, router: Optional[str | Host] = None) -> Host:
+    def add_home(
+        self, name: str, *, symmetric: Optional[bool] = None, router: Optional[str | Host] = None, stealth: bool = False
+    ) -> Host:
         """A home host behind a router: a new one called `<name>-router` (NAT `symmetric` or not),
         or `router` (a router's or a home's name, or the Host), whose NAT it shares. The home has an
         address on the router's LAN and its default route through the router."""
         if router is None:
-            gateway = self.add_router(f"{name}-router", symmetric=bool(symmetric))
+            gateway = self.add_router(f"{name}-router", symmetric=bool(symmetric), stealth=stealth)
         else:
             gateway = self.router(router if isinstance(router, str) else router.name)
             if symmetric is not None and symmetric != gateway.symmetric:
