@@ -37,6 +37,7 @@ def relay_peer(maddr: str) -> str:
 class RelayStats:
     circuits: int = 0  # circuits this peer publishes now (relays it holds a slot on and is connected to)
     relayed_peers: int = 0  # peers in view reached through a relay
+    punched: int = 0  # of those, peers connected directly now: libp2p punched a hole between us
     dials: int = 0  # connections opened to relayed peers
     failed_dials: int = 0
 
@@ -54,7 +55,7 @@ class RelayKeeper:
     _task: Optional[asyncio.Task] = None
 
     async def tick(self) -> None:
-        connected = {info.peer_id.to_base58() for info in await self.transport.p2p.list_peers()}
+        connected = {info.peer_id.to_base58(): [str(a) for a in info.addrs] for info in await self.transport.p2p.list_peers()}
         me = self.membership.peer_id
         if self.relays:
             alive = [r for r in self.relays if relay_peer(r) in connected][:MAX_RELAYS]
@@ -72,6 +73,8 @@ class RelayKeeper:
             if peer != me and not record.reachable and record.circuits(peer)
         }  # fmt: skip
         self.stats.relayed_peers = len(relayed)
+        direct = [p for p in relayed if any("p2p-circuit" not in a for a in connected.get(p, ()))]
+        self.stats.punched = len(direct) if self.relays else 0
         self.transport.circuits = relayed
         dials = [self._dial(peer, circuits) for peer, circuits in relayed.items() if peer not in connected]
         await asyncio.gather(*dials)

@@ -203,6 +203,10 @@ class NodeCollector(Collector):
         yield GaugeMetricFamily(
             "phalanx_relayed_peers", "Trainers in view that are reached through a relay.", value=relays.relayed_peers if relays else 0
         )
+        yield GaugeMetricFamily(
+            "phalanx_punched_peers", "Of the relayed trainers, those connected directly now (a hole punched).",
+            value=relays.punched if relays else 0,
+        )
         calls = CounterMetricFamily("phalanx_transport_calls", "Transport calls by path.", labels=["path"])
         for path in ("direct", "stream", "unary", "failed"):
             calls.add_metric([path], getattr(transport, f"{path}_calls") if transport else 0)

@@ -71,7 +71,8 @@ class HealthRecord(WireModel):
     published_at: NonNegative  # DHT time of signing
     started_at: NonNegative  # DHT time the process started
     addresses: list[Annotated[str, Field(max_length=256)]] = Field(max_length=16)  # visible multiaddrs
-    reachability: Literal["direct", "relay", "client"]  # how others reach it: own address, relay only, not at all
+    # how others reach it: own address, a relay and holes punched through its router, a relay only, not at all
+    reachability: Literal["direct", "punched", "relay", "client"]
     step: Count
     samples_per_s: NonNegative
     loss: Optional[Finite] = None

@@ -59,10 +59,13 @@ async def install_validator(dht: hivemind.DHT, run_id: str) -> None:
     await install(dht, run_keys(run_id))
 
 
-def reachability(maddrs: list[str], client_mode: bool, relayed: bool = False) -> str:
-    """direct: others dial its own address; relay: only through a relay; client: not at all."""
+def reachability(maddrs: list[str], client_mode: bool, relayed: bool = False, punched: bool = False) -> str:
+    """direct: others dial its own address; punched: a relay, and peers that punched a hole through its
+    router connect directly; relay: only through a relay; client: not at all."""
     if client_mode:
         return "client"
+    if relayed and punched:
+        return "punched"
     return "relay" if relayed or not any("p2p-circuit" not in m for m in maddrs) else "direct"
 
 
@@ -246,7 +249,7 @@ class HealthService:
             published_at=get_dht_time(),
             started_at=self.started_at,
             addresses=[a[:256] for a in self.addresses],
-            reachability=reachability(self.addresses, self.dials_out_only(), bool(self.relayed())),
+            reachability=reachability(self.addresses, self.dials_out_only(), bool(self.relayed()), self.punched()),
             relayed_bytes=self.node.transport.stats.relayed_bytes if self.node is not None else 0,
             step=m.step,
             samples_per_s=m.samples_per_s,
@@ -291,6 +294,10 @@ class HealthService:
         """Nobody can dial this peer: `--client-mode`, or an initial peer could not dial it back and it
         holds no relay slot (or lost every relay)."""
         return self.settings.client_mode or (self.relayed() is False)
+
+    def punched(self) -> bool:
+        """A relayed peer that some relayed peers reach directly now (libp2p punched a hole)."""
+        return self.node is not None and self.node.relays.stats.punched > 0
 
     def relayed(self) -> Optional[bool]:
         """None: others dial it directly (or it is no trainer); else whether a relay leads to it now."""
@@ -346,7 +353,7 @@ class HealthService:
             "addresses": self.addresses,
             "direct_addresses": node.transport.direct_addresses if node is not None else [],  # host:port of the data port
             "relays": list(node.membership.relays) if node is not None else [],  # circuits others reach it through
-            "reachability": reachability(self.addresses, self.dials_out_only(), bool(self.relayed())),
+            "reachability": reachability(self.addresses, self.dials_out_only(), bool(self.relayed()), self.punched()),
             "state": self.state(),
             "alive": self.alive(),
             "ready": ready,

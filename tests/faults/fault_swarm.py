@@ -45,7 +45,7 @@ class Sample:
     reasons: tuple[str, ...] = ()
     accuracy: Optional[float] = None
     peers_seen: int = 0
-    reachability: str = ""  # direct, relay or client
+    reachability: str = ""  # direct, punched, relay or client
     bans: tuple[str, ...] = ()  # peers it has banned
 
     @property

@@ -69,4 +69,50 @@ def test_health_calls_a_peer_reached_only_through_a_relay_relay():
     lan = ["/ip4/10.78.1.2/tcp/31337"]
     assert reachability(lan, False) == "direct"
     assert reachability(lan, False, relayed=True) == "relay"
+    assert reachability(lan, False, relayed=True, punched=True) == "punched"
     assert reachability(lan, True) == "client"  # unreachable with no relay left
+
+
+class _FakeP2P:
+    def __init__(self, connected: dict[str, list[str]]) -> None:
+        self.connected, self.dialed = connected, []
+        self._client = self
+
+    async def list_peers(self):
+        from types import SimpleNamespace
+
+        from hivemind.p2p import PeerID
+        from multiaddr import Multiaddr
+
+        return [SimpleNamespace(peer_id=PeerID.from_base58(p), addrs=[Multiaddr(a) for a in addrs]) for p, addrs in self.connected.items()]
+
+    async def connect(self, peer, maddrs):
+        self.dialed.append((peer.to_base58(), [str(m) for m in maddrs]))
+
+
+def test_the_keeper_publishes_live_circuits_dials_relayed_peers_and_counts_punched_holes():
+    import asyncio
+    from types import SimpleNamespace
+
+    from phalanx.protocol.membership import Membership
+    from phalanx.protocol.relays import RelayKeeper
+
+    third = "12D3KooWFErEk3D6zZ5Ge5tM9P2uAdQKdsoywUVLikTC2AdqC5JD"
+    relay_id = RELAY.rsplit("/p2p/", 1)[1]
+    membership = Membership(None, "k.peers", HOME, reachable=False)
+    membership._view = {
+        peer: (PeerRecord(state="online", step=0, reachable=False, relays=[f"{RELAY}/p2p-circuit/p2p/{peer}"]), float("inf"))
+        for peer in (OTHER, third)
+    }
+    # connected: the relay, OTHER directly (a punched hole); `third` not yet
+    p2p = _FakeP2P({relay_id: [RELAY.rsplit("/p2p/", 1)[0]], OTHER: ["/ip4/11.77.0.5/tcp/4102"]})
+    transport = SimpleNamespace(p2p=p2p, circuits={})
+    keeper = RelayKeeper(transport, membership, [RELAY])
+    asyncio.run(keeper.tick())
+    assert membership.relays == [f"{RELAY}/p2p-circuit/p2p/{HOME}"]
+    assert p2p.dialed == [(third, [f"{RELAY}/p2p-circuit/p2p/{third}"])]
+    assert set(transport.circuits) == {OTHER, third}
+    assert (keeper.stats.circuits, keeper.stats.relayed_peers, keeper.stats.punched) == (1, 2, 1)
+    p2p.connected.pop(relay_id)  # the relay is gone: no circuit is published any more
+    asyncio.run(keeper.tick())
+    assert membership.relays == [] and keeper.stats.circuits == 0
