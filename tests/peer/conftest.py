@@ -1,14 +1,7 @@
-import sys
-
 import hivemind
 import pytest
 
-from tests.peer import trainer_procs
 from tests.procs import LOOPBACK
-
-# test_diloco.py and test_optimizer.py still import it by its bare name; the next edit of each can
-# import tests.peer.trainer_procs instead, and this line go
-sys.modules.setdefault("trainer_procs", trainer_procs)
 
 
 @pytest.fixture

@@ -11,7 +11,7 @@ from typing import Optional
 import pytest
 import torch
 import torch.nn.functional as F
-from trainer_procs import join_args, spawn, start_script, wait_scripts
+from tests.peer.trainer_procs import join_args, spawn, start_script, wait_scripts
 
 from phalanx.peer.outer_step import nesterov_outer_step
 

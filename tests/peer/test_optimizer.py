@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from trainer_procs import LOOPBACK, start_script, wait_scripts
+from tests.peer.trainer_procs import LOOPBACK, start_script, wait_scripts
 
 from phalanx.aggregation.errors import ConfigError
 
