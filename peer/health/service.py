@@ -280,10 +280,22 @@ class HealthService:
             self.dht, health_key(self.settings.run_id), sign_record(self.identity, record),
             record.published_at + expire_in_s, subkey=self.peer_id,
         )  # fmt: skip
-        if ok:
+        if ok or await self._reads_back(record):
             self.published_at = record.published_at
         else:
             logger.debug("health record was not stored by any DHT node")
+
+    async def _reads_back(self, record: HealthRecord) -> bool:
+        """Whether the DHT returns `record`. hivemind's store reports the last replica's answer only: one
+        node holding an outsider's plain value under the key refuses every subkey, and would make a
+        record the other replicas hold look unstored (and this peer unready)."""
+        try:
+            found, _ = await fetch_records(self.dht, self.settings.run_id)
+        except Exception as e:
+            logger.debug(f"health record read-back failed: {e!r}")
+            return False
+        mine = found.get(self.peer_id)
+        return mine is not None and mine[0].published_at == record.published_at
 
     # ---- what the HTTP server reads -------------------------------------------------------
 

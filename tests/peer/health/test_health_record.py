@@ -163,3 +163,31 @@ def test_dht_validator_accepts_signed_records_and_refuses_forgeries(alice, mallo
     assert validator.merge_with(HealthRecordValidator("phalanx")) and not validator.merge_with(
         HealthRecordValidator("x")
     )
+
+
+@pytest.mark.parametrize("stored_back", [True, False])
+def test_a_store_one_replica_refused_counts_when_the_dht_returns_the_record(alice, monkeypatch, stored_back):
+    """hivemind reports the last replica's answer only: an outsider's node holding a plain value under the
+    health key refuses the subkey and answers False. The record counts as published if a read returns it."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from phalanx.peer.health import service
+
+    record = record_of(alice)
+    peer = SimpleNamespace(
+        dht=None, identity=alice, peer_id=alice.peer_id, published_at=None,
+        settings=SimpleNamespace(run_id="r"), record=lambda: record,
+    )  # fmt: skip
+    peer._reads_back = lambda r: service.HealthService._reads_back(peer, r)
+
+    async def refused(*_args, **_kwargs):
+        return False
+
+    async def fetched(_dht, _run_id):
+        return ({alice.peer_id: (record, record.published_at + 30)} if stored_back else {}), 0
+
+    monkeypatch.setattr(service, "dht_store", refused)
+    monkeypatch.setattr(service, "fetch_records", fetched)
+    asyncio.run(service.HealthService._publish(peer, 30.0))
+    assert peer.published_at == (record.published_at if stored_back else None)
