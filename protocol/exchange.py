@@ -31,6 +31,9 @@ MAX_PHASE_BYTES = 512 << 10
 MAX_OPEN_ROUNDS = 64
 # calls held for rounds not opened yet (each holds at most MAX_PHASE_BYTES), MAX_WAITING_PER_CALLER of them a caller
 MAX_WAITING_CALLS = 64
+# pauses before a phase message whose connection failed is sent again (bounded: a peer that died after
+# sending its own message keeps the phase open at most this long past the last arrival)
+SEND_RETRY_PAUSES_S = (0.2, 0.5)
 
 
 class ExchangeHeader(WireModel):
@@ -130,14 +133,23 @@ class ExchangeService:
         header = pack(ExchangeHeader(round_id=round_id, phase=phase))
 
         async def send_one(peer: str) -> None:
-            timeout = max(deadline - time.monotonic(), 0.1)
-            try:
-                data = payload if payload_for is None else payload_for.get(peer, payload)
-                if data is None:
+            data = payload if payload_for is None else payload_for.get(peer, payload)
+            if data is None:
+                return
+            for attempt, pause in enumerate((*SEND_RETRY_PAUSES_S, None)):
+                timeout = max(deadline - time.monotonic(), 0.1)
+                try:
+                    await self.transport.call(peer, EXCHANGE_METHOD, header, data, max_reply_payload=0, timeout_s=timeout)
                     return
-                await self.transport.call(peer, EXCHANGE_METHOD, header, data, max_reply_payload=0, timeout_s=timeout)
-            except (CallFailed, PeerProtocolError) as e:
-                logger.debug(f"{phase} to {peer[-8:]} failed: {e}")
+                except (CallFailed, PeerProtocolError) as e:
+                    # The member that misses this message judges us silent: a connection that failed is
+                    # tried again while the phase lasts. The callee's own refusal (a status) is final.
+                    refused = not isinstance(e, CallFailed) or e.status is not None
+                    if refused or pause is None or deadline - time.monotonic() <= pause:
+                        logger.debug(f"{phase} to {peer[-8:]} failed after {attempt + 1} tries: {e}")
+                        return
+                    logger.debug(f"{phase} to {peer[-8:]} failed ({e}); trying again in {pause} s")
+                await asyncio.sleep(pause)
 
         sending = [asyncio.create_task(send_one(p)) for p in others] if send else []
         try:

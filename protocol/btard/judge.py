@@ -31,8 +31,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-DISMISSED = "dismissed"  # an accusation made in good faith that turned out unfounded: nobody is convicted
-Convict = Callable[[str, Offense, list[Signed]], None]
+DISMISSED = object()  # an accusation made in good faith that turned out unfounded: nobody is convicted
+Convict = Callable[[str, Offense, list[Signed], str], None]  # (peer, offense, evidence, why)
 
 
 class Judge:
@@ -49,25 +49,32 @@ class Judge:
         self.corrected: dict[tuple[str, int], tuple[float, float]] = {}
         self.recomputations = 0  # contributions this judge recomputed: every judge did, so votes come that late
 
-    def convict(self, peer: str, offense: Offense, evidence: list[Signed]) -> None:
+    def convict(self, peer: str, offense: Offense, evidence: list[Signed], why: str) -> None:
+        """`why` goes to the log: an operator reading one conviction sees what this judge held against it."""
         if peer != self.vr.identity.peer_id and peer not in self.guilty:
-            logger.info(f"round {self.vr.round_id.hex()[:8]}: {peer[-8:]} found guilty of {offense.value}")
+            me = self.vr.identity.peer_id[-8:]
+            logger.info(f"round {self.vr.round_id.hex()[:8]}: judge {me} finds {peer[-8:]} guilty of {offense.value}: {why}")
             self.guilty[peer] = (offense, evidence)
 
-    def _convict_accuser(self, accuser: str) -> None:
-        self.convict(accuser, Offense.FALSE_ACCUSATION, [self.vr.group_statement])
+    def _convict_accuser(self, accuser: str, acc: Accusation, why: str) -> None:
+        what = f"accused {acc.accused[-8:]} of {acc.offense.value} (part {acc.part}), but {why}"
+        self.convict(accuser, Offense.FALSE_ACCUSATION, [self.vr.group_statement], what)
 
     async def judge(self, accusations: dict[str, list[Accusation]], revealed: set[str]) -> Verdict:
         vr, claims, convict = self.vr, self.claims, self.convict
         group = [vr.group_statement]
         for accused, (offense, evidence) in vr.proofs.items():  # provable offenses first
-            convict(accused, offense, evidence)
+            convict(accused, offense, evidence, "its own signed statements prove it")
         for accuser, items in accusations.items():
             await self._judge_accuser(accuser, items)
         # silence: members that joined but never committed, or committed and never revealed or reported
         for peer in vr.members:
-            if peer not in vr.commits or peer not in revealed or peer not in self.reports:
-                convict(peer, Offense.WITHHELD, group)
+            missing = [
+                phase for phase, got in (("commitment", vr.commits), ("reveal", revealed), ("report", self.reports))
+                if peer not in got
+            ]  # fmt: skip
+            if missing:
+                convict(peer, Offense.WITHHELD, group, f"its {' and '.join(missing)} never came")
         # disputes: what most members never got, its reducer withheld; what only a minority never got,
         # they could have taken from the others (relay), so they withhold their report. Parts of
         # reducers already found guilty (a crashed one is silent) settle nothing more.
@@ -76,21 +83,21 @@ class Judge:
             if reducer in self.guilty:
                 continue
             if 2 * len(disputers) > len(vr.commits) - 1:
-                convict(reducer, Offense.WITHHELD, group)
+                convict(reducer, Offense.WITHHELD, group, f"most members never got its aggregate of part {part}")
             else:
                 for peer in disputers:
-                    convict(peer, Offense.WITHHELD, group)
+                    convict(peer, Offense.WITHHELD, group, f"it alone disputes part {part}, which most members got")
         # parts left out: who was late cannot be proven. A reducer that left out most members' parts, or
         # a member whose part most reducers left out, is the one that failed (an honest majority of
         # reducers counts every part that reached it in time, and honest members send theirs at once).
         # Otherwise the part is dropped and nobody is banned.
         for peer, (_, body) in self.reports.items():
             if claims.left_out_by_most(peer, body):
-                convict(peer, Offense.WITHHELD, group)
+                convict(peer, Offense.WITHHELD, group, "most reducers left its parts out")
         for part, claimants in claims.claimants(self.reports, claims.left_out_claims).items():
             reducer = vr.members[part]
             if reducer not in self.guilty and 2 * len(claimants) > len(vr.commits) - 1:
-                convict(reducer, Offense.LEFT_OUT, group)
+                convict(reducer, Offense.LEFT_OUT, group, f"it left most members' parts out of part {part}")
         bad_parts = self.check_aggregates(convict)
         votes = [
             sign_statement(
@@ -124,67 +131,69 @@ class Judge:
             judged.add((acc.accused, acc.offense, acc.part))
             if acc.offense.self_contained:
                 if check_self_contained(acc.offense, acc.accused, vr.round_id, list(acc.evidence)):
-                    self.convict(acc.accused, acc.offense, list(acc.evidence))
+                    self.convict(acc.accused, acc.offense, list(acc.evidence), f"{accuser[-8:]} showed the proof")
                 else:
-                    self._convict_accuser(accuser)
+                    self._convict_accuser(accuser, acc, "its proof does not hold")
             elif acc.offense is Offense.FALSE_REPORT:
                 verdict = await self._judge_false_report(accuser, acc)
-                if verdict == DISMISSED:
+                if verdict is DISMISSED:
                     continue
-                if verdict is None:
-                    self._convict_accuser(accuser)
+                if isinstance(verdict, str):
+                    self._convict_accuser(accuser, acc, verdict)
                 else:
                     self.corrected[(acc.accused, acc.part)] = verdict
-                    self.convict(acc.accused, Offense.FALSE_REPORT, [vr.group_statement])
+                    why = f"its report on part {acc.part} differs from the one recomputed from the bytes {accuser[-8:]} showed"
+                    self.convict(acc.accused, Offense.FALSE_REPORT, [vr.group_statement], why)
             elif acc.offense is Offense.BAD_CONTRIBUTION:
                 if not self.validator.validates(accuser, acc.accused, self.seed) or vr.recompute is None:
-                    self._convict_accuser(accuser)
+                    self._convict_accuser(accuser, acc, "the seed did not make it the validator of that target")
                     continue
                 self.recomputations += 1
                 if await self.validator.contribution_holds(acc.accused, vr.recompute):
-                    self._convict_accuser(accuser)
+                    self._convict_accuser(accuser, acc, "the recomputed contribution matches its commitment")
                 else:
-                    self.convict(acc.accused, Offense.BAD_CONTRIBUTION, [vr.group_statement])
+                    why = "its recomputed contribution differs from its commitment"
+                    self.convict(acc.accused, Offense.BAD_CONTRIBUTION, [vr.group_statement], why)
 
     async def _judge_false_report(self, accuser: str, acc: Accusation):
-        """The true report if `acc.accused` lied about part `acc.part`; None if the accusation is false;
+        """The true report if `acc.accused` lied about part `acc.part`; why not (a str) if the accusation is false;
         DISMISSED if it says the accused never reported while we hold a true report of it (it kept
         its report from the accuser alone, which cannot be proven either way).
         Accusers are the part's reducer, and the round's validator about its target (with the report)."""
         vr, part = self.vr, acc.part
         if part < 0 or part >= len(vr.members) or acc.accused not in vr.commits:
-            return None
+            return "no such part, or the accused never committed"
         by_validator = self.validator.validates(accuser, acc.accused, self.seed) and bool(acc.evidence)
         if vr.members[part] != accuser and not by_validator:
-            return None
+            return "it neither reduced that part nor validates the accused"
         entry, unreported = None, not acc.evidence and acc.accused in self.reports
         if acc.evidence or unreported:  # the accused's signed report, or (it never reported to the accuser) ours
             try:
                 signed = acc.evidence[0] if acc.evidence else self.reports[acc.accused][0]
                 _, claimed = open_statement(signed, ReportBody, kind=RoundPhase.REPORT, round_id=vr.round_id, sender=acc.accused)
             except PeerProtocolError:
-                return None
-            if part in claimed.undelivered:
-                return DISMISSED if unreported else None  # a dispute, not a lie about a report
+                return "the report it showed is not the accused's"
+            if part in claimed.undelivered:  # a dispute, not a lie about a report
+                return DISMISSED if unreported else "the accused's report disputes that part"
             entry = next((e for e in claimed.entries if e.part == part), None)
         a, b = vr.bounds[part]
         try:
             data = await vr.service.fetch_part(
                 accuser, vr.round_id, part, acc.accused, encoded_size_bound(b - a, vr.codec), vr.config.phase_timeout_s
             )
-        except (CallFailed, RoundAbortedError, PeerProtocolError):
-            return None  # the accuser cannot show what it claims to have received
+        except (CallFailed, RoundAbortedError, PeerProtocolError) as e:
+            return f"it did not show the accused's part ({e})"  # it cannot show what it claims to have received
         if part_hash(data) != vr.commits[acc.accused][1].parts[part]:
-            return None
+            return "the part it showed is not the one the accused committed to"
         if part not in vr.aggregates:
-            return None  # we cannot judge a part whose aggregate we do not hold
+            return "this judge holds no aggregate of that part"  # we cannot judge it
         if entry is not None and entry.aggregate != vr.aggregates[part][1].hash:
             if entry.aggregate in vr.signed_aggregates.get(part, {}):
-                return None  # the reducer signed another aggregate for it: the reducer equivocated, not the reporter
+                return "the report is on another aggregate its reducer signed"  # the reducer equivocated, not the reporter
             entry = None  # a report against an aggregate nobody signed is no report
         true = vr.true_report(self.seed, self.output, part, acc.accused, data)
         if entry is not None and report_matches((entry.s, entry.norm), true, vr.config.tau):
-            return DISMISSED if unreported else None
+            return DISMISSED if unreported else "the report matches the one recomputed from the part it showed"
         return true
 
     def check_aggregates(self, convict: Convict) -> set[int]:
@@ -205,7 +214,7 @@ class Judge:
             contributors, entries = self.claims.aggregate_reports(part, self.reports)
             if any(peer in self.claims.sitters for peer in contributors):
                 # it counted a member whose own signed commitment says it sat the round out
-                convict(reducer, Offense.WRONG_AGGREGATE, [vr.group_statement])
+                convict(reducer, Offense.WRONG_AGGREGATE, [vr.group_statement], "it counted a member that sat out")
                 bad.add(part)
                 continue
             values = []
@@ -225,7 +234,7 @@ class Judge:
             if not fixed_point_holds(
                 values, [1.0] * len(values), vr.config.tau, vr.config.eps, float(v.norm()), b - a, slack
             ):
-                convict(reducer, Offense.WRONG_AGGREGATE, [vr.group_statement])
+                convict(reducer, Offense.WRONG_AGGREGATE, [vr.group_statement], f"part {part} fails the fixed-point check")
                 bad.add(part)
         return bad
 

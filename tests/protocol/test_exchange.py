@@ -2,12 +2,15 @@
 
 import asyncio
 import os
+import time
 
 import msgpack
 import pytest
 
 from phalanx.aggregation.errors import PeerProtocolError
+from phalanx.protocol.channel import CallFailed
 from phalanx.protocol.exchange import EXCHANGE_METHOD, ExchangeHeader, ExchangeService
+from phalanx.protocol.transport_wire import Status
 from phalanx.protocol.waiting import MAX_WAITING_PER_CALLER
 from phalanx.security.phases import RoundPhase
 from phalanx.security.wire import pack
@@ -86,5 +89,46 @@ def test_one_callers_calls_for_made_up_rounds_leave_room_for_the_others():
         for task in flood:
             task.cancel()
         await asyncio.gather(*flood, return_exceptions=True)
+
+    asyncio.run(main())
+
+
+class _FlakyLink(_Transport):
+    """Calls to each peer first meet the given failures (a failed connection: no status; a refusal: a
+    status), then reach the peer's mailbox."""
+
+    def __init__(self, failures: dict[str, list]) -> None:
+        super().__init__()
+        self.failures = failures
+        self.tries: dict[str, int] = {}
+        self.peers: dict[str, ExchangeService] = {}
+
+    async def call(self, peer, method, header, payload, *, max_reply_payload, timeout_s):
+        self.tries[peer] = self.tries.get(peer, 0) + 1
+        if self.failures.get(peer):
+            raise CallFailed("connection failed", self.failures[peer].pop(0))
+        await self.peers[peer]._serve(ME, header, payload)
+        return b"", b""
+
+
+def test_a_phase_message_whose_connection_failed_is_sent_again_but_a_refusal_is_final():
+    """A member that misses our message judges us silent: a failed connection is retried within the phase."""
+
+    async def main():
+        link = _FlakyLink({OTHER: [None, None], OUTSIDER: [Status.REJECTED]})
+        mine = ExchangeService(link)
+        round_id = os.urandom(16)
+        members = (ME, OTHER, OUTSIDER)
+        for name in (OTHER, OUTSIDER):
+            peer_link = _Transport()
+            peer_link.peer_id = name
+            link.peers[name] = ExchangeService(peer_link)
+            link.peers[name].open_round(round_id, members)
+        mine.open_round(round_id, members)
+        deadline = time.monotonic() + 5.0
+        await mine.all_to_all(round_id, RoundPhase.REVEAL, b"share", deadline=deadline, expect=set())
+        assert link.tries == {OTHER: 3, OUTSIDER: 1}
+        assert await link.peers[OTHER].arrivals(round_id, RoundPhase.REVEAL, set()) == {ME: b"share"}
+        assert not link.peers[OUTSIDER]._rounds[round_id].messages
 
     asyncio.run(main())
