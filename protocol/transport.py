@@ -76,6 +76,8 @@ from phalanx.security.wire import MAX_MESSAGE_BYTES, pack, unpack
 logger = logging.getLogger(__name__)
 
 SMALL_CALL_BYTES = 256 << 10  # requests and replies up to this size ride libp2p unary RPCs
+# errors after which a call to a relayed peer is tried once more over a fresh connection through its relays
+RELAY_RETRY_SIGNS = ("dial", "stream reset", "connection reset", "connection closed")
 KEEP_IDLE_S = 20.0  # a kept direct connection unused this long is closed (callees wait idle_timeout_s for the next call)
 KEEP_PER_PEER = 2  # idle direct connections kept per callee; parallel calls beyond them open more, closed after use
 SERVE_KEPT_PER_PEER = 4  # connections a callee keeps serving per caller; beyond them, it closes each after its call
@@ -386,11 +388,13 @@ class Transport(ServicerBase):
             task.exception()  # retrieved: a caller that left does not want it logged as unhandled
 
     async def _through_relay(self, peer: str, error: Exception) -> bool:
-        """After p2pd failed to dial `peer`: whether a connection through one of its relays opened (a
-        relayed peer's circuits reach p2pd's address book only by `protocol.relays.RelayKeeper`, which
-        may not have dialed a peer that just appeared)."""
+        """After p2pd failed to dial `peer`, or a relayed connection to it broke under the call: whether
+        a connection through one of its relays is open now, for one more try (a relayed peer's circuits
+        reach p2pd's address book only by `protocol.relays.RelayKeeper`, which may not have dialed a peer
+        that just appeared; a relayed connection that closes resets every call on it at once, and its
+        callers would otherwise lose a round's parts to one reconnect)."""
         circuits = self.circuits.get(peer)
-        if not circuits or "dial" not in str(error):
+        if not circuits or not any(sign in str(error) for sign in RELAY_RETRY_SIGNS):
             return False
         try:
             async with asyncio.timeout(self.connect_timeout_s + 2.0):

@@ -97,22 +97,24 @@ def test_the_keeper_publishes_live_circuits_dials_relayed_peers_and_counts_punch
     from phalanx.protocol.membership import Membership
     from phalanx.protocol.relays import RelayKeeper
 
-    third = "12D3KooWFErEk3D6zZ5Ge5tM9P2uAdQKdsoywUVLikTC2AdqC5JD"
+    third = "12D3KooWFErEk3D6zZ5Ge5tM9P2uAdQKdsoywUVLikTC2AdqC5JD"  # < HOME: it dials us, not we it
+    fourth = "12D3KooWS9MPxQURp1Y7WhiEmjEa1VyubPrby5JHL8u5rXQQbz5G"  # > HOME: we dial it
     relay_id = RELAY.rsplit("/p2p/", 1)[1]
     membership = Membership(None, "k.peers", HOME, reachable=False)
     membership._view = {
         peer: (PeerRecord(state="online", step=0, reachable=False, relays=[f"{RELAY}/p2p-circuit/p2p/{peer}"]), float("inf"))
-        for peer in (OTHER, third)
+        for peer in (OTHER, third, fourth)
     }
-    # connected: the relay, OTHER directly (a punched hole); `third` not yet
+    # connected: the relay, OTHER directly (a punched hole); `third` and `fourth` not yet
     p2p = _FakeP2P({relay_id: [RELAY.rsplit("/p2p/", 1)[0]], OTHER: ["/ip4/11.77.0.5/tcp/4102"]})
     transport = SimpleNamespace(p2p=p2p, circuits={})
     keeper = RelayKeeper(transport, membership, [RELAY])
     asyncio.run(keeper.tick())
     assert membership.relays == [f"{RELAY}/p2p-circuit/p2p/{HOME}"]
-    assert p2p.dialed == [(third, [f"{RELAY}/p2p-circuit/p2p/{third}"])]
-    assert set(transport.circuits) == {OTHER, third}
-    assert (keeper.stats.circuits, keeper.stats.relayed_peers, keeper.stats.punched) == (1, 2, 1)
+    # two relayed peers: only the smaller id dials, so no pair opens two circuits at once
+    assert p2p.dialed == [(fourth, [f"{RELAY}/p2p-circuit/p2p/{fourth}"])]
+    assert set(transport.circuits) == {OTHER, third, fourth}
+    assert (keeper.stats.circuits, keeper.stats.relayed_peers, keeper.stats.punched) == (1, 3, 1)
     p2p.connected.pop(relay_id)  # the relay is gone: no circuit is published any more
     asyncio.run(keeper.tick())
     assert membership.relays == [] and keeper.stats.circuits == 0
