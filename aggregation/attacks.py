@@ -19,8 +19,8 @@ import torch
 from torch import Tensor
 
 from phalanx.aggregation.base import check_int, check_matrix, check_positive
-from phalanx.aggregation.errors import AggregationInputError
 from phalanx.aggregation.registry import Registry, check_params
+from phalanx.errors import AggregationInputError
 
 Attack = Callable[..., Tensor]  # (honest: (h, d), b: int, *, generator, **params) -> (b, d)
 

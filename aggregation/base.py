@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from phalanx.aggregation.errors import AggregationInputError
+from phalanx.errors import AggregationInputError
 
 logger = logging.getLogger(__name__)
 

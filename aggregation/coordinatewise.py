@@ -14,8 +14,8 @@ import torch
 from torch import Tensor
 
 from phalanx.aggregation.base import AggregateResult, Rows, check_int, effective_b, excluded_note, prepare
-from phalanx.aggregation.errors import AggregationInputError
 from phalanx.aggregation.sortnet import median_program, middle_program, run_program
+from phalanx.errors import AggregationInputError
 
 _SORT_CHUNK_ELEMS = 1 << 24  # (n, chunk) values + int64 indices per sorted chunk: ~200 MB in float32
 

@@ -20,8 +20,8 @@ import torch
 from torch import Tensor
 
 from phalanx.aggregation.base import check_int, check_nonnegative, check_positive
-from phalanx.aggregation.errors import AggregationInputError
 from phalanx.aggregation.staleness import GapAware
+from phalanx.errors import AggregationInputError
 
 
 def _check_momentum(momentum: float) -> float:

@@ -14,8 +14,8 @@ import torch
 from torch import Tensor
 
 from phalanx.aggregation.base import AggregateResult, Rows, check_positive, prepare
-from phalanx.aggregation.errors import AggregationInputError
 from phalanx.aggregation.span import row_sq_dists
+from phalanx.errors import AggregationInputError
 
 _WEIGHT_SUM_SLACK = 1e-6  # rounding allowance when the neighbour weights sum to exactly 1
 

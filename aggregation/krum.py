@@ -12,8 +12,8 @@ import numpy as np
 from torch import Tensor
 
 from phalanx.aggregation.base import AggregateResult, Rows, check_int, effective_b, excluded_note, prepare
-from phalanx.aggregation.errors import AggregationInputError
 from phalanx.aggregation.span import centered_gram, combine, median_norm_row, pairwise_sq_dists
+from phalanx.errors import AggregationInputError
 
 
 def _scores(sq: np.ndarray, k: int) -> np.ndarray:

@@ -21,9 +21,9 @@ from phalanx.aggregation.base import AggregateResult, check_int, check_nonnegati
 from phalanx.aggregation.bucketing import bucketing
 from phalanx.aggregation.centered_clip import TAU_HINT, centered_clip
 from phalanx.aggregation.coordinatewise import coordinate_median, mean, trimmed_mean
-from phalanx.aggregation.errors import ConfigError
 from phalanx.aggregation.geometric_median import MAX_ITERS, geometric_median
 from phalanx.aggregation.krum import krum, multi_krum
+from phalanx.errors import ConfigError
 
 T = TypeVar("T")
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Union
 
-from phalanx.aggregation.errors import ConfigError
+from phalanx.errors import ConfigError
 
 Value = Union[int, float, str]
 

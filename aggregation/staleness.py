@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from phalanx.aggregation.base import check_nonnegative, check_positive
-from phalanx.aggregation.errors import AggregationInputError
+from phalanx.errors import AggregationInputError
 
 
 def staleness_aware(g: Tensor, tau: float) -> Tensor:

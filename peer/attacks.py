@@ -15,8 +15,8 @@ from typing import Callable, Optional
 import torch
 
 from phalanx.aggregation.attacks import make_attack
-from phalanx.aggregation.errors import ConfigError
 from phalanx.aggregation.spec import parse_spec
+from phalanx.errors import ConfigError
 from phalanx.protocol.adversary import PROTOCOL_ATTACKS, Behavior
 
 GRADIENT_ATTACKS = ("sign_flip", "random_direction", "label_flip", "delayed", "ipm", "alie", "nan")

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from phalanx.aggregation.errors import ConfigError
+from phalanx.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 

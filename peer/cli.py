@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Optional
 
 import typer
 
-from phalanx.aggregation.errors import ConfigError, PhalanxError
+from phalanx.errors import ConfigError, PhalanxError
 from phalanx.peer.cli_options import PlainHelp, settings_command, str_list
 from phalanx.peer.config import MonitorSettings, NetworkSettings, PeerConfig
 from phalanx.peer.health.options import settings_command_with

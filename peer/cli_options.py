@@ -15,7 +15,7 @@ import typer
 from pydantic.fields import FieldInfo
 from typer.core import TyperCommand
 
-from phalanx.aggregation.errors import ConfigError
+from phalanx.errors import ConfigError
 from phalanx.peer.config import NetworkSettings, load_settings, misspelt_env_vars
 
 

@@ -19,9 +19,9 @@ from typing import Annotated, Any, Literal, Optional, TypeVar
 from pydantic import Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, InitSettingsSource, NoDecode, PydanticBaseSettingsSource, SettingsConfigDict
 
-from phalanx.aggregation.errors import ConfigError
 from phalanx.aggregation.names import AGGREGATOR_NAMES
 from phalanx.aggregation.spec import aggregator_params, parse_aggregator_params, parse_params, parse_spec
+from phalanx.errors import ConfigError
 from phalanx.peer.modes import MODES, modes_help
 from phalanx.protocol.config import Codec, MatchmakingConfig, RoundConfig, topk_fraction, verify_config_for
 

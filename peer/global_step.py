@@ -23,7 +23,7 @@ from typing import Any, Optional, Union
 
 import torch
 
-from phalanx.aggregation.errors import PhalanxError
+from phalanx.errors import PhalanxError
 from phalanx.peer.model import Trainable
 from phalanx.peer.node import Node
 from phalanx.protocol.btard import Recompute

@@ -21,7 +21,7 @@ from typing import Any, Optional
 import torch
 
 from phalanx.aggregation.compression import ErrorFeedback
-from phalanx.aggregation.errors import PeerProtocolError, PhalanxError
+from phalanx.errors import PeerProtocolError, PhalanxError
 from phalanx.peer.local_sgd import Contribution, LocalState, StalenessCorrection, merge
 from phalanx.peer.model import Trainable
 from phalanx.peer.plan import ExchangeConfig

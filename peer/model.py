@@ -8,7 +8,7 @@ from typing import Optional
 
 import torch
 
-from phalanx.aggregation.errors import ConfigError
+from phalanx.errors import ConfigError
 from phalanx.peer.plan import TrainingConfig
 from phalanx.tasks import Task
 

@@ -23,7 +23,7 @@ from hivemind.dht import DHTNode
 from hivemind.p2p import P2P, PeerID
 from multiaddr import Multiaddr
 
-from phalanx.aggregation.errors import ConfigError, PeerProtocolError, PhalanxError
+from phalanx.errors import ConfigError, PeerProtocolError, PhalanxError
 from phalanx.peer.config import NetworkSettings
 from phalanx.peer.dht_keys import DhtKey, install, run_keys
 from phalanx.peer.lifeline import exit_with_parent

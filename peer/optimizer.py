@@ -41,7 +41,7 @@ from typing import Any, Optional, Union
 
 import torch
 
-from phalanx.aggregation.errors import ConfigError, PhalanxError
+from phalanx.errors import ConfigError, PhalanxError
 from phalanx.peer.health import PeerMetrics, open_node_health
 from phalanx.peer.model import Trainable
 from phalanx.peer.modes.base import Interrupted, JoinHooks, Mode, PublicBatches, Swarm

@@ -13,7 +13,7 @@ from typing import Any, Optional
 import torch
 from pydantic import ValidationError
 
-from phalanx.aggregation.errors import ConfigError
+from phalanx.errors import ConfigError
 from phalanx.peer.attacks import GRADIENT_ATTACKS
 from phalanx.peer.config import PeerConfig, environment_settings, settings_from_arguments
 from phalanx.peer.plan import PeerPlan, make_plan

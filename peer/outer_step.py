@@ -32,7 +32,7 @@ from typing import Optional, Union
 import torch
 
 from phalanx.aggregation.compression import ErrorFeedback
-from phalanx.aggregation.errors import PhalanxError
+from phalanx.errors import PhalanxError
 from phalanx.peer.global_step import InThread
 from phalanx.peer.node import Node
 from phalanx.protocol.btard import Recompute

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from phalanx.aggregation.errors import ConfigError, PhalanxError
+from phalanx.errors import ConfigError, PhalanxError
 from phalanx.peer.outer_step import write_flat
 
 

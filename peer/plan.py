@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from phalanx.peer.modes import MODES
-from phalanx.aggregation.errors import ConfigError
+from phalanx.errors import ConfigError
 from phalanx.peer.attacks import GradientAttack, parse_attack
 from phalanx.peer.config import PROTOCOL_VERSION, NetworkSettings, PeerConfig
 from phalanx.peer.slowdown import Slowdown, parse_slowdown

@@ -8,7 +8,7 @@ import socket
 
 from multiaddr import Multiaddr
 
-from phalanx.aggregation.errors import ConfigError
+from phalanx.errors import ConfigError
 
 
 def check_port_free(flag: str, host: str, port: int) -> None:

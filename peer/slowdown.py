@@ -14,7 +14,7 @@ import hashlib
 import random
 from dataclasses import dataclass
 
-from phalanx.aggregation.errors import ConfigError
+from phalanx.errors import ConfigError
 
 FORMS = "const:S, exp:M, shifted-exp:S:M, pareto:S:A"
 

@@ -30,7 +30,7 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
-from phalanx.aggregation.errors import PhalanxError
+from phalanx.errors import PhalanxError
 from phalanx.peer.swarm_report import exit_reason, is_failure, last_error_line, print_report
 from phalanx.peer.swarm_views import PeerView, SwarmResult
 from phalanx.peer.zygote import Zygote

@@ -29,8 +29,8 @@ from typing import Any, Optional, cast
 
 import torch
 
-from phalanx.aggregation.errors import ConfigError, PhalanxError
 from phalanx.aggregation.spec import parse_params
+from phalanx.errors import ConfigError, PhalanxError
 from phalanx.peer.checkpoint import Checkpoint, load_latest, save_checkpoint
 from phalanx.peer.config import PeerConfig
 from phalanx.peer.health import PeerMetrics

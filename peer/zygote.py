@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-from phalanx.aggregation.errors import PhalanxError
+from phalanx.errors import PhalanxError
 
 # What a trainer imports before its first step, heaviest first (torch._dynamo: torch's optimizers load it
 # at their first step). A module that fails to import is reported and left to the child.

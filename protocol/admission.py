@@ -16,7 +16,7 @@ from hivemind.dht.routing import DHTID
 from hivemind.dht.validation import DHTRecord, RecordValidatorBase
 from hivemind.utils import get_dht_time
 
-from phalanx.aggregation.errors import PeerProtocolError
+from phalanx.errors import PeerProtocolError
 from phalanx.protocol.dht_calls import dht_get, dht_store
 from phalanx.protocol.dht_records import load_subkey, load_value
 from phalanx.security.admission import open_certificate, verify_certificate

@@ -133,7 +133,7 @@ class WithholdAggregate(Behavior):
     name = "withhold_aggregate"
 
     def aggregate_reply(self, vr, receiver, header, payload):
-        from phalanx.aggregation.errors import RoundAbortedError
+        from phalanx.errors import RoundAbortedError
 
         raise RoundAbortedError("withheld (attack)")
 

@@ -21,7 +21,7 @@ from typing import Optional
 
 import torch
 
-from phalanx.aggregation.errors import AggregationInputError, PeerProtocolError, RoundAbortedError
+from phalanx.errors import AggregationInputError, PeerProtocolError, RoundAbortedError
 from phalanx.protocol.channel import Activity, Hasher
 from phalanx.protocol.codec import MAX_PART_NUMEL, Codec, check_payload_size, decode, encode, encoded_size_bound
 from phalanx.protocol.quarantine import Quarantine

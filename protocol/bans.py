@@ -20,7 +20,7 @@ from hivemind.dht.validation import DHTRecord, RecordValidatorBase
 from hivemind.utils import get_dht_time
 from hivemind.utils.serializer import MSGPackSerializer
 
-from phalanx.aggregation.errors import PeerProtocolError
+from phalanx.errors import PeerProtocolError
 from phalanx.protocol.dht_calls import dht_get, dht_store
 from phalanx.protocol.dht_records import load_subkey
 from phalanx.security.evidence import BanVote, Vote, banned

@@ -17,7 +17,7 @@ from typing import Callable, Optional, Protocol
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
-from phalanx.aggregation.errors import PeerProtocolError, RoundAbortedError
+from phalanx.errors import PeerProtocolError, RoundAbortedError
 
 RECORD_BYTES = 1 << 20  # plaintext per record; bounds memory per read and keeps the loop responsive
 SEND_SLICE_BYTES = 128 << 10  # a watched send reports progress this often (1 s at 1 Mbit/s, not 8 s a record)

@@ -19,7 +19,7 @@ from hivemind.compression import deserialize_torch_tensor, serialize_torch_tenso
 from hivemind.proto.runtime_pb2 import CompressionType, Tensor as TensorProto
 
 from phalanx.aggregation.compression import INT8_BLOCK, int8_dequantize, int8_error_bound, int8_quantize
-from phalanx.aggregation.errors import PeerProtocolError
+from phalanx.errors import PeerProtocolError
 from phalanx.protocol.config import Codec
 from phalanx.security.commitments import EXACT_SIZE_CODECS, max_part_bytes
 

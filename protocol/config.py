@@ -10,7 +10,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from phalanx.aggregation.errors import ConfigError
+from phalanx.errors import ConfigError
 
 
 class Codec(str, enum.Enum):

@@ -17,7 +17,7 @@ from typing import Any, Callable, Optional
 
 import hivemind
 
-from phalanx.aggregation.errors import PhalanxError
+from phalanx.errors import PhalanxError
 
 DHT_DIED = "the DHT process died (killed, or out of memory?)"
 LIVENESS_CHECK_S = 1.0

@@ -17,7 +17,7 @@ from hivemind.dht.routing import DHTID
 from hivemind.dht.validation import DHTRecord, RecordValidatorBase
 from hivemind.utils import get_dht_time
 
-from phalanx.aggregation.errors import PeerProtocolError
+from phalanx.errors import PeerProtocolError
 from phalanx.security.records import MAX_RECORD_BYTES, open_record
 from phalanx.security.wire import WireModel
 

@@ -22,7 +22,7 @@ from typing import Optional, Union
 
 import torch
 
-from phalanx.aggregation.errors import PeerProtocolError, RoundAbortedError, RoundTimeoutError
+from phalanx.errors import PeerProtocolError, RoundAbortedError, RoundTimeoutError
 from phalanx.protocol.allreduce import AllReduceResult, AllReduceService, RoundSpec
 from phalanx.protocol.bans import BanBook, refresh_forever
 from phalanx.protocol.btard import BtardService, Recompute, Verdict, VerifiedRound

@@ -18,7 +18,7 @@ from typing import Annotated, Optional
 
 from pydantic import Strict
 
-from phalanx.aggregation.errors import PeerProtocolError, RoundAbortedError
+from phalanx.errors import PeerProtocolError, RoundAbortedError
 from phalanx.protocol.transport import CallFailed, Transport
 from phalanx.protocol.waiting import WaitingCalls
 from phalanx.security.phases import RoundPhase

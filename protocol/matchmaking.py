@@ -30,7 +30,7 @@ from typing import Annotated, Callable, Literal, Optional
 
 from pydantic import Field, model_validator
 
-from phalanx.aggregation.errors import PeerProtocolError, RoundTimeoutError
+from phalanx.errors import PeerProtocolError, RoundTimeoutError
 from phalanx.protocol.config import MatchmakingConfig
 from phalanx.protocol.membership import Membership
 from phalanx.protocol.quarantine import Quarantine

@@ -11,7 +11,7 @@ from typing import Optional
 
 import torch
 
-from phalanx.aggregation.errors import PeerProtocolError, RoundAbortedError
+from phalanx.errors import PeerProtocolError, RoundAbortedError
 from phalanx.protocol.channel import Activity, Hasher
 from phalanx.protocol.round_spec import PartGuard, Reducer, RoundSpec
 

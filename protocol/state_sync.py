@@ -22,7 +22,7 @@ from typing import Annotated, Literal, Optional
 import torch
 from pydantic import Field
 
-from phalanx.aggregation.errors import PeerProtocolError, RoundAbortedError
+from phalanx.errors import PeerProtocolError, RoundAbortedError
 from phalanx.protocol.transport import Transport
 from phalanx.protocol.waiting import WaitingCalls
 from phalanx.security.projection import state_fingerprint

@@ -12,7 +12,7 @@ import math
 from abc import ABC, abstractmethod
 from typing import ClassVar
 
-from phalanx.aggregation.errors import ConfigError
+from phalanx.errors import ConfigError
 
 VALID_FORMS = "full, k:<K>, hybrid:<linear|exp>:<T>, adasync:<K0>:<T0>"
 

@@ -44,7 +44,7 @@ from google.protobuf.wrappers_pb2 import BytesValue
 from hivemind.p2p import P2P, P2PContext, PeerID, ServicerBase
 from multiaddr import Multiaddr
 
-from phalanx.aggregation.errors import PeerProtocolError, RoundAbortedError
+from phalanx.errors import PeerProtocolError, RoundAbortedError
 from phalanx.protocol.admission import Admission
 from phalanx.protocol.channel import (
     Activity,

@@ -12,7 +12,7 @@ import contextlib
 from collections import Counter
 from collections.abc import Iterator
 
-from phalanx.aggregation.errors import RoundAbortedError
+from phalanx.errors import RoundAbortedError
 
 # A member has about one call per round in flight to us (its part, or one phase message); a few rounds at
 # once (asynchronous modes, a retried call) stay far under this.

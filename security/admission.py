@@ -16,7 +16,7 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ed25519
 from pydantic import Field
 
-from phalanx.aggregation.errors import ConfigError, PeerProtocolError
+from phalanx.errors import ConfigError, PeerProtocolError
 from phalanx.security.wire import PeerIdStr, WireModel, pack, unpack
 
 DOMAIN = b"phalanx-admission-v1\0"

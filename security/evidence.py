@@ -28,7 +28,7 @@ from typing import Annotated, Optional
 
 from pydantic import Field
 
-from phalanx.aggregation.errors import PeerProtocolError
+from phalanx.errors import PeerProtocolError
 from phalanx.security.commitments import (
     AggregateBody,
     CommitBody,

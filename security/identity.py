@@ -20,7 +20,7 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ed25519, padding, rsa
 
-from phalanx.aggregation.errors import ConfigError, PeerProtocolError
+from phalanx.errors import ConfigError, PeerProtocolError
 
 _RSA, _ED25519 = 0, 1  # libp2p crypto.proto KeyType values
 MAX_PUBLIC_KEY_BYTES = 1024  # an RSA-4096 SubjectPublicKeyInfo is ~550 bytes

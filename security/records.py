@@ -14,7 +14,7 @@ from typing import Annotated, Any, TypeVar
 
 from pydantic import Field
 
-from phalanx.aggregation.errors import PeerProtocolError
+from phalanx.errors import PeerProtocolError
 from phalanx.security.identity import Identity
 from phalanx.security.statements import Signed, open_statement, sign_statement
 from phalanx.security.wire import WireModel, pack, unpack

@@ -12,7 +12,7 @@ from typing import Annotated, TypeVar
 
 from pydantic import Field
 
-from phalanx.aggregation.errors import PeerProtocolError
+from phalanx.errors import PeerProtocolError
 from phalanx.security.identity import Identity, verify
 from phalanx.security.wire import PeerIdStr, WireModel, pack, unpack
 

@@ -12,7 +12,7 @@ from typing import Annotated, Any, TypeVar
 import msgpack
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from phalanx.aggregation.errors import PeerProtocolError
+from phalanx.errors import PeerProtocolError
 
 MAX_MESSAGE_BYTES = 1 << 20  # small messages only; tensors travel as payload records
 MAX_PEERS_PER_MESSAGE = 1024

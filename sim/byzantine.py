@@ -21,8 +21,8 @@ import torch
 from torch import Tensor
 
 from phalanx.aggregation.attacks import ATTACKS, make_attack
-from phalanx.aggregation.errors import ConfigError
 from phalanx.aggregation.spec import parse_spec
+from phalanx.errors import ConfigError
 from phalanx.sim.config import ByzantineConfig
 
 SIM_ONLY_ATTACKS = ("label_flip", "delayed")

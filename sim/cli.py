@@ -96,7 +96,7 @@ def grid(
     """
     import time
 
-    from phalanx.aggregation.errors import ConfigError
+    from phalanx.errors import ConfigError
     from phalanx.sim.grid import cpu_seconds, default_jobs, run_grid, summarize, write_outputs
     from phalanx.sim.plots import plot_preset
     from phalanx.sim.presets import build_preset
@@ -130,7 +130,7 @@ def grid(
 
 
 def _budget(updates: Optional[int], gradients: Optional[int], time_budget: Optional[float]) -> Any:
-    from phalanx.aggregation.errors import ConfigError
+    from phalanx.errors import ConfigError
     from phalanx.sim.config import Budget
 
     given = {k: v for k, v in (("updates", updates), ("gradients", gradients), ("time", time_budget)) if v is not None}

@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from phalanx.aggregation.errors import ConfigError
+from phalanx.errors import ConfigError
 
 _DELAY_STREAM = 0xDE1A7  # separates the delay generators from every other seeded stream
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from phalanx.aggregation.errors import ConfigError
+from phalanx.errors import ConfigError
 
 BUDGET_KINDS = ("gradients", "updates", "time")
 

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from phalanx.aggregation.errors import ConfigError
+from phalanx.errors import ConfigError
 from phalanx.tasks.base import Task, compute_gradient, flat_params, set_flat_params
 
 ENGINES = ("auto", "mlp", "vmap", "loop")

@@ -25,8 +25,8 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
-from phalanx.aggregation.errors import ConfigError
 from phalanx.aggregation.registry import BoundAggregator
+from phalanx.errors import ConfigError
 from phalanx.sim.rules import DanaRule, DanaSlimRule, ServerRule, SgdRule
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from phalanx.aggregation.errors import ConfigError
+from phalanx.errors import ConfigError
 from phalanx.sim.config import Budget, ByzantineConfig, SimConfig
 from phalanx.sim.grid import GridRun
 from phalanx.sim.methods import METHODS

@@ -12,9 +12,9 @@ import functools
 import time
 from typing import Any
 
-from phalanx.aggregation.errors import ConfigError
 from phalanx.aggregation.registry import BoundAggregator, make_aggregator
 from phalanx.aggregation.spec import parse_spec
+from phalanx.errors import ConfigError
 from phalanx.protocol.sync_policy import parse_sync_policy
 from phalanx.sim.byzantine import Adversary
 from phalanx.sim.clock import make_clocks

@@ -13,7 +13,7 @@ from types import ModuleType
 import torch
 from torch import Tensor, nn
 
-from phalanx.aggregation.errors import ConfigError
+from phalanx.errors import ConfigError
 from phalanx.tasks.base import Task
 
 CIFAR10_URL = "https://www.cs.toronto.edu/~kriz/cifar-10-python.tar.gz"

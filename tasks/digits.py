@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from phalanx.aggregation.errors import ConfigError
+from phalanx.errors import ConfigError
 from phalanx.tasks.base import Task
 
 SPLIT_SEED = 0  # fixed forever: every peer and every run must see the same train/test split

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from phalanx.aggregation.errors import ConfigError
+from phalanx.errors import ConfigError
 from phalanx.tasks.base import Task
 
 MNIST_URL = "https://ossci-datasets.s3.amazonaws.com/mnist/"  # torchvision's mirror; the original

@@ -11,7 +11,7 @@ import inspect
 from collections.abc import Callable
 from typing import Any
 
-from phalanx.aggregation.errors import ConfigError
+from phalanx.errors import ConfigError
 from phalanx.tasks.base import Task
 from phalanx.tasks.cifar import cifar10_resnet18
 from phalanx.tasks.digits import digits_mlp

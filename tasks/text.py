@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from phalanx.aggregation.errors import ConfigError
+from phalanx.errors import ConfigError
 from phalanx.tasks.base import Task, batch_generator
 from phalanx.tasks.metric import VALIDATION_LOSS, Metric, perplexity
 

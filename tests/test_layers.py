@@ -1,14 +1,17 @@
 """Imports point one way: peer → protocol → (aggregation, security); the simulator and the tasks sit
-beside the peer (sim → tasks, aggregation, the sync-policy schedules) and never import it; aggregation imports only torch/numpy.
+beside the peer (sim → tasks, aggregation, the sync-policy schedules) and never import it; aggregation
+imports only torch, numpy, the standard library and the exception tree at the root (`phalanx.errors`).
 No module imports another that imports it back (directly or through others), and nothing outside
 the `phalanx` name is imported as the project's own."""
 
 import ast
+import sys
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+ROOT_MODULES = ROOT / "phalanx"  # the package root: phalanx.errors, phalanx.__main__, …
 PACKAGES = ("peer", "protocol", "aggregation", "security", "sim", "tasks")
 FORBIDDEN = {
     "aggregation": {"phalanx.peer", "phalanx.protocol", "phalanx.security", "phalanx.sim", "phalanx.tasks", "hivemind", "asyncio", "socket"},
@@ -37,13 +40,16 @@ def _imports(path: Path) -> set[str]:
 
 def _module_name(path: Path) -> str:
     parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[0] == "phalanx":  # a root module: phalanx/errors.py is phalanx.errors
+        parts.pop(0)
     if parts[-1] == "__init__":
         parts.pop()
     return ".".join(["phalanx", *parts])
 
 
 def _sources() -> dict[str, Path]:
-    return {_module_name(p): p for package in PACKAGES for p in (ROOT / package).rglob("*.py")}
+    paths = [*ROOT_MODULES.glob("*.py"), *(p for package in PACKAGES for p in (ROOT / package).rglob("*.py"))]
+    return {_module_name(p): p for p in paths}
 
 
 @pytest.mark.parametrize("package", sorted(FORBIDDEN))
@@ -54,6 +60,16 @@ def test_package_imports_point_one_way(package):
         if _imports(path) & FORBIDDEN[package]
     }
     assert not offenders, f"{package}/ must not import these: {offenders}"
+
+
+def test_aggregation_imports_only_tensor_libraries_and_the_errors():
+    allowed = set(sys.stdlib_module_names) | {"torch", "numpy", "phalanx.aggregation", "phalanx.errors"}
+    offenders = {
+        str(path.relative_to(ROOT)): sorted(_imports(path) - allowed)
+        for path in (ROOT / "aggregation").rglob("*.py")
+        if _imports(path) - allowed
+    }
+    assert not offenders, f"aggregation/ is the bottom layer: {offenders}"
 
 
 def test_the_simulator_takes_only_the_sync_policy_schedules_from_the_protocol():

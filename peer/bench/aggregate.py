@@ -23,8 +23,8 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from phalanx.aggregation.errors import ConfigError
 from phalanx.aggregation.registry import AGGREGATORS, make_aggregator, typical_params
+from phalanx.errors import ConfigError
 from phalanx.peer.bench import bench_console
 
 CELL_MEMORY_FACTOR = 2.5  # input + the largest temporaries (a mean-sized copy, sort chunks) must fit

@@ -7,7 +7,7 @@ from typing import Optional
 
 import typer
 
-from phalanx.aggregation.errors import ConfigError
+from phalanx.errors import ConfigError
 from phalanx.peer.cli_options import float_list, int_list, str_list
 
 bench_app = typer.Typer(

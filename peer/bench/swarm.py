@@ -21,7 +21,7 @@ from typing import Any, Optional
 
 import torch
 
-from phalanx.aggregation.errors import ConfigError
+from phalanx.errors import ConfigError
 from phalanx.peer.bench import bench_console
 from phalanx.tasks.metric import METRICS
 
@@ -216,7 +216,7 @@ def _run_reference(impl: str, world: int, goal: Goal, time_limit_s: float) -> di
             )
         for rank, p in enumerate(procs):
             if p.stdout.readline().strip() != "READY":
-                from phalanx.aggregation.errors import PhalanxError
+                from phalanx.errors import PhalanxError
                 from phalanx.peer.swarm_report import error_line
 
                 p.kill()

@@ -10,7 +10,7 @@ import socket
 from pathlib import Path
 from typing import Optional
 
-from phalanx.aggregation.errors import ConfigError
+from phalanx.errors import ConfigError
 from phalanx.peer.config import PeerConfig
 from phalanx.peer.doctor.rows import Row, failed, ok
 from phalanx.security.identity import is_peer_id

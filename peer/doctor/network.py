@@ -256,7 +256,7 @@ async def identity_free_row(p2p, settings: PeerConfig, probes: list[Probe]) -> O
     path = settings.identity_path
     if path is None or not path.is_file():
         return None
-    from phalanx.aggregation.errors import ConfigError
+    from phalanx.errors import ConfigError
     from phalanx.security.identity import Identity
 
     try:

@@ -8,7 +8,7 @@ import json
 import logging
 import sys
 
-from phalanx.aggregation.errors import ConfigError
+from phalanx.errors import ConfigError
 from phalanx.peer.config import PeerConfig
 from phalanx.peer.doctor import network
 from phalanx.peer.doctor.local import cheap_rows, listen_host, multiaddr_row

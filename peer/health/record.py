@@ -19,7 +19,7 @@ from hivemind.dht.routing import DHTID
 from hivemind.dht.validation import DHTRecord, RecordValidatorBase
 from pydantic import Field
 
-from phalanx.aggregation.errors import PeerProtocolError
+from phalanx.errors import PeerProtocolError
 from phalanx.security.identity import Identity, verify
 from phalanx.security.wire import PeerIdStr, WireModel, unpack
 from phalanx.tasks.metric import MetricKey

@@ -18,7 +18,7 @@ from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from phalanx.aggregation.errors import ConfigError
+from phalanx.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from phalanx.aggregation.errors import ConfigError
+from phalanx.errors import ConfigError
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ from typing import Any, Optional, TypeVar, Union
 import torch
 
 from phalanx.aggregation.compression import ErrorFeedback
-from phalanx.aggregation.errors import ConfigError, PhalanxError
+from phalanx.errors import ConfigError, PhalanxError
 from phalanx.peer.health import PeerMetrics
 from phalanx.peer.model import Trainable
 from phalanx.peer.node import DHT_DIED, Node

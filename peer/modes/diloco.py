@@ -15,7 +15,7 @@ from typing import Any, Optional, Union
 import torch
 
 from phalanx.aggregation.compression import ErrorFeedback
-from phalanx.aggregation.errors import ConfigError
+from phalanx.errors import ConfigError
 from phalanx.peer.modes.base import Interrupted, LockstepMode, ModeStatistics, Swarm, call_closure, model_index
 from phalanx.peer.outer_step import OuterStep, phase_lr_scale, write_flat
 from phalanx.peer.phase_replay import PhaseReplay

@@ -13,7 +13,7 @@ from typing import Any, Optional
 import torch
 
 from phalanx.aggregation.compression import ErrorFeedback
-from phalanx.aggregation.errors import ConfigError, PhalanxError
+from phalanx.errors import ConfigError, PhalanxError
 from phalanx.peer.local_exchange import LocalExchange
 from phalanx.peer.modes.base import Mode, ModeStatistics, Swarm, call_closure
 from phalanx.protocol.engine import ROUND_FAILURES, Averaged

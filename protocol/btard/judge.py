@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from phalanx.aggregation.errors import PeerProtocolError, RoundAbortedError
+from phalanx.errors import PeerProtocolError, RoundAbortedError
 from phalanx.protocol.btard.claims import Reports
 from phalanx.protocol.btard.messages import Accusation, AccuseBody, Verdict, VoteList
 from phalanx.protocol.codec import encoded_size_bound, rounding_bound

@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from phalanx.aggregation.errors import PeerProtocolError, RoundAbortedError
+from phalanx.errors import PeerProtocolError, RoundAbortedError
 from phalanx.protocol.btard.messages import RELAY_METHOD, RelayRequest
 from phalanx.protocol.codec import Codec, encoded_size_bound
 from phalanx.protocol.transport import CallFailed

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Optional
 
 import torch
 
-from phalanx.aggregation.errors import PeerProtocolError
+from phalanx.errors import PeerProtocolError
 from phalanx.protocol.btard.claims import Reports
 from phalanx.protocol.btard.messages import Accusation
 from phalanx.protocol.codec import Codec, decode, encode

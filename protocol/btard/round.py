@@ -28,7 +28,7 @@ from typing import Any, Optional
 import torch
 
 from phalanx.aggregation.base import norm_limit
-from phalanx.aggregation.errors import PeerProtocolError
+from phalanx.errors import PeerProtocolError
 from phalanx.protocol.btard.judge import Judge, exchange_accusations, failing_aggregates
 from phalanx.protocol.btard.messages import Verdict
 from phalanx.protocol.btard.relay import AggregateRelay

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Optional, Protocol
 
 
-from phalanx.aggregation.errors import PeerProtocolError, RoundAbortedError
+from phalanx.errors import PeerProtocolError, RoundAbortedError
 from phalanx.protocol.btard.messages import EVIDENCE_METHOD, RELAY_METHOD, EvidenceRequest, RelayRequest
 from phalanx.protocol.exchange import ExchangeService
 from phalanx.protocol.transport import Transport

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Optional
 
 import torch
 
-from phalanx.aggregation.errors import PeerProtocolError, RoundAbortedError
+from phalanx.errors import PeerProtocolError, RoundAbortedError
 from phalanx.protocol.btard.claims import Reports
 from phalanx.protocol.btard.messages import Accusation, Recompute
 from phalanx.protocol.codec import decode, encode, encoded_size_bound

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from phalanx.aggregation.attacks import ATTACKS, alie, alie_z, apply_attack, make_attack
-from phalanx.aggregation.errors import AggregationInputError, ConfigError
+from phalanx.errors import AggregationInputError, ConfigError
 
 STABLE = ["sign_flip", "random_direction", "constant_direction", "ipm", "alie", "gaussian", "nan", "inf"]
 

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from phalanx.aggregation.base import check_int, check_positive, prepare
-from phalanx.aggregation.errors import AggregationInputError, ConfigError
 from phalanx.aggregation.registry import AGGREGATORS, make_aggregator
+from phalanx.errors import AggregationInputError, ConfigError
 
 PARAMS = {
     "centered_clip": {"tau": 1.0},

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from phalanx.aggregation.errors import ConfigError
 from phalanx.aggregation.names import AGGREGATOR_NAMES
 from phalanx.aggregation.registry import AGGREGATORS, BoundAggregator, Registry, make_aggregator, typical_params
+from phalanx.errors import ConfigError
 
 STABLE_NAMES = [
     "mean",

@@ -4,8 +4,8 @@ import math
 
 import pytest
 
-from phalanx.aggregation.errors import ConfigError
 from phalanx.aggregation.spec import parse_aggregator_params, parse_spec
+from phalanx.errors import ConfigError
 
 
 @pytest.mark.parametrize(

@@ -9,7 +9,7 @@ import torch
 
 from phalanx.aggregation.centered_clip import centered_clip, clip_coefficients, fixed_point_residual
 from phalanx.aggregation.coordinatewise import coordinate_median
-from phalanx.aggregation.errors import AggregationInputError
+from phalanx.errors import AggregationInputError
 
 
 def naive_centered_clip(x, w, tau, eps, max_iter, v, reweighted=True):

@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from phalanx.aggregation.errors import AggregationInputError
 from phalanx.aggregation.gossip import adaptive_gossip_tau, clipped_gossip_update
+from phalanx.errors import AggregationInputError
 
 
 def loop_update(x_i, nbrs, w, tau):

@@ -16,7 +16,7 @@ from phalanx.aggregation.compression import (
     sparse_to_dense,
     topk_select,
 )
-from phalanx.aggregation.errors import PeerProtocolError
+from phalanx.errors import PeerProtocolError
 from phalanx.protocol.codec import decode, encode, encoded_size_bound, rounding_bound
 from phalanx.protocol.config import Codec
 

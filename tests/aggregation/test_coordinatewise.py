@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from phalanx.aggregation.coordinatewise import coordinate_median, mean, trimmed_mean
-from phalanx.aggregation.errors import AggregationInputError
+from phalanx.errors import AggregationInputError
 
 
 def _weighted_median_ref(col: np.ndarray, w: np.ndarray) -> float:

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from phalanx.aggregation.dana import AsgdMaster, DanaSlimWorker, DanaZero
-from phalanx.aggregation.errors import AggregationInputError
 from phalanx.aggregation.staleness import GapAware
+from phalanx.errors import AggregationInputError
 
 D = 16
 

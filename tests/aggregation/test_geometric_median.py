@@ -7,9 +7,9 @@ import torch
 
 from phalanx.aggregation.attacks import apply_attack
 from phalanx.aggregation.coordinatewise import coordinate_median, mean
-from phalanx.aggregation.errors import AggregationInputError
 from phalanx.aggregation.geometric_median import MAX_ITERS, geometric_median
 from phalanx.aggregation.registry import make_aggregator
+from phalanx.errors import AggregationInputError
 
 
 def naive_weiszfeld(x, w, nu, iters, eps):

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from phalanx.aggregation.errors import AggregationInputError
 from phalanx.aggregation.krum import krum, multi_krum
+from phalanx.errors import AggregationInputError
 
 
 def loop_scores(x, b):

@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from phalanx.aggregation.errors import AggregationInputError
 from phalanx.aggregation.staleness import GapAware, dc_asgd, staleness_aware
+from phalanx.errors import AggregationInputError
 
 
 def test_staleness_aware():

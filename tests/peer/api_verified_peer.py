@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 import phalanx
-from phalanx.aggregation.errors import PhalanxError
+from phalanx.errors import PhalanxError
 from phalanx.tasks import batch_generator
 from tests.peer.trainer_procs import load_example  # run by its path: start_script puts the repository on PYTHONPATH
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch import nn
 
-from phalanx.aggregation.errors import ConfigError
+from phalanx.errors import ConfigError
 from phalanx.peer.checkpoint import Checkpoint, checkpoint_path, load_latest, save_checkpoint
 
 pytestmark = pytest.mark.timeout(120)

@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from phalanx.aggregation.errors import ConfigError
+from phalanx.errors import ConfigError
 from phalanx.peer.config import PeerConfig, load_settings
 from phalanx.peer.plan import make_plan
 

@@ -15,7 +15,7 @@ from hivemind.dht.validation import DHTRecord
 from hivemind.utils import get_dht_time
 from hivemind.utils.serializer import MSGPackSerializer
 
-from phalanx.aggregation.errors import PhalanxError
+from phalanx.errors import PhalanxError
 from phalanx.peer.dht_keys import BenchRank, run_keys
 from phalanx.peer.health.record import HealthRecord
 from phalanx.peer.health.record import sign_record as sign_health

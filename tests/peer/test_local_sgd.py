@@ -6,8 +6,8 @@ import asyncio
 import pytest
 import torch
 
-from phalanx.aggregation.errors import ConfigError
 from phalanx.aggregation.staleness import GapAware, staleness_aware
+from phalanx.errors import ConfigError
 from phalanx.peer.local_sgd import LocalState, StalenessCorrection, look_ahead, merge
 from phalanx.peer.slowdown import parse_slowdown
 

@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from phalanx.aggregation.errors import ConfigError
+from phalanx.errors import ConfigError
 from phalanx.peer.modes import MODES, mode_info, modes_help
 
 

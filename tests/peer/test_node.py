@@ -10,7 +10,7 @@ import threading
 import hivemind
 import pytest
 
-from phalanx.aggregation.errors import PhalanxError
+from phalanx.errors import PhalanxError
 from phalanx.peer.dht_keys import install, run_keys
 from phalanx.peer.node import (
     daemon_socket_file,

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from tests.peer.trainer_procs import LOOPBACK, start_script, wait_scripts
 
-from phalanx.aggregation.errors import ConfigError
+from phalanx.errors import ConfigError
 
 ROOT = Path(__file__).parents[2]
 spec = importlib.util.spec_from_file_location("plain_loop", ROOT / "examples" / "plain_loop.py")
@@ -438,7 +438,7 @@ def test_a_checkpoint_keeps_the_topk_residual_so_a_resumed_peer_still_sends_it()
     """With top-k, what a peer contributed and did not send yet is in its residual: a checkpoint holds it and a
     resumed peer picks it up (it was dropped, and with it up to a whole Δ's worth of the peer's work)."""
     import phalanx
-    from phalanx.aggregation.errors import ConfigError
+    from phalanx.errors import ConfigError
 
     model, inner = _model_and_adamw()
     settings = {"run_id": "alone-diloco-topk", "batch_size_per_step": 2, "mode": "diloco", "inner_steps": 2,

@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from phalanx.aggregation.errors import ConfigError, PhalanxError
+from phalanx.errors import ConfigError, PhalanxError
 from phalanx.peer.outer_step import write_flat
 from phalanx.peer.phase_replay import PhaseReplay
 from phalanx.tasks import batch_generator

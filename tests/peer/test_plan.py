@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from phalanx.aggregation.errors import ConfigError
+from phalanx.errors import ConfigError
 from phalanx.peer.config import NetworkSettings, PeerConfig, load_settings
 from phalanx.peer.plan import PARSED, ExchangeConfig, OuterConfig, TrainingConfig, make_plan
 

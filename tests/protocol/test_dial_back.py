@@ -8,7 +8,7 @@ from hivemind.p2p import P2P, PeerID
 from hivemind.p2p.p2p_daemon_bindings.datastructures import PeerInfo
 from hivemind.utils.multiaddr import Multiaddr
 
-from phalanx.aggregation.errors import PeerProtocolError
+from phalanx.errors import PeerProtocolError
 from phalanx.protocol.dial_back import (
     MAGIC,
     MAX_DIALS,

@@ -7,7 +7,7 @@ import time
 import msgpack
 import pytest
 
-from phalanx.aggregation.errors import PeerProtocolError
+from phalanx.errors import PeerProtocolError
 from phalanx.protocol.channel import CallFailed
 from phalanx.protocol.exchange import EXCHANGE_METHOD, ExchangeHeader, ExchangeService
 from phalanx.protocol.transport_wire import Status

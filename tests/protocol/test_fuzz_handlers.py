@@ -9,7 +9,7 @@ import msgpack
 import pytest
 import torch
 
-from phalanx.aggregation.errors import PeerProtocolError
+from phalanx.errors import PeerProtocolError
 from phalanx.protocol.allreduce import PART_METHOD, PartHeader
 from phalanx.protocol.btard.messages import EVIDENCE_METHOD, RELAY_METHOD, EvidenceRequest, RelayRequest
 from phalanx.protocol.config import MatchmakingConfig, RoundConfig, verify_config_for

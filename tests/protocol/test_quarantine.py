@@ -7,7 +7,7 @@ import asyncio
 import pytest
 from hivemind.utils import get_dht_time
 
-from phalanx.aggregation.errors import PeerProtocolError, RoundAbortedError
+from phalanx.errors import PeerProtocolError, RoundAbortedError
 from phalanx.protocol.config import MatchmakingConfig
 from phalanx.protocol.matchmaking import JoinRequest, Matchmaker
 from phalanx.protocol.membership import Membership, PeerRecord

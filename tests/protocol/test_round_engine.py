@@ -219,7 +219,7 @@ def test_a_round_in_which_nothing_arrived_before_the_deadline_is_not_applied(par
     """A peer frozen past the deadline (SIGSTOP, a laptop lid) wakes to a round the others left: its
     "average" would be its own stale part. A member that stopped sending is another matter: dropped
     for idleness, it costs a partial round."""
-    from phalanx.aggregation.errors import RoundAbortedError
+    from phalanx.errors import RoundAbortedError
     from phalanx.protocol.allreduce import RoundSpec
 
     async def main():
@@ -242,7 +242,7 @@ def test_a_round_in_which_nothing_arrived_before_the_deadline_is_not_applied(par
 def test_the_engine_counts_a_failed_round_itself_and_a_cancelled_one_nowhere():
     """Training modes only read `stats`: a round that raises (here: a contribution refused once the
     group is known) is counted by the engine; a round cancelled by a stop is no failure."""
-    from phalanx.aggregation.errors import PeerProtocolError
+    from phalanx.errors import PeerProtocolError
 
     async def refuse(group):
         raise PeerProtocolError("contribution refused", peer=group.members[0])

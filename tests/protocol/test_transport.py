@@ -6,7 +6,7 @@ import os
 import pytest
 from hivemind.p2p import P2P
 
-from phalanx.aggregation.errors import PeerProtocolError, RoundAbortedError
+from phalanx.errors import PeerProtocolError, RoundAbortedError
 from phalanx.protocol.channel import UploadLimiter
 from phalanx.protocol.transport import HELLO_MAGIC, CallFailed, Landing, Status, Transport
 from phalanx.security.commitments import part_hash, part_hasher

@@ -4,7 +4,7 @@ import msgpack
 import pytest
 import torch
 
-from phalanx.aggregation.errors import PeerProtocolError
+from phalanx.errors import PeerProtocolError
 from phalanx.protocol.allreduce import MAX_PART_BYTES
 from phalanx.protocol.codec import MAX_PART_NUMEL, Codec, check_payload_size, decode, encode, encoded_size_bound
 from phalanx.protocol.partition import partition_bounds

@@ -2,7 +2,7 @@
 
 import pytest
 
-from phalanx.aggregation.errors import ConfigError, PeerProtocolError
+from phalanx.errors import ConfigError, PeerProtocolError
 from phalanx.security.admission import generate_owner_key, issue, load_owner_private, load_owner_public, verify_certificate
 
 PEER = "12D3KooWGunkA55ShGBm6G2KBfLhk6oUr4GCkEoYyG6bbPj76gTc"

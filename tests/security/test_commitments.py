@@ -4,7 +4,7 @@ import hashlib
 
 import pytest
 
-from phalanx.aggregation.errors import PeerProtocolError
+from phalanx.errors import PeerProtocolError
 from phalanx.security.commitments import (
     AggregateBody,
     CommitBody,

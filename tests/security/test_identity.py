@@ -5,7 +5,7 @@ import asyncio
 import pytest
 from hivemind.p2p import P2P, PeerID
 
-from phalanx.aggregation.errors import ConfigError, PeerProtocolError
+from phalanx.errors import ConfigError, PeerProtocolError
 from phalanx.security.identity import Identity, verify
 
 

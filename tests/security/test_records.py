@@ -2,7 +2,7 @@
 
 import pytest
 
-from phalanx.aggregation.errors import PeerProtocolError
+from phalanx.errors import PeerProtocolError
 from phalanx.security.identity import Identity
 from phalanx.security.records import MAX_SKEW_S, open_record, sign_record
 from phalanx.security.wire import WireModel

@@ -5,7 +5,7 @@ import re
 
 import pytest
 
-from phalanx.aggregation.errors import PeerProtocolError
+from phalanx.errors import PeerProtocolError
 from phalanx.security.commitments import PartBody, ReportBody
 from phalanx.security.identity import Identity
 from phalanx.security.statements import Signed, open_statement, sign_statement

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from phalanx.aggregation.errors import ConfigError
+from phalanx.errors import ConfigError
 from phalanx.sim.byzantine import Adversary, attack_names
 from phalanx.sim.config import Budget, ByzantineConfig, SimConfig
 from phalanx.sim.runner import run_sim

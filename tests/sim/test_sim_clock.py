@@ -6,7 +6,7 @@ import statistics
 
 import pytest
 
-from phalanx.aggregation.errors import ConfigError
+from phalanx.errors import ConfigError
 from phalanx.sim.clock import DELAYS, VolunteerClock, VolunteerParams, make_clocks
 
 

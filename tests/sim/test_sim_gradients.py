@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from phalanx.aggregation.errors import ConfigError
+from phalanx.errors import ConfigError
 from phalanx.sim.gradients import GradientOracle, peer_id
 from phalanx.sim.runner import load_task
 from phalanx.tasks import Task, compute_gradient, set_flat_params

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from phalanx.aggregation.errors import ConfigError
+from phalanx.errors import ConfigError
 from phalanx.sim.config import Budget, SimConfig
 from phalanx.sim.grid import GridRun, run_grid, summarize, write_outputs
 from phalanx.sim.plots import plot_run

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from phalanx.aggregation.errors import ConfigError
+from phalanx.errors import ConfigError
 from phalanx.sim.config import Budget, ByzantineConfig, SimConfig
 from phalanx.sim.methods import METHODS
 from phalanx.sim.runner import load_task, run_sim

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from phalanx.aggregation.errors import ConfigError
+from phalanx.errors import ConfigError
 from phalanx.protocol.sync_policy import (
     SYNC_POLICIES,
     VALID_FORMS,

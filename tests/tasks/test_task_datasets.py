@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch import nn
 
-from phalanx.aggregation.errors import ConfigError
+from phalanx.errors import ConfigError
 from phalanx.tasks import (
     compute_gradient,
     resolve_task,

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from phalanx.aggregation.errors import ConfigError
+from phalanx.errors import ConfigError
 from phalanx.tasks import (
     TASKS,
     Task,

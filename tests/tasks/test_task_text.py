@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from phalanx.aggregation.errors import ConfigError
+from phalanx.errors import ConfigError
 from phalanx.tasks import compute_gradient, resolve_task
 from phalanx.tasks.text import file_corpus, stdlib_corpus
 

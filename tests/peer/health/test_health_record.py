@@ -8,7 +8,7 @@ from hivemind.dht.routing import DHTID
 from hivemind.dht.validation import DHTRecord
 from hivemind.utils.serializer import MSGPackSerializer
 
-from phalanx.aggregation.errors import PeerProtocolError
+from phalanx.errors import PeerProtocolError
 from phalanx.peer.health.record import (
     MAX_AGE_S,
     MAX_TTL_S,

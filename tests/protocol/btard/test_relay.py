@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 import torch
 
-from phalanx.aggregation.errors import RoundAbortedError
+from phalanx.errors import RoundAbortedError
 from phalanx.protocol.adversary import Behavior
 from phalanx.protocol.config import Codec
 from phalanx.protocol.engine import Averaged

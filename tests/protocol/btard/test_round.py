@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from phalanx.aggregation.centered_clip import centered_clip
-from phalanx.aggregation.errors import PeerProtocolError
+from phalanx.errors import PeerProtocolError
 from phalanx.protocol.adversary import PROTOCOL_ATTACKS
 from phalanx.protocol.btard.behavior import Behavior
 from phalanx.protocol.config import Codec, verify_config_for

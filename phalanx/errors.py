@@ -1,6 +1,6 @@
 """The one exception tree of Phalanx.
 
-It lives in the bottom layer (``aggregation`` imports nothing of ours), so every
+It sits at the package root, below every package (``aggregation`` included), so every
 package can raise and catch the same classes::
 
     PhalanxError
