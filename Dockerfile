@@ -20,8 +20,8 @@ COPY scripts/docker-wheels/ /wheels/
 RUN if ls /wheels/*.whl >/dev/null 2>&1; then /opt/phalanx/bin/pip install /wheels/*.whl; \
     else /opt/phalanx/bin/pip install --index-url "$TORCH_INDEX_URL" "$TORCH_SPEC"; fi
 COPY pyproject.toml setup.py /src/
-RUN cd /src && mkdir -p phalanx peer protocol aggregation security sim tasks && touch README.md \
-    && for d in phalanx peer protocol aggregation security sim tasks; do touch $d/__init__.py; done \
+RUN cd /src && mkdir -p phalanx peer protocol aggregation security sim tasks tools && touch README.md \
+    && for d in phalanx peer protocol aggregation security sim tasks tools; do touch $d/__init__.py; done \
     && /opt/phalanx/bin/pip install /src && /opt/phalanx/bin/pip uninstall -y phalanx \
     && rm -rf /src/build /src/*.egg-info  # stale stubs in build/ would shadow the real files below
 
@@ -35,6 +35,7 @@ COPY aggregation /src/aggregation
 COPY security /src/security
 COPY sim /src/sim
 COPY tasks /src/tasks
+COPY tools /src/tools
 RUN /opt/phalanx/bin/pip wheel --no-deps /src -w /dist
 
 # ---- runtime: the environment, phalanx, an entry point and a non-root user ---------------------

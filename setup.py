@@ -1,9 +1,9 @@
 """Install every package under the `phalanx` import name while the repository keeps its top-level
-folders (peer/, protocol/, …): `phalanx.peer` is ./peer, and so on. pyproject.toml holds the rest."""
+folders (peer/, protocol/, tools/, …): `phalanx.peer` is ./peer, and so on. pyproject.toml holds the rest."""
 
 from setuptools import find_packages, setup
 
-FOLDERS = ("peer", "protocol", "aggregation", "security", "sim", "tasks")
+FOLDERS = ("peer", "protocol", "aggregation", "security", "sim", "tasks", "tools")
 
 setup(
     packages=["phalanx"] + [f"phalanx.{folder}.{sub}".rstrip(".") for folder in FOLDERS for sub in ["", *find_packages(folder)]],

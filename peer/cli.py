@@ -13,9 +13,8 @@ from typing import TYPE_CHECKING, Optional
 import typer
 
 from phalanx.errors import ConfigError, PhalanxError
-from phalanx.peer.cli_options import PlainHelp, settings_command, str_list
+from phalanx.peer.cli_options import PlainHelp, settings_command, settings_command_with, str_list
 from phalanx.peer.config import MonitorSettings, NetworkSettings, PeerConfig
-from phalanx.peer.health.options import settings_command_with
 from phalanx.peer.logs import configure_logging
 
 if TYPE_CHECKING:
@@ -30,8 +29,8 @@ app = typer.Typer(
     rich_markup_mode="rich",
     pretty_exceptions_enable=False,
 )
-from phalanx.peer.bench.commands import bench_app  # noqa: E402  (imports only typer, like sim_app)
 from phalanx.sim.cli import sim_app  # noqa: E402  (imports only typer; the simulator loads when a command runs)
+from phalanx.tools.bench.commands import bench_app  # noqa: E402  (imports only typer, like sim_app)
 
 app.add_typer(bench_app, name="bench")
 
@@ -85,9 +84,9 @@ def join(settings: PeerConfig) -> None:
 
       PHALANX_INITIAL_PEERS=/ip4/... phalanx join --config peer.toml
     """
-    from phalanx.peer.doctor import preflight
     from phalanx.peer.plan import make_plan
     from phalanx.peer.trainer import run_trainer
+    from phalanx.tools.doctor import preflight
 
     plan = make_plan(settings)  # the settings' strings parsed once; the trainer gets the plan only
     preflight(settings)  # the doctor's checks that need no network: one line instead of a traceback
@@ -122,8 +121,8 @@ def doctor(settings: PeerConfig, initial_peers: Optional[list[str]], as_json: bo
     """
     import re
 
-    from phalanx.peer.doctor import run_doctor
     from phalanx.peer.plan import make_plan
+    from phalanx.tools.doctor import run_doctor
 
     config_hash = make_plan(settings).run_hash.hex()  # the same mistakes as `join` fail here, in one line
     given = [a for v in initial_peers or [] for a in re.split(r"[\s,]+", v) if a] or settings.initial_peers
@@ -188,7 +187,7 @@ def swarm(
     metric, target = _swarm_target(plans[0].training)
     if target is not None and target_accuracy is None and target_loss is None:
         join_args += [metric.flag, str(target)]  # the task's own target: the trainers stop at it too
-    from phalanx.peer.swarm import run_swarm  # it imports torch: after the flags' mistakes
+    from phalanx.tools.launcher.swarm import run_swarm  # it imports torch: after the flags' mistakes
 
     result = run_swarm(
         peers, join_args, target=target, metric=metric, workdir=workdir, attacks=chosen,
@@ -225,7 +224,7 @@ def health(settings: NetworkSettings, as_json: bool, watch: bool, interval_s: fl
             "--initial-peers: phalanx health reads the swarm through a running peer; give its address "
             "(the line `phalanx bootstrap` printed) or set PHALANX_INITIAL_PEERS"
         )
-    from phalanx.peer.health.client import run_health
+    from phalanx.tools.health_client import run_health
 
     code = run_health(settings, as_json=as_json, watch=watch, interval_s=interval_s, expect=expect, timeout_s=timeout_s)
     if code:
@@ -246,7 +245,7 @@ def monitor(settings: MonitorSettings) -> None:
 
       phalanx monitor --initial-peers ... --http-host 0.0.0.0 --poll-s 5
     """
-    from phalanx.peer.monitor.app import run_monitor
+    from phalanx.tools.monitor.app import run_monitor
 
     run_monitor(settings)
 

@@ -117,6 +117,33 @@ def settings_command(
     return decorate
 
 
+def settings_command_with(
+    model: type[NetworkSettings], *, exclude: tuple[str, ...] = (), **extra: tuple[Any, Any]
+) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Like `settings_command`, and each `name=(annotation, typer.Option(...))` in `extra` becomes one more
+    option, passed to `fn(settings, name=value, ...)`: plain options that are not settings (output format,
+    waiting), so commands like `phalanx health --json` keep one settings model for the network flags."""
+
+    def decorate(fn: Callable[..., Any]) -> Callable[..., Any]:
+        inner = settings_command(model, exclude=exclude)(lambda settings: settings)
+
+        def command(**kwargs: Any) -> Any:
+            values = {name: kwargs.pop(name) for name in extra}
+            return fn(inner(**kwargs), **values)
+
+        params = list(inspect.signature(inner).parameters.values())
+        params += [
+            inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=option, annotation=annotation)
+            for name, (annotation, option) in extra.items()
+        ]
+        command.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
+        command.__name__ = fn.__name__
+        command.__doc__ = fn.__doc__
+        return command
+
+    return decorate
+
+
 def warn_misspelt_env_vars() -> None:
     """One line per PHALANX_* variable that no setting reads (a typo would otherwise go unnoticed)."""
     for name, close in misspelt_env_vars():

@@ -12,13 +12,13 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 ROOT_MODULES = ROOT / "phalanx"  # the package root: phalanx.errors, phalanx.__main__, …
-PACKAGES = ("peer", "protocol", "aggregation", "security", "sim", "tasks")
+PACKAGES = ("peer", "protocol", "aggregation", "security", "sim", "tasks", "tools")
 FORBIDDEN = {
-    "aggregation": {"phalanx.peer", "phalanx.protocol", "phalanx.security", "phalanx.sim", "phalanx.tasks", "hivemind", "asyncio", "socket"},
-    "security": {"phalanx.peer", "phalanx.protocol", "phalanx.sim", "phalanx.tasks", "asyncio", "hivemind"},
-    "protocol": {"phalanx.peer", "phalanx.sim", "phalanx.tasks"},
-    "tasks": {"phalanx.peer", "phalanx.protocol", "phalanx.sim", "phalanx.security", "hivemind"},
-    "sim": {"phalanx.peer", "phalanx.security", "hivemind"},  # and of protocol only the sync-policy schedules
+    "aggregation": {"phalanx.peer", "phalanx.protocol", "phalanx.security", "phalanx.sim", "phalanx.tasks", "phalanx.tools", "hivemind", "asyncio", "socket"},
+    "security": {"phalanx.peer", "phalanx.protocol", "phalanx.sim", "phalanx.tasks", "phalanx.tools", "asyncio", "hivemind"},
+    "protocol": {"phalanx.peer", "phalanx.sim", "phalanx.tasks", "phalanx.tools"},
+    "tasks": {"phalanx.peer", "phalanx.protocol", "phalanx.sim", "phalanx.security", "phalanx.tools", "hivemind"},
+    "sim": {"phalanx.peer", "phalanx.security", "phalanx.tools", "hivemind"},  # and of protocol only the sync-policy schedules
 }  # fmt: skip
 
 

@@ -1,8 +1,9 @@
-"""Peer health: signed records in the DHT, local legality checks, the HTTP server
-(/healthz, /readyz, /metrics, /api/v1/status) and `phalanx health`.
+"""Peer health, as the training process serves it: signed records in the DHT, local legality checks
+and the HTTP server (/healthz, /readyz, /metrics, /api/v1/status). `phalanx health` and `phalanx
+monitor`, which read it from beside the peers, are tools (phalanx.tools).
 
-The names below load on first use: the CLI imports `phalanx.peer.health.options` to build its flags,
-and must not pay for hivemind, aiohttp and prometheus-client before it prints anything.
+The names below load on first use, so that importing one module of the package (the record, say)
+does not load the service's hivemind, aiohttp and prometheus-client.
 """
 
 from importlib import import_module

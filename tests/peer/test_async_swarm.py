@@ -5,7 +5,7 @@ import asyncio
 
 import pytest
 
-from phalanx.peer.swarm import Swarm
+from phalanx.tools.launcher.swarm import Swarm
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 STEPS = 300

@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from phalanx.peer.swarm import Swarm
+from phalanx.tools.launcher.swarm import Swarm
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 STEPS = 300  # near the plateau: the final accuracy of one run varies by about a point with the public seeds

@@ -114,7 +114,7 @@ def test_dht_calls_refuse_a_key_without_a_validator():
 
 # hivemind's calls that read or write DHT records, and the one place that makes them for a run
 DHT_METHODS = {"store", "get", "store_many", "get_many", "get_many_by_id", "store_many_by_id"}
-ALLOWED = {"protocol/dht_calls.py", "peer/doctor/swarm.py"}  # doctor: its own DHT node, made with the table's validators
+ALLOWED = {"protocol/dht_calls.py", "tools/doctor/swarm.py"}  # doctor: its own DHT node, made with the table's validators
 
 
 def test_nothing_else_reads_or_writes_the_dht():

@@ -15,16 +15,16 @@ from pathlib import Path
 import pytest
 
 from phalanx.peer.config import PROTOCOL_VERSION, PeerConfig
-from phalanx.peer.doctor import autonat
-from phalanx.peer.doctor.local import identity_row, multiaddr_row, port_rows, task_rows
-from phalanx.peer.doctor.rows import exit_code
-from phalanx.peer.doctor.swarm import CLOCK_FIX, clock_row, swarm_rows
 from phalanx.peer.health.record import HealthRecord
 from phalanx.peer.plan import make_plan
 from phalanx.security.identity import (
     Identity,
     read_varint,
 )
+from phalanx.tools.doctor import autonat
+from phalanx.tools.doctor.local import identity_row, multiaddr_row, port_rows, task_rows
+from phalanx.tools.doctor.rows import exit_code
+from phalanx.tools.doctor.swarm import CLOCK_FIX, clock_row, swarm_rows
 from tests.peer.health.health_swarm import free_port, get_json, wait_until
 from tests.procs import LOOPBACK, FileProc, spawn_to_files
 

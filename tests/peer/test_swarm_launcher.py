@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from phalanx.peer.swarm import Swarm
+from phalanx.tools.launcher.swarm import Swarm
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 

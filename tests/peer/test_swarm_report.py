@@ -6,9 +6,9 @@ import signal
 import pytest
 from rich.console import Console
 
-from phalanx.peer.swarm import _flag_value
-from phalanx.peer.swarm_report import exit_reason, is_failure, last_error_line, print_report, startup_line
-from phalanx.peer.swarm_views import PeerView, SwarmResult
+from phalanx.tools.launcher.report import exit_reason, is_failure, last_error_line, print_report, startup_line
+from phalanx.tools.launcher.swarm import _flag_value
+from phalanx.tools.launcher.views import PeerView, SwarmResult
 
 TRACEBACK = """09:00:01 I peer.trainer: peer 12D3KooW training digits-mlp
 Traceback (most recent call last):
@@ -122,7 +122,7 @@ def test_startup_line_gives_time_to_first_step_and_each_stage():
 
 
 def test_startup_stages_count_trainers_and_take_the_last_one_to_get_there(tmp_path):
-    from phalanx.peer.swarm import Swarm
+    from phalanx.tools.launcher.swarm import Swarm
 
     swarm = Swarm(3, ["--steps", "50"], workdir=tmp_path, live=False)
     assert swarm.steps == 50

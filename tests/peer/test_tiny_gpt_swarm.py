@@ -99,8 +99,8 @@ def test_the_live_line_and_table_show_the_tasks_metric(tmp_path):
 
     from rich.console import Console
 
-    from phalanx.peer.swarm import Swarm
     from phalanx.tasks import ACCURACY, VALIDATION_LOSS
+    from phalanx.tools.launcher.swarm import Swarm
 
     for metric, values, best in ((VALIDATION_LOSS, (2.9, 2.5), "best validation loss 2.5000 (perplexity 12.18)"),
                                  (ACCURACY, (0.9, 0.5), "best test accuracy 0.9000")):  # fmt: skip

@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from phalanx.peer.swarm import Swarm
+from phalanx.tools.launcher.swarm import Swarm
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 # A sign-flipped Δ is caught when a sitting validator replays its sender's phase. Once the protocol

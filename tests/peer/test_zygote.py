@@ -8,8 +8,8 @@ import socket
 
 import pytest
 
-from phalanx.peer.zygote import Zygote
 from phalanx.security.identity import Identity
+from phalanx.tools.launcher.zygote import Zygote
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 

@@ -1,4 +1,4 @@
-"""peer/bench/aggregate.py on a tiny input: every registry name gets a row (no timing asserted)."""
+"""tools/bench/aggregate.py on a tiny input: every registry name gets a row (no timing asserted)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import io
 from rich.console import Console
 
 from phalanx.aggregation.registry import AGGREGATORS
-from phalanx.peer.bench.aggregate import goal_check, run_aggregate_bench
+from phalanx.tools.bench.aggregate import goal_check, run_aggregate_bench
 
 
 def test_tiny_bench_covers_every_aggregator():

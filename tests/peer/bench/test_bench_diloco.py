@@ -2,7 +2,7 @@
 
 import pytest
 
-from phalanx.peer.bench.swarm import phase_times_s, rounds_cost_s, summarize_case, verification_cost
+from phalanx.tools.bench.swarm import phase_times_s, rounds_cost_s, summarize_case, verification_cost
 
 
 def _outer(step: int, round_s: float, t: float = 0.0) -> dict:
@@ -98,7 +98,7 @@ def test_the_ratios_interval_holds_the_ratio_and_widens_with_noise():
 def test_the_verdict_says_when_the_goal_is_met_only_at_the_median():
     from rich.console import Console
 
-    from phalanx.peer.bench.swarm import print_diloco_goals
+    from phalanx.tools.bench.swarm import print_diloco_goals
 
     def verdict(pairs):
         console = Console(record=True, width=300)
@@ -122,7 +122,7 @@ def test_the_verdict_says_when_the_goal_is_met_only_at_the_median():
 def test_the_time_goal_against_sync_is_strict_and_says_when_it_holds_only_at_the_median():
     from rich.console import Console
 
-    from phalanx.peer.bench.swarm import print_diloco_goals
+    from phalanx.tools.bench.swarm import print_diloco_goals
 
     def verdict(pairs, sync_bytes=200_000):
         sync, int8 = _cases(pairs)

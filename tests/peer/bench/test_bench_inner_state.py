@@ -6,8 +6,8 @@ import io
 
 from rich.console import Console
 
-from phalanx.peer.bench.inner_state import Variant, run_inner_state_bench, simulate, steps_to
-from phalanx.peer.bench.swarm import Goal
+from phalanx.tools.bench.inner_state import Variant, run_inner_state_bench, simulate, steps_to
+from phalanx.tools.bench.swarm import Goal
 
 DIGITS = dict(peers=3, inner_steps=5, rounds=3, seed=0, metric="accuracy")
 

@@ -7,8 +7,8 @@ import io
 import pytest
 from rich.console import Console
 
-from phalanx.peer.bench.allreduce import VERIFY_CASES, run_verify_bench
 from phalanx.protocol.channel import RECORD_BYTES
+from phalanx.tools.bench.allreduce import VERIFY_CASES, run_verify_bench
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 

@@ -8,10 +8,10 @@ import io
 import pytest
 from rich.console import Console
 
-from phalanx.peer.health.client import render_table, rows_json, swarm_rows
 from phalanx.peer.health.record import HealthRecord
-from phalanx.peer.monitor.history import SwarmHistory
-from phalanx.peer.monitor.page import render_page
+from phalanx.tools.health_client import render_table, rows_json, swarm_rows
+from phalanx.tools.monitor.history import SwarmHistory
+from phalanx.tools.monitor.page import render_page
 
 NOW = 1_700_000_000.0
 A, B = "QmAaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa", "QmBbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbb"
@@ -51,7 +51,7 @@ def test_phalanx_health_shows_the_trainers_metric(records, columns, cells):
 
 
 def test_the_monitor_page_and_its_evaluation_plot_show_the_trainers_metric():
-    from phalanx.peer.monitor.plots import PLOTS, render_plot
+    from phalanx.tools.monitor.plots import PLOTS, render_plot
 
     page = render_page("phalanx", swarm_rows(LANGUAGE_MODEL, now=NOW), polls=1)
     assert "<th>train loss</th><th>val loss</th><th>perplexity</th>" in page and "<th>accuracy</th>" not in page

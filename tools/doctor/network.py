@@ -12,9 +12,9 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from phalanx.peer.config import PeerConfig
-from phalanx.peer.doctor import autonat
-from phalanx.peer.doctor.local import BOOTSTRAP_LINE, host_port, peer_id_of, short
-from phalanx.peer.doctor.rows import Row, failed, ok, skipped, warned
+from phalanx.tools.doctor import autonat
+from phalanx.tools.doctor.local import BOOTSTRAP_LINE, host_port, peer_id_of, short
+from phalanx.tools.doctor.rows import Row, failed, ok, skipped, warned
 
 P2PD_STARTUP_TIMEOUT_S = 15.0  # hivemind's default, which `phalanx join` runs with
 TCP_TIMEOUT_S = 5.0
@@ -280,8 +280,8 @@ async def direct_port_row(p2p, settings: PeerConfig, probes: list[Probe]) -> Row
 
     from hivemind.p2p import PeerID
 
-    from phalanx.peer.doctor.local import listen_host
     from phalanx.protocol import dial_back
+    from phalanx.tools.doctor.local import listen_host
 
     check = "direct data port from outside"
     if not settings.direct:

@@ -2,7 +2,7 @@
 peers, reachability, clock, swarm compatibility, task, target, device, disk, identity), each failed row
 with its fix. `preflight` runs the checks that need no network before `phalanx join` starts."""
 
-from phalanx.peer.doctor.rows import Row
-from phalanx.peer.doctor.run import preflight, run_doctor
+from phalanx.tools.doctor.rows import Row
+from phalanx.tools.doctor.run import preflight, run_doctor
 
 __all__ = ["Row", "preflight", "run_doctor"]

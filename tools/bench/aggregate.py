@@ -25,7 +25,7 @@ from rich.table import Table
 
 from phalanx.aggregation.registry import AGGREGATORS, make_aggregator, typical_params
 from phalanx.errors import ConfigError
-from phalanx.peer.bench import bench_console
+from phalanx.tools.bench import bench_console
 
 CELL_MEMORY_FACTOR = 2.5  # input + the largest temporaries (a mean-sized copy, sort chunks) must fit
 GOAL_READS_ORDER_STATS = 10.0  # median and trimmed mean: at most 10× one read

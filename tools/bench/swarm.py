@@ -22,8 +22,8 @@ from typing import Any, Optional
 import torch
 
 from phalanx.errors import ConfigError
-from phalanx.peer.bench import bench_console
 from phalanx.tasks.metric import METRICS
+from phalanx.tools.bench import bench_console
 
 EVAL_EVERY = 10
 SEED = 0
@@ -184,7 +184,7 @@ def worker_main(argv: Optional[list[str]] = None) -> None:
 
 
 def _run_reference(impl: str, world: int, goal: Goal, time_limit_s: float) -> dict[str, Any]:
-    from phalanx.peer.bench.allreduce import _free_port
+    from phalanx.tools.bench.allreduce import _free_port
 
     bootstrap = None
     initial: list[str] = []
@@ -198,7 +198,7 @@ def _run_reference(impl: str, world: int, goal: Goal, time_limit_s: float) -> di
     try:
         for rank in range(world):
             cmd = [
-                sys.executable, "-m", "phalanx.peer.bench.swarm", impl, "--rank", str(rank), "--world", str(world),
+                sys.executable, "-m", "phalanx.tools.bench.swarm", impl, "--rank", str(rank), "--world", str(world),
                 "--port", str(port), "--target", str(goal.target), "--time-limit-s", str(time_limit_s),
                 "--metric", goal.metric, "--task", goal.task, "--task-options", goal.task_options,
             ]  # fmt: skip
@@ -217,7 +217,7 @@ def _run_reference(impl: str, world: int, goal: Goal, time_limit_s: float) -> di
         for rank, p in enumerate(procs):
             if p.stdout.readline().strip() != "READY":
                 from phalanx.errors import PhalanxError
-                from phalanx.peer.swarm_report import error_line
+                from phalanx.tools.launcher.report import error_line
 
                 p.kill()
                 why = error_line(p.communicate()[1]) or "nothing on its stderr"
@@ -256,7 +256,7 @@ def _is_failure(line: str) -> bool:
 def _run_phalanx(world: int, goal: Goal, extra_args: list[str]) -> dict[str, Any]:
     import uvloop
 
-    from phalanx.peer.swarm import Swarm
+    from phalanx.tools.launcher.swarm import Swarm
 
     args = [
         "--task", goal.task, "--steps", "5000", f"--target-{goal.metric}", str(goal.target), "--eval-every", str(EVAL_EVERY),

@@ -1,5 +1,5 @@
 """What `phalanx swarm` knows of its trainers and of the run: the launcher fills these in from the
-trainers' events, and the report (swarm_report.py) reads them, so neither imports the other."""
+trainers' events, and the report (report.py) reads them, so neither imports the other."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """`phalanx swarm`: a whole swarm on this machine — one bootstrap and N trainer processes on
 loopback — with live progress, a final report and cleanup of everything it started.
 
-Trainers are forked from one process that imported torch and hivemind once (peer/zygote.py), not
+Trainers are forked from one process that imported torch and hivemind once (tools/launcher/zygote.py), not
 started as fresh interpreters that each import them. Each process runs in its own session so that
 its DHT process and p2pd daemon can be killed with it; Ctrl-C stops the trainers gracefully (they checkpoint), then kills
 whatever is left. Start-up is shown as it happens (from the trainers' JSON events); a peer
@@ -31,10 +31,10 @@ from rich.table import Table
 from rich.text import Text
 
 from phalanx.errors import PhalanxError
-from phalanx.peer.swarm_report import exit_reason, is_failure, last_error_line, print_report
-from phalanx.peer.swarm_views import PeerView, SwarmResult
-from phalanx.peer.zygote import Zygote
 from phalanx.tasks.metric import ACCURACY, Metric
+from phalanx.tools.launcher.report import exit_reason, is_failure, last_error_line, print_report
+from phalanx.tools.launcher.views import PeerView, SwarmResult
+from phalanx.tools.launcher.zygote import Zygote
 
 logger = logging.getLogger(__name__)
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"

@@ -22,7 +22,7 @@ from typing import Any, Optional
 
 import torch
 
-from phalanx.peer.bench import bench_console
+from phalanx.tools.bench import bench_console
 
 IMPLS = ("phalanx", "hivemind", "gloo")
 MAX_PARTIAL_ROUNDS = 5
@@ -255,7 +255,7 @@ def run_case(impl: str, world: int, numel: int, rounds: int, *, extra: Optional[
     try:
         for rank in range(world):
             cmd = [
-                sys.executable, "-m", "phalanx.peer.bench.allreduce", impl, "--rank", str(rank), "--world", str(world),
+                sys.executable, "-m", "phalanx.tools.bench.allreduce", impl, "--rank", str(rank), "--world", str(world),
                 "--numel", str(numel), "--rounds", str(rounds), "--port", str(port), *(extra or []),
             ]  # fmt: skip
             if initial:

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from phalanx.peer.bench import bench_console
+from phalanx.tools.bench import bench_console
 
 PEER = "12D3KooWreplay"
 
@@ -55,7 +55,7 @@ def run_replay_bench(task: str, options: str, inner_steps: int, threads: list[in
             out = Path(tmp) / f"{n}.pt"
             console.print(f"replaying {inner_steps} inner steps of {task} on {n} thread(s)…")
             subprocess.run(
-                [sys.executable, "-m", "phalanx.peer.bench.replay", task, options, str(inner_steps), str(n), str(out)],
+                [sys.executable, "-m", "phalanx.tools.bench.replay", task, options, str(inner_steps), str(n), str(out)],
                 check=True,
             )
             deltas.append(torch.load(out, weights_only=True))

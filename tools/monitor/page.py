@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import html
 
-from phalanx.peer.health.client import PeerRow, swarm_metric
-from phalanx.peer.monitor.plots import PLOTS
 from phalanx.tasks.metric import Metric
+from phalanx.tools.health_client import PeerRow, swarm_metric
+from phalanx.tools.monitor.plots import PLOTS
 
 _STYLE = """
 body { font-family: system-ui, sans-serif; margin: 1.5em; color: #222; }

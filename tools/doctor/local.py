@@ -12,8 +12,8 @@ from typing import Optional
 
 from phalanx.errors import ConfigError
 from phalanx.peer.config import PeerConfig
-from phalanx.peer.doctor.rows import Row, failed, ok
 from phalanx.security.identity import is_peer_id
+from phalanx.tools.doctor.rows import Row, failed, ok
 
 BOOTSTRAP_LINE = "copy the whole --initial-peers line that `phalanx bootstrap` printed"
 

@@ -14,8 +14,8 @@ matplotlib.use("Agg")  # headless; must precede pyplot's import
 
 from matplotlib.figure import Figure  # noqa: E402
 
-from phalanx.peer.health.client import swarm_metric  # noqa: E402
-from phalanx.peer.monitor.history import STATES, SwarmHistory  # noqa: E402
+from phalanx.tools.health_client import swarm_metric  # noqa: E402
+from phalanx.tools.monitor.history import STATES, SwarmHistory  # noqa: E402
 
 PLOTS = {
     "loss": ("Training loss (last minibatch)", "loss"),

@@ -50,7 +50,7 @@ def bench_aggregate(
 
       phalanx bench aggregate --n 8 --d 1000000 --aggregators mean,centered_clip --repeats 3
     """
-    from phalanx.peer.bench.aggregate import run_aggregate_bench
+    from phalanx.tools.bench.aggregate import run_aggregate_bench
 
     run_aggregate_bench(
         ns=int_list(n, "--n"),
@@ -92,7 +92,7 @@ def bench_allreduce(
 
       phalanx bench allreduce --verify --peers 4 --upload-mbps 0,1000,100
     """
-    from phalanx.peer.bench.allreduce import IMPLS, run_allreduce_bench, run_verify_bench
+    from phalanx.tools.bench.allreduce import IMPLS, run_allreduce_bench, run_verify_bench
 
     limits = float_list(upload_mbps, "--upload-mbps")
     if any(x < 0 for x in limits):
@@ -138,7 +138,7 @@ def bench_swarm(
       phalanx bench swarm --task tiny-gpt --peers 4 \\
           --impls phalanx,phalanx-lasgd,hivemind,ddp
     """
-    from phalanx.peer.bench.swarm import IMPLS, Goal, run_swarm_bench
+    from phalanx.tools.bench.swarm import IMPLS, Goal, run_swarm_bench
 
     chosen = str_list(impls)
     unknown = sorted(set(chosen) - set(IMPLS))
@@ -191,7 +191,7 @@ def bench_diloco(
 
       phalanx bench diloco --task tiny-gpt --cases int8,verify,verify-no-validators --repeats 3
     """
-    from phalanx.peer.bench.swarm import Goal, print_diloco_goals, run_diloco_bench
+    from phalanx.tools.bench.swarm import Goal, print_diloco_goals, run_diloco_bench
 
     _check_outer_lr(outer_lr)
     _check_lr(lr)
@@ -251,8 +251,8 @@ def bench_inner_state(
 
       phalanx bench inner-state --unverified-only --inner-steps 40 --lr 0.004 --rounds 4 --seeds 2
     """
-    from phalanx.peer.bench.inner_state import run_inner_state_bench
-    from phalanx.peer.bench.swarm import Goal
+    from phalanx.tools.bench.inner_state import run_inner_state_bench
+    from phalanx.tools.bench.swarm import Goal
 
     _check_outer_lr(outer_lr)
     _check_lr(lr)
@@ -283,7 +283,7 @@ def bench_replay(
 
       phalanx bench replay --task digits-mlp --task-options "" --inner-steps 500 --threads 1,2
     """
-    from phalanx.peer.bench.replay import run_replay_bench
+    from phalanx.tools.bench.replay import run_replay_bench
 
     run_replay_bench(task, task_options, inner_steps, int_list(threads, "--threads"), parts)
 
@@ -312,8 +312,8 @@ def bench_convergence(
 
       phalanx bench convergence --peers 4 --repeats 1 --straggler shifted-exp:0.05:0.05
     """
-    from phalanx.peer.bench.convergence import run_convergence_bench
     from phalanx.peer.slowdown import parse_slowdown
+    from phalanx.tools.bench.convergence import run_convergence_bench
 
     parse_slowdown(straggler)
     run_convergence_bench(
@@ -334,6 +334,6 @@ def bench_cli(
 
       phalanx bench cli --repeats 10
     """
-    from phalanx.peer.bench.cli import run_cli_bench
+    from phalanx.tools.bench.cli import run_cli_bench
 
     run_cli_bench(repeats)

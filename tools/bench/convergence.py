@@ -14,8 +14,8 @@ from typing import Any, Optional
 
 import uvloop
 
-from phalanx.peer.bench import bench_console
-from phalanx.peer.swarm import Swarm
+from phalanx.tools.bench import bench_console
+from phalanx.tools.launcher.swarm import Swarm
 
 CASES = (
     ("sync", ["--mode", "sync"]),

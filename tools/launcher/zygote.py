@@ -201,7 +201,7 @@ class Zygote:
         self._control, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         with open(self.log_path, "wb") as log:
             self._process = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "phalanx.peer.zygote", str(theirs.fileno()),
+                sys.executable, "-m", "phalanx.tools.launcher.zygote", str(theirs.fileno()),
                 stdout=asyncio.subprocess.PIPE, stderr=log, pass_fds=(theirs.fileno(),),
             )  # fmt: skip
         theirs.close()

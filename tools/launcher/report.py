@@ -11,7 +11,7 @@ from typing import Optional
 from rich.console import Console
 from rich.table import Table
 
-from phalanx.peer.swarm_views import PeerView, SwarmResult
+from phalanx.tools.launcher.views import PeerView, SwarmResult
 
 # `phalanx join` exits 3 when it stopped before reaching its target (--target-accuracy or --target-loss:
 # steps done, or stopped by a signal), 2 on a user's mistake (one `error: …` line) and 1 on any other error.

@@ -7,10 +7,10 @@ import asyncio
 from typing import Optional
 
 from phalanx.peer.config import PROTOCOL_VERSION, PeerConfig
-from phalanx.peer.doctor.local import short
-from phalanx.peer.doctor.rows import Row, failed, ok, skipped, warned
 from phalanx.peer.health.record import TTL_S, HealthRecord, read_records
 from phalanx.protocol.engine import GROUP_FRESH_S
+from phalanx.tools.doctor.local import short
+from phalanx.tools.doctor.rows import Row, failed, ok, skipped, warned
 
 CLOCK_OK_S = TTL_S  # further off, the peers' health records expire (or come from the future) in each other's views
 RECORDS_TIMEOUT_S = 20.0

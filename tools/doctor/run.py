@@ -10,10 +10,10 @@ import sys
 
 from phalanx.errors import ConfigError
 from phalanx.peer.config import PeerConfig
-from phalanx.peer.doctor import network
-from phalanx.peer.doctor.local import cheap_rows, listen_host, multiaddr_row
-from phalanx.peer.doctor.rows import Row, exit_code, ok, render_table, rows_json, skipped
-from phalanx.peer.doctor.swarm import clock_row, fetch_records, swarm_rows
+from phalanx.tools.doctor import network
+from phalanx.tools.doctor.local import cheap_rows, listen_host, multiaddr_row
+from phalanx.tools.doctor.rows import Row, exit_code, ok, render_table, rows_json, skipped
+from phalanx.tools.doctor.swarm import clock_row, fetch_records, swarm_rows
 
 logger = logging.getLogger(__name__)
 

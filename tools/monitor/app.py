@@ -27,13 +27,13 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoM
 from prometheus_client.registry import Collector
 
 from phalanx.peer.config import MonitorSettings
-from phalanx.peer.health.client import PeerRow, open_observer, rows_json, swarm_rows
 from phalanx.peer.health.metrics import package_version, render
 from phalanx.peer.health.server import HttpServer, json_response, open_http
 from phalanx.peer.health.service import fetch_records
-from phalanx.peer.monitor.history import STATES, SwarmHistory
-from phalanx.peer.monitor.page import render_page
-from phalanx.peer.monitor.plots import PLOTS, render_plot
+from phalanx.tools.health_client import PeerRow, open_observer, rows_json, swarm_rows
+from phalanx.tools.monitor.history import STATES, SwarmHistory
+from phalanx.tools.monitor.page import render_page
+from phalanx.tools.monitor.plots import PLOTS, render_plot
 
 logger = logging.getLogger(__name__)
 

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from phalanx.peer.bench import bench_console
+from phalanx.tools.bench import bench_console
 
 
 @dataclass(frozen=True)
@@ -90,7 +90,7 @@ def simulate(
 
 def steps_to(history: list[float], metric: str, target: float) -> int | None:
     """The first outer step (counted from 1) whose metric reaches the target."""
-    from phalanx.peer.bench.swarm import _met
+    from phalanx.tools.bench.swarm import _met
 
     return next((t + 1 for t, v in enumerate(history) if _met({metric: v}, metric, target)), None)
 
