@@ -1,9 +1,11 @@
 """Phalanx: train one model on many volunteers' GPUs.
 
-Installed, every part lives under this name: `phalanx.peer` (the CLI, a node, training modes),
-`phalanx.protocol` (rounds, matchmaking, transport), `phalanx.aggregation` (robust aggregators,
-staleness corrections), `phalanx.security` (identities, commitments), `phalanx.tasks` (models and
-data) and `phalanx.sim` (the simulator); `phalanx.Optimizer` wraps your own optimizer and loop
+Installed, every part lives under this name: `phalanx.peer` (the training process: a node, training
+modes, `phalanx join`), `phalanx.protocol` (rounds, matchmaking, transport), `phalanx.aggregation`
+(robust aggregators, staleness corrections), `phalanx.security` (identities, commitments),
+`phalanx.tasks` (models and data), `phalanx.sim` (the simulator), `phalanx.tools` (what runs beside
+peers: the launcher, doctor, health, monitor, bench), `phalanx.errors` (the exception tree) and
+`phalanx.cli` (the command line); `phalanx.Optimizer` wraps your own optimizer and loop
 (peer/optimizer.py). Nothing heavy is imported here.
 """
 

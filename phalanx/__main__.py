@@ -1,5 +1,5 @@
 """`python -m phalanx …` is the `phalanx` command."""
 
-from phalanx.peer.cli import main
+from phalanx.cli import main
 
 main()

@@ -1,8 +1,10 @@
-"""Imports point one way: peer → protocol → (aggregation, security); the simulator and the tasks sit
-beside the peer (sim → tasks, aggregation, the sync-policy schedules) and never import it; aggregation
-imports only torch, numpy, the standard library and the exception tree at the root (`phalanx.errors`).
-No module imports another that imports it back (directly or through others), and nothing outside
-the `phalanx` name is imported as the project's own."""
+"""Imports point one way: cli → tools → peer → protocol → (aggregation, security); the simulator and the
+tasks sit beside the peer (sim → tasks, aggregation, the sync-policy schedules) and never import it.
+The tools (launcher, doctor, health client, monitor, bench) run beside peers: nothing but the CLI imports
+them, and nothing at all imports the CLI. aggregation imports only torch, numpy, the standard library and
+the exception tree at the root (`phalanx.errors`), which imports nothing of the project. No module
+imports another that imports it back (directly or through others), and nothing outside the `phalanx`
+name is imported as the project's own."""
 
 import ast
 import sys
@@ -11,14 +13,17 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-ROOT_MODULES = ROOT / "phalanx"  # the package root: phalanx.errors, phalanx.__main__, …
+ROOT_MODULES = ROOT / "phalanx"  # the package root: phalanx.errors, phalanx.cli, phalanx.__main__
 PACKAGES = ("peer", "protocol", "aggregation", "security", "sim", "tasks", "tools")
+ABOVE = {"phalanx.tools", "phalanx.cli"}  # what only the command line (and, for the tools, nobody) imports
 FORBIDDEN = {
-    "aggregation": {"phalanx.peer", "phalanx.protocol", "phalanx.security", "phalanx.sim", "phalanx.tasks", "phalanx.tools", "hivemind", "asyncio", "socket"},
-    "security": {"phalanx.peer", "phalanx.protocol", "phalanx.sim", "phalanx.tasks", "phalanx.tools", "asyncio", "hivemind"},
-    "protocol": {"phalanx.peer", "phalanx.sim", "phalanx.tasks", "phalanx.tools"},
-    "tasks": {"phalanx.peer", "phalanx.protocol", "phalanx.sim", "phalanx.security", "phalanx.tools", "hivemind"},
-    "sim": {"phalanx.peer", "phalanx.security", "phalanx.tools", "hivemind"},  # and of protocol only the sync-policy schedules
+    "aggregation": {"phalanx.peer", "phalanx.protocol", "phalanx.security", "phalanx.sim", "phalanx.tasks", *ABOVE, "hivemind", "asyncio", "socket"},
+    "security": {"phalanx.peer", "phalanx.protocol", "phalanx.sim", "phalanx.tasks", *ABOVE, "asyncio", "hivemind"},
+    "protocol": {"phalanx.peer", "phalanx.sim", "phalanx.tasks", *ABOVE},
+    "peer": ABOVE,
+    "tasks": {"phalanx.peer", "phalanx.protocol", "phalanx.sim", "phalanx.security", *ABOVE, "hivemind"},
+    "sim": {"phalanx.peer", "phalanx.security", *ABOVE, "hivemind"},  # and of protocol only the sync-policy schedules
+    "tools": {"phalanx.cli"},
 }  # fmt: skip
 
 
@@ -30,6 +35,8 @@ def _imports(path: Path) -> set[str]:
         modules = []
         if isinstance(node, ast.Import):
             modules = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module == "phalanx":  # from phalanx import cli
+            modules = [f"phalanx.{alias.name}" for alias in node.names]
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             modules = [node.module]
         for module in modules:
@@ -70,6 +77,10 @@ def test_aggregation_imports_only_tensor_libraries_and_the_errors():
         if _imports(path) - allowed
     }
     assert not offenders, f"aggregation/ is the bottom layer: {offenders}"
+
+
+def test_the_errors_import_nothing_of_the_project():
+    assert not {n for n in _imports(ROOT_MODULES / "errors.py") if n.startswith("phalanx")}
 
 
 def test_the_simulator_takes_only_the_sync_policy_schedules_from_the_protocol():

@@ -19,6 +19,6 @@ async def call(self, peer, method, header, payload=b"", **kwargs):
 
 Transport.call = call
 
-from phalanx.peer.cli import main  # noqa: E402
+from phalanx.cli import main  # noqa: E402
 
 main(sys.argv[1:])

@@ -9,6 +9,6 @@ import hivemind.dht.protocol
 offset_s = float(sys.argv[1])
 hivemind.dht.protocol.get_dht_time = lambda: time.time() + offset_s
 
-from phalanx.peer.cli import main  # noqa: E402
+from phalanx.cli import main  # noqa: E402
 
 main(sys.argv[2:])

@@ -11,9 +11,9 @@ HEAVY = ("torch", "hivemind", "scipy", "matplotlib", "aiohttp", "prometheus_clie
 
 PROBE = """
 import json, sys
-import phalanx.peer.cli
+import phalanx.cli
 try:
-    phalanx.peer.cli.main(json.loads(sys.argv[1]))
+    phalanx.cli.main(json.loads(sys.argv[1]))
 except SystemExit:
     pass
 print(json.dumps(sorted(m for m in {heavy} if m in sys.modules)), file=sys.__stderr__)

@@ -7,7 +7,7 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from phalanx.peer.cli import app, main
+from phalanx.cli import app, main
 
 
 @pytest.mark.parametrize("command", ["run", "grid"])

@@ -8,7 +8,7 @@ from typing import Optional
 import typer
 
 from phalanx.errors import ConfigError
-from phalanx.peer.cli_options import float_list, int_list, str_list
+from phalanx.peer.flags import float_list, int_list, str_list
 
 bench_app = typer.Typer(
     help="Benchmarks: each measures its reference in the same run and prints ratios.",

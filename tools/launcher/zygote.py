@@ -38,7 +38,7 @@ PRELOAD = (
     "torch",
     "hivemind",
     "torch._dynamo",
-    "phalanx.peer.cli",
+    "phalanx.cli",
     "phalanx.peer.trainer",
     "phalanx.peer.node",
     "phalanx.peer.optimizer",

@@ -13,8 +13,8 @@ from typing import TYPE_CHECKING, Optional
 import typer
 
 from phalanx.errors import ConfigError, PhalanxError
-from phalanx.peer.cli_options import PlainHelp, settings_command, settings_command_with, str_list
 from phalanx.peer.config import MonitorSettings, NetworkSettings, PeerConfig
+from phalanx.peer.flags import PlainHelp, settings_command, settings_command_with, str_list
 from phalanx.peer.logs import configure_logging
 
 if TYPE_CHECKING:
