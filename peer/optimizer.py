@@ -49,9 +49,9 @@ from phalanx.peer.modes.diloco import DiLoCoMode
 from phalanx.peer.modes.local import LocalMode
 from phalanx.peer.modes.sync import SyncMode
 from phalanx.peer.node import Node, open_node, wait_for_trainers
+from phalanx.peer.node_loop import SwarmLoop
 from phalanx.peer.optimizer_arguments import JOIN_ONLY, check_arguments, make_inner, plan_for, refuse_join_settings
 from phalanx.peer.plan import PeerPlan
-from phalanx.peer.swarm_loop import SwarmLoop
 
 __all__ = ["API_MODES", "JOIN_ONLY", "Interrupted", "JoinHooks", "Optimizer", "Statistics"]
 

@@ -25,8 +25,8 @@ from phalanx.errors import ConfigError, PhalanxError
 from phalanx.peer.health import PeerMetrics
 from phalanx.peer.model import Trainable
 from phalanx.peer.node import DHT_DIED, Node
+from phalanx.peer.node_loop import SwarmLoop
 from phalanx.peer.plan import PeerPlan
-from phalanx.peer.swarm_loop import SwarmLoop
 from phalanx.protocol.engine import Averaged, Resync, initial_version
 
 logger = logging.getLogger(__name__)
