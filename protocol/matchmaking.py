@@ -70,6 +70,7 @@ SLOW_JOINS_TOTAL_S = 1.0  # ... or two took this much beyond the bound together 
 SLOW_JOIN_MIN_S = 0.2
 SLOW_JOIN_FACTOR = 4.0
 MAX_OVERHEAD_MS = 3_600_000
+ANSWERED_KEEP_S = 60.0  # how long a leader answers a repeated join with the group it placed the join in
 
 
 class JoinRequest(WireModel):
@@ -81,6 +82,10 @@ class JoinRequest(WireModel):
     # Matchmaker._note_report); 0: none, or to another leader
     overhead_ms: Annotated[int, Field(ge=0, le=MAX_OVERHEAD_MS)] = 0
     reachable: bool = True  # others can dial the joiner: it may reduce a part (False: it only dials out)
+    # one join() of the joiner, through its redirects and retries: a leader that placed this very join in a
+    # group answers it again with that group (the reply was lost with a relayed connection that broke, and
+    # the call came again), instead of holding it for the next one while the group waits for its parts
+    attempt: Annotated[bytes, Field(max_length=16)] = b""
 
 
 class LeaderProbe(WireModel):
@@ -171,6 +176,7 @@ class Matchmaker:
     _former: Optional[asyncio.Task] = None
     _probes: dict[str, asyncio.Task] = field(default_factory=dict)  # probes of the peer that would lead next
     _heard: dict[str, float] = field(default_factory=dict)  # joiner -> when its join or last probe came in
+    _answered: dict[str, tuple[bytes, JoinReply, float]] = field(default_factory=dict)  # joiner -> (attempt, reply, when)
     _rechecked_at: float = float("-inf")  # when we last probed a leader we suspect
     _rng: random.Random = field(default_factory=lambda: random.Random(secrets.randbits(64)))
     _started: float = field(default_factory=time.monotonic)
@@ -212,7 +218,10 @@ class Matchmaker:
 
     async def join(self, *, version: bytes, step: int, together: bool = False) -> JoinReply:
         """Get into a group (or a resync order); raises RoundTimeoutError after join_timeout_s."""
-        request = JoinRequest(run=self.run_hash, version=version, step=step, together=together, reachable=self.membership.reachable)
+        request = JoinRequest(
+            run=self.run_hash, version=version, step=step, together=together, reachable=self.membership.reachable,
+            attempt=secrets.token_bytes(16),
+        )  # fmt: skip
         deadline = time.monotonic() + self.config.join_timeout_s
         target: Optional[str] = None
         redirects = 0
@@ -370,6 +379,10 @@ class Matchmaker:
             leader = self._leader()
         if leader != self.peer_id and peer != leader:
             return JoinReply(kind="redirect", leader=leader)
+        now = time.monotonic()
+        answered = self._answered.get(peer)
+        if answered is not None and request.attempt and answered[0] == request.attempt and now - answered[2] < ANSWERED_KEEP_S:
+            return answered[1]  # this join again: the group it is in already
         previous = self._pending.pop(peer, None)
         if previous is not None and not previous.reply.done():
             previous.reply.set_result(JoinReply(kind="retry"))  # a re-join replaces a stale one
@@ -380,7 +393,11 @@ class Matchmaker:
         self._arrived.set()
         if self._former is None or self._former.done():
             self._former = asyncio.create_task(self._form_group(), name="form-group")
-        return await future
+        reply = await future
+        if request.attempt and reply.kind in ("group", "resync"):
+            self._answered = {p: a for p, a in self._answered.items() if now - a[2] < ANSWERED_KEEP_S}
+            self._answered[peer] = (request.attempt, reply, time.monotonic())
+        return reply
 
     def note_round(self, members: list[str], slow_senders: tuple[str, ...] | list[str]) -> None:
         """After a round of ours: mark members whose parts came in far behind the others' in SLOW_ROUNDS of

@@ -359,6 +359,7 @@ class Transport(ServicerBase):
         except Exception as e:
             if not await self._through_relay(peer, e):
                 raise CallFailed(f"{method} to {peer[-8:]} failed over libp2p: {e!r}") from None
+            logger.debug(f"{method} to {peer[-8:]} failed ({e!r}); trying once more through its relay")
             try:
                 response = await self._unary_call(stub.rpc_call(request))
             except Exception as e:
@@ -439,6 +440,7 @@ class Transport(ServicerBase):
         except Exception as e:
             if not await self._through_relay(peer, e):
                 raise CallFailed(f"libp2p stream to {peer[-8:]} failed: {e!r}") from None
+            logger.debug(f"libp2p stream to {peer[-8:]} failed ({e!r}); trying once more through its relay")
             try:
                 _, reader, writer = await self.p2p.call_binary_stream_handler(PeerID.from_base58(peer), self._stream_proto)
             except Exception as e:

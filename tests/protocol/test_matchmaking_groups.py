@@ -209,3 +209,27 @@ def test_with_fewer_than_k_unflagged_peers_a_group_does_not_wait_and_drops_the_m
         await matchmaker.aclose()
 
     asyncio.run(main())
+
+
+def test_a_join_that_comes_again_gets_the_group_it_was_placed_in():
+    """A relayed connection that breaks under a join loses the leader's reply, and the transport sends the
+    same join once more: the leader answers it with the group it placed it in, not with the next group
+    (meanwhile the members of the first one would wait for the joiner's parts). A new join is a new one."""
+
+    async def main():
+        matchmaker = _matchmaker(PEERS[:2], "full")
+        first = JoinRequest(run=RUN, version=b"v" * 32, step=3, attempt=b"a" * 16)
+        joins = [asyncio.create_task(matchmaker._submit(p, first)) for p in PEERS[:2]]
+        placed = [await asyncio.wait_for(t, 5) for t in joins]
+        assert placed[1].kind == "group" and sorted(placed[1].group.members) == sorted(PEERS[:2])
+        again = await asyncio.wait_for(matchmaker._submit(PEERS[1], first), 5)
+        assert again.group.round_id == placed[1].group.round_id
+        new = first.model_copy(update={"attempt": b"b" * 16})
+        later = asyncio.create_task(matchmaker._submit(PEERS[1], new))
+        await asyncio.sleep(0.05)
+        assert not later.done()  # held for the next group
+        mine = await asyncio.wait_for(matchmaker._submit(PEERS[0], new), 5)
+        assert (await asyncio.wait_for(later, 5)).group.round_id == mine.group.round_id != placed[1].group.round_id
+        await matchmaker.aclose()
+
+    asyncio.run(main())
