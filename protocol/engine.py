@@ -30,6 +30,7 @@ from phalanx.protocol.btard.behavior import Behavior
 from phalanx.protocol.codec import encode
 from phalanx.protocol.config import Codec, RoundConfig
 from phalanx.protocol.exchange import ExchangeService
+from phalanx.protocol.link_quality import LinkQuality
 from phalanx.protocol.matchmaking import GroupSpec, Matchmaker
 from phalanx.protocol.membership import Membership
 from phalanx.protocol.quarantine import Quarantine
@@ -127,12 +128,15 @@ class RoundEngine:
         # members this peer's reducers caught declaring oversized parts: their parts are refused, and the
         # matchmaker keeps them out of the groups it forms or joins, for a cool-off
         self.quarantine = Quarantine()
+        # which peers are slow and whether this one steps down as leader: the matchmaker feeds it, the membership
+        # publishes it. It announces through the membership, built before the engine (node, fixtures): so the
+        # membership is handed it here, the one place it is
+        self.link = LinkQuality(transport.peer_id, announce=membership.announce_soon, in_view=membership.peers)
+        membership.link = self.link
         self.matchmaker = Matchmaker(
-            transport, membership, config.matchmaking, run_hash, identity=identity, sync_policy=sync_policy, loss=loss,
-            majority_state=config.verify is not None, quarantine=self.quarantine,
+            transport, membership, config.matchmaking, run_hash, link=self.link, identity=identity,
+            sync_policy=sync_policy, loss=loss, majority_state=config.verify is not None, quarantine=self.quarantine,
         )  # fmt: skip
-        membership.slow_marks = self.matchmaker.slow_peers  # published, so that a slow peer stops leading
-        membership.on_probation = self.matchmaker.on_probation
         self.allreduce = AllReduceService(
             transport,
             registration_wait_s=config.matchmaking.join_timeout_s,
@@ -275,7 +279,7 @@ class RoundEngine:
         # on the lossy sender is late, and suspecting them all left this peer training in a group of one.
         for peer in (*result.idle_senders, *result.unreachable):
             self.membership.suspect(peer, for_s=self.membership.ttl_s)
-        self.matchmaker.note_round(group.members, result.slow_senders)
+        self.link.note_round(group.members, result.slow_senders)
         self.stats.last_group_size = len(group.members)
         self.stats.last_round_s = time.monotonic() - started
         return Averaged(group, result, verdict)

@@ -32,6 +32,7 @@ from pydantic import Field, model_validator
 
 from phalanx.errors import PeerProtocolError, RoundTimeoutError
 from phalanx.protocol.config import MatchmakingConfig
+from phalanx.protocol.link_quality import SLOW_FOR_S, LinkQuality
 from phalanx.protocol.membership import Membership
 from phalanx.protocol.quarantine import Quarantine
 from phalanx.protocol.sync_policy import SyncPolicy
@@ -55,20 +56,9 @@ LEADER_RECHECK_S = 1.0  # a forming group checks this often that its former stil
 JOINER_SILENT_S = 3.0
 FORMER_STALLED_S = LEADER_RECHECK_S + 0.5  # a forming group's passes this far apart: its loop stalled (probes queued)
 RECHECK_LEADER_S = 1.0  # a joiner probes the leader it suspects at most this often (see Matchmaker._recheck_leader)
-# Sync policies (K of N): a member whose parts came in far behind the others' (a lossy or thin link) is
-# marked "slow" for SLOW_FOR_S by the reducers that saw it; once most of the others name it in their
-# membership records, a forming group does not count it towards K for SLOW_WAIT_S, and leaves it out when
-# K others are in sync, so one bad link does not set the pace of every round it gets into (nor leads).
-SLOW_FOR_S = 30.0
+# Sync policies (K of N): a joiner most of the others name slow in their membership records (protocol.link_quality)
+# does not count towards K for SLOW_WAIT_S, and is left out when K others are in sync
 SLOW_WAIT_S = 1.0
-SLOW_ROUNDS_OF, SLOW_ROUNDS = 8, 3  # a member is slow when its parts were late in this many of its last rounds with us
-# A leader is slow to its joiners when, of their last SLOW_JOINS_OF calls, SLOW_JOINS took more than
-# SLOW_JOIN_MIN_S (and SLOW_JOIN_FACTOR times the typical one) beyond the time it held them: every join and
-# group reply crosses the leader's link, and a lossy leader set the pace of every group of a k:3 swarm.
-SLOW_JOINS_OF, SLOW_JOINS = 8, 3
-SLOW_JOINS_TOTAL_S = 1.0  # ... or two took this much beyond the bound together (a lossy link's joins take seconds)
-SLOW_JOIN_MIN_S = 0.2
-SLOW_JOIN_FACTOR = 4.0
 MAX_OVERHEAD_MS = 3_600_000
 ANSWERED_KEEP_S = 60.0  # how long a leader answers a repeated join with the group it placed the join in
 
@@ -79,7 +69,7 @@ class JoinRequest(WireModel):
     step: Annotated[int, Field(ge=0)]  # training step of that state
     together: bool = False  # that state came out of a round with others (not trained alone, not a checkpoint)
     # how long the joiner's previous join to this leader took beyond what the leader held it (its link, see
-    # Matchmaker._note_report); 0: none, or to another leader
+    # LinkQuality.note_report); 0: none, or to another leader
     overhead_ms: Annotated[int, Field(ge=0, le=MAX_OVERHEAD_MS)] = 0
     reachable: bool = True  # others can dial the joiner: it may reduce a part (False: it only dials out)
     # one join() of the joiner, through its redirects and retries: a leader that placed this very join in a
@@ -127,7 +117,7 @@ class JoinReply(WireModel):
     donor: Optional[PeerIdStr] = None  # for "resync"
     leader: Optional[PeerIdStr] = None  # for "redirect"
     held_ms: Annotated[int, Field(ge=0)] = 0  # how long the leader held the join: the rest of the call is its link
-    # "redirect" from a leader stepping down (see Matchmaker._note_report): for how much longer. Its record says
+    # "redirect" from a leader stepping down (see LinkQuality.note_report): for how much longer. Its record says
     # so too, but a record stored over the very link that made it step down reaches the others seconds late,
     # and meanwhile they kept sending their joins back to it
     stepping_down_ms: Annotated[int, Field(ge=0, le=int(SLOW_FOR_S * 1000))] = 0
@@ -157,6 +147,7 @@ class Matchmaker:
     membership: Membership
     config: MatchmakingConfig
     run_hash: bytes
+    link: LinkQuality  # which peers are slow, and whether this one steps down as leader
     identity: Optional[Identity] = None  # signs the groups this peer leads (verified runs)
     # verified runs: a round starts from the state most joiners hold (ties: the later one), not from the
     # latest anyone claims, or one peer claiming a step far ahead would make everyone download its state
@@ -180,14 +171,6 @@ class Matchmaker:
     _rechecked_at: float = float("-inf")  # when we last probed a leader we suspect
     _rng: random.Random = field(default_factory=lambda: random.Random(secrets.randbits(64)))
     _started: float = field(default_factory=time.monotonic)
-    _slow: dict[str, float] = field(default_factory=dict)  # peer -> time.monotonic() its mark ends
-    _late_parts: dict[str, list[bool]] = field(default_factory=dict)  # member -> were its parts late, last rounds
-    _overheads_of: Optional[str] = None  # the leader our last joins went to ...
-    _overheads: list[float] = field(default_factory=list)  # ... and how long each took beyond its wait
-    _last_overhead: tuple[Optional[str], float] = (None, 0.0)  # (leader, seconds) of our last join, reported in the next
-    _reports: list[tuple[str, float]] = field(default_factory=list)  # leader: (joiner, overhead) of the last joins served
-    _stepping_down_until: float = 0.0  # leader: named slow by itself until then (see _note_report) ...
-    _probation_until: float = 0.0  # ... then back in groups, but leading none until then (see on_probation)
 
     def __post_init__(self) -> None:
         self._arrived = asyncio.Event()
@@ -266,8 +249,8 @@ class Matchmaker:
         DHT view is no reason: under packet loss a live leader's record can lapse, and joiners that gave up
         on it formed groups of one while it still formed theirs."""
         timeout_s = self.config.matchmaking_timeout_s * 2 + 5
-        if self._last_overhead[0] == leader:
-            request = request.model_copy(update={"overhead_ms": min(int(self._last_overhead[1] * 1000), MAX_OVERHEAD_MS)})
+        if overhead_s := self.link.overhead_to_report(leader):
+            request = request.model_copy(update={"overhead_ms": min(int(overhead_s * 1000), MAX_OVERHEAD_MS)})
         began = time.monotonic()
         call = asyncio.create_task(
             self.transport.call(leader, JOIN_METHOD, pack(request), max_reply_payload=0, timeout_s=timeout_s),
@@ -281,8 +264,7 @@ class Matchmaker:
                     reply = unpack(header, JoinReply, peer=leader)
                     overhead = max(time.monotonic() - began - reply.held_ms / 1000, 0.0)
                     logger.debug(f"join to {leader[-8:]}: {reply.kind} after {time.monotonic() - began:.3f} s (held {reply.held_ms} ms)")
-                    self._note_join_overhead(leader, overhead)
-                    self._last_overhead = (leader, overhead)
+                    self.link.note_join_overhead(leader, overhead)
                     return reply
                 probe = asyncio.create_task(self._probe(leader), name="join-probe")
                 # the peer this one would turn to next is probed too: a split or cut that took the leader away
@@ -363,11 +345,11 @@ class Matchmaker:
         if peer in self.quarantine:
             raise PeerProtocolError(f"in quarantine for {self.quarantine.remaining_s(peer):.0f} s more", peer=peer)
         self.stats.joins_served += 1
-        self._note_report(peer, request.overhead_ms / 1000)
+        self.link.note_report(peer, request.overhead_ms / 1000)
         began = time.monotonic()
         reply = await self._submit(peer, request)
         update = {"held_ms": int((time.monotonic() - began) * 1000)}
-        stepping_down_s = self._stepping_down_until - time.monotonic()
+        stepping_down_s = self.link.stepping_down_s()
         if reply.kind == "redirect" and stepping_down_s > 0:
             update["stepping_down_ms"] = min(int(stepping_down_s * 1000), int(SLOW_FOR_S * 1000))
         return pack(reply.model_copy(update=update)), b""
@@ -398,103 +380,6 @@ class Matchmaker:
             self._answered = {p: a for p, a in self._answered.items() if now - a[2] < ANSWERED_KEEP_S}
             self._answered[peer] = (request.attempt, reply, time.monotonic())
         return reply
-
-    def note_round(self, members: list[str], slow_senders: tuple[str, ...] | list[str]) -> None:
-        """After a round of ours: mark members whose parts came in far behind the others' in SLOW_ROUNDS of
-        their last SLOW_ROUNDS_OF rounds with us (a thin link is late every round, a descheduled process once)."""
-        slow = set(slow_senders)
-        marked = []
-        for peer in members:
-            if peer == self.peer_id:
-                continue
-            history = [*self._late_parts.get(peer, [])[1 - SLOW_ROUNDS_OF :], peer in slow]
-            if sum(history) >= SLOW_ROUNDS:
-                marked.append(peer)
-                history = []
-            self._late_parts[peer] = history
-        absent = [p for p in self._late_parts if p not in members]
-        if absent:
-            view = self.membership.peers()
-            for peer in [p for p in absent if p not in view]:
-                del self._late_parts[peer]  # gone from the swarm
-        if marked:
-            now = time.monotonic()
-            fresh = [p[-8:] for p in marked if self._slow.get(p, 0.0) <= now]
-            if fresh:
-                logger.info(f"member(s) {fresh} slow: their parts came late in {SLOW_ROUNDS} of their last {SLOW_ROUNDS_OF} rounds with us")
-            self.note_slow(marked)
-
-    def note_slow(self, peers: tuple[str, ...] | list[str]) -> None:
-        """Mark peers slow for SLOW_FOR_S: their parts kept coming in late (note_round), or their link kept our
-        joins long (_note_join_overhead)."""
-        now = time.monotonic()
-        new = False
-        for peer in peers:
-            if peer != self.peer_id:
-                new = new or self._slow.get(peer, 0.0) <= now
-                self._slow[peer] = now + SLOW_FOR_S
-        if new:
-            self.membership.announce_soon()  # the others count our mark at their next read, not 2 s later
-        for peer in [p for p, until in self._slow.items() if until <= now]:
-            del self._slow[peer]
-
-    def _note_join_overhead(self, leader: str, overhead_s: float) -> None:
-        """Mark the leader slow when its link, not its waiting for others, keeps our joins long; while this peer
-        steps down or is on probation after that, late joins to the next leader say its own link still is slow."""
-        if self._overheads_of != leader:
-            self._overheads_of, self._overheads = leader, []
-        self._overheads = [*self._overheads[1 - SLOW_JOINS_OF :], max(overhead_s, 0.0)]
-        if len(self._overheads) < SLOW_JOINS_OF:
-            return
-        late, limit = _late(self._overheads)
-        if not _too_late(self._overheads, late, limit):
-            return
-        self._overheads = []
-        if self._probation_until > time.monotonic():  # we stepped down lately: it is our link that is slow
-            logger.info(f"stepping down (again): {sum(late)} of our last {SLOW_JOINS_OF} joins took over {limit:.2f} s")
-            self._step_down()
-            return
-        logger.info(f"leader {leader[-8:]} is slow: {sum(late)} of our last {SLOW_JOINS_OF} joins took over "
-                    f"{limit:.2f} s beyond its wait")  # fmt: skip
-        self.note_slow([leader])
-
-    def _note_report(self, joiner: str, overhead_s: float) -> None:
-        """Leader: step down (name itself slow) when its joiners' reports say its link keeps their joins long.
-        It sees every joiner's report, so it finds out several times sooner than each joiner alone; it takes
-        late reports from most of its reporters, so a minority cannot talk it out of leading."""
-        if overhead_s <= 0.0:
-            return
-        self._reports = [*self._reports[1 - SLOW_JOINS_OF :], (joiner, overhead_s)]
-        if len(self._reports) < SLOW_JOINS_OF or self._stepping_down_until > time.monotonic():
-            return
-        overheads = [o for _, o in self._reports]
-        flags, limit = _late(overheads)
-        late = [j for (j, _), is_late in zip(self._reports, flags) if is_late]
-        reporters, late_reporters = {j for j, _ in self._reports}, set(late)
-        slow = _too_late(overheads, flags, limit)
-        if slow and len(late_reporters) >= 2 and 2 * len(late_reporters) > len(reporters):
-            logger.info(
-                f"stepping down as leader: {len(late)} of the last {SLOW_JOINS_OF} joins took over {limit:.2f} s "
-                f"beyond our wait, for {len(late_reporters)} of {len(reporters)} joiners"
-            )
-            self._step_down()
-            self._reports = []
-
-    def _step_down(self) -> None:
-        now = time.monotonic()
-        self._stepping_down_until, self._probation_until = now + SLOW_FOR_S, now + 2 * SLOW_FOR_S
-        self.membership.announce_soon()
-
-    def on_probation(self) -> bool:
-        """After stepping down: back in groups (where slow parts get it marked again), not leading yet. A link that
-        was slow when it stepped down often still is when that ends, and a leader's link costs every group."""
-        return self._stepping_down_until <= time.monotonic() < self._probation_until
-
-    def slow_peers(self) -> list[str]:
-        """The peers marked slow now, this one too while it steps down (published in its membership record)."""
-        now = time.monotonic()
-        marked = [p for p, until in self._slow.items() if until > now]
-        return marked + [self.peer_id] if self._stepping_down_until > now else marked
 
     def _expected(self) -> set[str]:
         view = set(self.membership.peers())
@@ -577,7 +462,7 @@ class Matchmaker:
             logger.debug(
                 f"group closes {time.monotonic() - first_join:.3f} s after the first join: {len(self._pending)} joined, "
                 f"{len(missing)} expected missing, K={k}, slow by the swarm's word: {slow}, marked slow here: "
-                f"{sorted(p[-8:] for p in self.slow_peers())}"
+                f"{sorted(p[-8:] for p in self.link.slow_peers())}"
             )
         if timed_out:
             for peer in missing:  # do not wait for them again until they join
@@ -703,20 +588,6 @@ class Matchmaker:
         if self.majority_state or not dialable:
             return chunk, len(chunk)
         return dialable + [p for p in chunk if not pending[p].request.reachable], len(dialable)
-
-
-def _late(overheads: list[float]) -> tuple[list[bool], float]:
-    """Which join overheads are late, and the bound: SLOW_JOIN_MIN_S, or SLOW_JOIN_FACTOR times the median
-    where that is more (a far leader's 300 ms round trips are its typical time, not lateness)."""
-    limit = max(SLOW_JOIN_MIN_S, SLOW_JOIN_FACTOR * sorted(overheads)[len(overheads) // 2])
-    return [o > limit for o in overheads], limit
-
-
-def _too_late(overheads: list[float], late: list[bool], limit: float) -> bool:
-    """SLOW_JOINS late joins, or two or more that add up to SLOW_JOINS_TOTAL_S beyond the bound: each join
-    under a lossy leader can take a second, and waiting for a third costs the swarm another."""
-    beyond = sum(o - limit for o, is_late in zip(overheads, late) if is_late)
-    return sum(late) >= SLOW_JOINS or (sum(late) >= 2 and beyond >= SLOW_JOINS_TOTAL_S)
 
 
 def _resolve(future: asyncio.Future, reply: JoinReply) -> None:

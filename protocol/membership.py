@@ -23,6 +23,7 @@ from pydantic import AfterValidator, Field
 
 from phalanx.protocol.dht_calls import dht_get, dht_store
 from phalanx.protocol.dht_records import SignedRecordValidator, read_signed
+from phalanx.protocol.link_quality import LinkQuality
 from phalanx.security.identity import Identity
 from phalanx.security.records import sign_record
 from phalanx.security.wire import PeerIdStr, WireModel
@@ -66,7 +67,7 @@ class PeerRecord(WireModel):
     # peers this one found slow lately (their parts reached its reducer far behind the others', or, as its
     # leader, they kept its joins long; itself while it steps down): see `Membership.slow_votes`
     slow: list[PeerIdStr] = Field(default=[], max_length=MAX_SLOW_MARKS)
-    # it stepped down lately and is back in groups, but does not lead yet (Matchmaker.on_probation)
+    # it stepped down lately and is back in groups, but does not lead yet (LinkQuality.on_probation)
     probation: bool = False
     reachable: bool = True  # others can dial it; False: it only dials out (home router), so it never leads
     # where a peer nobody can dial is reached: circuits through relays it holds a slot on (empty: nowhere)
@@ -113,8 +114,9 @@ class Membership:
     # verified runs: the leader is drawn anew each period (see `leader`); None: the lowest peer ID leads
     leader_period_s: Optional[float] = None
     leader_clock: Callable[[], float] = get_dht_time  # numbers the periods (every peer's clock is the DHT's)
-    slow_marks: Callable[[], list[str]] = lambda: []  # the peers this one finds slow, published in its record
-    on_probation: Callable[[], bool] = lambda: False  # published too: it leads no group while true
+    # the peers this one finds slow and whether it is on probation, published in its record. The RoundEngine
+    # hands it over: it builds it after this view, as it announces through announce_soon (None: no marks)
+    link: Optional[LinkQuality] = None
 
     async def start(self) -> None:
         self._refreshed, self._soon = asyncio.Event(), asyncio.Event()
@@ -185,7 +187,7 @@ class Membership:
         if self.identity is None:
             raise ValueError("a membership without an identity cannot announce")
         record = PeerRecord(
-            state=self.state, step=self.step, slow=sorted(self.slow_marks())[:MAX_SLOW_MARKS],
+            state=self.state, step=self.step, slow=self._own_marks(),
             probation=self.on_probation(), reachable=self.reachable, relays=self.relays[:MAX_RELAYS],
         )  # fmt: skip
         value, expiration = sign_record(self.identity, self.key, record, signed_at=get_dht_time(), ttl_s=expire_in_s)
@@ -243,14 +245,14 @@ class Membership:
         every join and group reply crosses the leader's link, and a lossy leader held every group of a
         `k:<K>` swarm back. A peer so named has no vote itself (it still counts among the others): on a
         lossy link it sees everyone's parts come in late and names them at random. A peer that names
-        itself steps down (Matchmaker._note_report) and counts as named by all, from when it says so in a
+        itself steps down (LinkQuality.note_report) and counts as named by all, from when it says so in a
         join reply (`note_stepping_down`) too."""
         records = self.peers()
         now = time.monotonic()
         stepping_down = {p for p, until in self._stepping_down.items() if until > now}
         self._stepping_down = {p: self._stepping_down[p] for p in stepping_down}
         if self.peer_id in records:  # our own marks as they are now, not as last published (a leader stepping down)
-            records[self.peer_id] = records[self.peer_id].model_copy(update={"slow": sorted(self.slow_marks())[:MAX_SLOW_MARKS]})
+            records[self.peer_id] = records[self.peer_id].model_copy(update={"slow": self._own_marks()})
 
         def named(void: set[str]) -> dict[str, int]:
             votes = {}
@@ -264,6 +266,13 @@ class Membership:
             return votes
 
         return named(set(named(set())))
+
+    def _own_marks(self) -> list[str]:
+        return sorted(self.link.slow_peers())[:MAX_SLOW_MARKS] if self.link is not None else []
+
+    def on_probation(self) -> bool:
+        """This peer stepped down lately: it leads no group yet (see LinkQuality.on_probation)."""
+        return self.link is not None and self.link.on_probation()
 
     def slow_flagged(self) -> set[str]:
         return set(self.slow_votes())

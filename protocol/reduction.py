@@ -53,7 +53,7 @@ class Reduction:
     def slow(self, started: float) -> list[int]:
         """Senders whose part came in SLOW_MIN_S, and SLOW_FACTOR times the fastest other sender's time,
         after that fastest one: a lossy or thin link, or a descheduled process (one round says little: the
-        matchmaker marks a sender slow in several of its last rounds, Matchmaker.note_round)."""
+        peer marks a sender slow when it was in several of its last rounds, LinkQuality.note_round)."""
         others = {i: at - started for i, at in self.arrived_at.items() if i != self.my_index}
         if len(others) < 2:
             return []  # one other sender: nobody to be slow against

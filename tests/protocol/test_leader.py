@@ -3,6 +3,7 @@ every time; a forming group whose leader's period ends sends its joiners to the 
 
 import asyncio
 import dataclasses
+import time
 from collections import Counter
 
 import pytest
@@ -11,6 +12,7 @@ from hivemind.utils import get_dht_time
 
 from phalanx.protocol.config import MatchmakingConfig, RoundConfig
 from phalanx.protocol.engine import Averaged
+from phalanx.protocol.link_quality import SLOW_FOR_S, LinkQuality
 from phalanx.protocol.matchmaking import JOIN_METHOD, PROBE_METHOD
 from phalanx.protocol.membership import Membership, PeerRecord
 from tests.protocol.swarm_fixture import open_swarm
@@ -23,6 +25,7 @@ def _membership(me: str, period_s=None, clock=lambda: 0.0) -> Membership:
     membership = Membership(None, "k.peers", me, leader_period_s=period_s, leader_clock=clock)
     far = get_dht_time() + 3600
     membership._view = {p: (PeerRecord(state="online", step=0), far) for p in PEERS}
+    membership.link = LinkQuality(me, membership.announce_soon, membership.peers)  # as the engine wires it
     return membership
 
 
@@ -58,7 +61,7 @@ def _flag(membership: Membership, flaggers: list[str], slow: str) -> None:
     for peer in flaggers:
         membership._view[peer] = (PeerRecord(state="online", step=0, slow=[slow]), far)
         if peer == membership.peer_id:  # its own marks count as they are now
-            membership.slow_marks = lambda: [slow]
+            membership.link.note_slow([slow])
 
 
 @pytest.mark.parametrize("me", PEERS)
@@ -82,7 +85,7 @@ def test_a_peer_naming_itself_steps_down():
     assert membership.slow_flagged() == {PEERS[0]} and membership.leader() == PEERS[1]
 
 
-def test_a_peer_on_probation_is_in_groups_but_does_not_lead():
+def test_a_peer_on_probation_is_in_groups_but_does_not_lead(monkeypatch):
     membership = _membership(PEERS[5])
     membership._view[PEERS[0]] = (PeerRecord(state="online", step=0, probation=True), get_dht_time() + 3600)
     assert membership.leader() == PEERS[1] and membership.slow_flagged() == set()
@@ -90,7 +93,9 @@ def test_a_peer_on_probation_is_in_groups_but_does_not_lead():
     for peer in PEERS:
         membership._view[peer] = (PeerRecord(state="online", step=0, probation=True), get_dht_time() + 3600)
     assert membership.leader() == PEERS[5]  # its own state counts as it is now, not as last published
-    membership.on_probation = lambda: True
+    membership.link.step_down()
+    later = time.monotonic() + SLOW_FOR_S + 1  # done stepping down: on probation
+    monkeypatch.setattr(time, "monotonic", lambda: later)
     assert membership.leader() == PEERS[0]  # everyone on probation: someone still leads
 
 

@@ -8,6 +8,7 @@ from hivemind.utils import get_dht_time
 
 from phalanx.protocol import matchmaking
 from phalanx.protocol.config import MatchmakingConfig
+from phalanx.protocol.link_quality import LinkQuality
 from phalanx.protocol.matchmaking import SLOW_WAIT_S, JoinRequest, Matchmaker, _Pending
 from phalanx.protocol.membership import Membership, PeerRecord
 from phalanx.protocol.sync_policy import parse_sync_policy
@@ -28,7 +29,8 @@ def _matchmaker(peers: list[str], policy: str, *, lockstep: bool = True) -> Matc
     far = get_dht_time() + 3600
     membership._view = {p: (PeerRecord(state="online", step=0), far) for p in peers}
     config = MatchmakingConfig(matchmaking_timeout_s=3600.0, join_timeout_s=7200.0, lockstep=lockstep, min_group_size=2)
-    return Matchmaker(_Transport(), membership, config, RUN, sync_policy=parse_sync_policy(policy))
+    membership.link = LinkQuality(PEERS[0], membership.announce_soon, membership.peers)  # as the engine wires it
+    return Matchmaker(_Transport(), membership, config, RUN, membership.link, sync_policy=parse_sync_policy(policy))
 
 
 def _flag_slow(matchmaker: Matchmaker, peer: str) -> None:
@@ -39,7 +41,7 @@ def _flag_slow(matchmaker: Matchmaker, peer: str) -> None:
         record, expires = view[other]
         view[other] = (record.model_copy(update={"slow": [peer]}), expires)
         if other == matchmaker.peer_id:  # its own marks count as they are now
-            matchmaker.membership.slow_marks = lambda: [peer]
+            matchmaker.link.note_slow([peer])
 
 
 async def _join(matchmaker: Matchmaker, peer: str, step: int, version: bytes = b"", together=False) -> asyncio.Task:
@@ -173,8 +175,8 @@ def test_the_leaders_own_slow_marks_alone_do_not_make_a_member_wait(monkeypatch)
 
     async def main():
         matchmaker = _matchmaker(PEERS[:4], "k:3")
-        matchmaker.note_slow(PEERS[1:4])
-        assert sorted(matchmaker.slow_peers()) == PEERS[1:4]  # published in its record, one voice of three
+        matchmaker.link.note_slow(PEERS[1:4])
+        assert sorted(matchmaker.link.slow_peers()) == PEERS[1:4]  # published in its record, one voice of three
         joined = [await _join(matchmaker, p, step=5) for p in PEERS[:3]]
         replies = [await asyncio.wait_for(t, 60) for t in joined]
         assert [r.kind for r in replies] == ["group"] * 3
@@ -192,7 +194,7 @@ def test_with_fewer_than_k_unflagged_peers_a_group_does_not_wait_and_drops_the_m
     async def main():
         matchmaker = _matchmaker(PEERS[:4], "k:3")
         view, far = matchmaker.membership._view, get_dht_time() + 3600
-        matchmaker.membership.slow_marks = lambda: [PEERS[2], PEERS[3]]  # the leader's own
+        matchmaker.link.note_slow([PEERS[2], PEERS[3]])  # the leader's own
         view[PEERS[1]] = (PeerRecord(state="online", step=0, slow=[PEERS[2], PEERS[3]]), far)
         view[PEERS[2]] = (PeerRecord(state="online", step=0, slow=[PEERS[3]]), far)  # void: PEERS[2] is named itself
         view[PEERS[3]] = (PeerRecord(state="online", step=0, slow=[PEERS[2]]), far)  # (the same)

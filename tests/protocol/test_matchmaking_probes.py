@@ -9,7 +9,9 @@ from hivemind.utils import get_dht_time
 
 from phalanx.protocol import matchmaking
 from phalanx.protocol.channel import CallFailed
+from phalanx.protocol import link_quality
 from phalanx.protocol.config import MatchmakingConfig
+from phalanx.protocol.link_quality import LinkQuality
 from phalanx.protocol.matchmaking import JoinRequest, Matchmaker, ProbeReply
 from phalanx.protocol.membership import Membership, PeerRecord
 from phalanx.security.wire import pack
@@ -45,7 +47,8 @@ def _matchmaker(me: str, silent: set[str]) -> Matchmaker:
     membership._view = {p: (PeerRecord(state="online", step=0), far) for p in PEERS[:4]}
     # no deadline in reach: only a probe can end the wait for a silent peer
     config = MatchmakingConfig(matchmaking_timeout_s=3600.0, join_timeout_s=7200.0, lockstep=True, min_group_size=2)
-    return Matchmaker(_Transport(me, silent), membership, config, RUN)
+    membership.link = LinkQuality(me, membership.announce_soon, membership.peers)  # as the engine wires it
+    return Matchmaker(_Transport(me, silent), membership, config, RUN, membership.link)
 
 
 def _request(step: int = 5) -> JoinRequest:
@@ -115,10 +118,10 @@ def test_a_joiner_marks_a_leader_whose_link_keeps_its_joins_long(overheads, slow
     the leader slow (and publishes it) when 3 of its last 8 joins took far longer than its typical one."""
     joiner = _matchmaker(PEERS[1], silent=set())
     for overhead in overheads:
-        joiner._note_join_overhead(PEERS[0], overhead)
-    assert (PEERS[0] in joiner.slow_peers()) is slow
-    joiner._note_join_overhead(PEERS[2], 5.0)  # another leader: its own count
-    assert PEERS[2] not in joiner.slow_peers()
+        joiner.link.note_join_overhead(PEERS[0], overhead)
+    assert (PEERS[0] in joiner.link.slow_peers()) is slow
+    joiner.link.note_join_overhead(PEERS[2], 5.0)  # another leader: its own count
+    assert PEERS[2] not in joiner.link.slow_peers()
 
 
 @pytest.mark.parametrize(
@@ -135,8 +138,8 @@ def test_a_leader_steps_down_when_most_of_its_joiners_report_its_link_slow(repor
     takes it out of the election for every peer, itself included)."""
     leader = _matchmaker(PEERS[0], silent=set())
     for joiner, overhead in reports:
-        leader._note_report(PEERS[joiner], overhead)
-    assert (PEERS[0] in leader.slow_peers()) is steps_down
+        leader.link.note_report(PEERS[joiner], overhead)
+    assert (PEERS[0] in leader.link.slow_peers()) is steps_down
 
 
 class _Swarm:
@@ -166,10 +169,9 @@ def test_a_leader_stepping_down_says_so_in_its_redirects_and_its_joiners_regroup
         for me in PEERS[:4]:
             mm = _matchmaker(me, silent=set())
             mm.transport = swarm.transport(me)
-            mm.membership.slow_marks = mm.slow_peers  # as the engine wires them
             swarm.by_peer[me] = mm
         a = swarm.by_peer[PEERS[0]]
-        a._stepping_down_until = asyncio.get_running_loop().time() + 30  # (time.monotonic's clock)
+        a.link.step_down()  # for SLOW_FOR_S (30 s)
         assert all(swarm.by_peer[p].membership.leader() == PEERS[0] for p in PEERS[1:4])
         joins = [swarm.by_peer[p].join(version=bytes([5]) * 32, step=5) for p in PEERS[:4]]
         replies = await asyncio.wait_for(asyncio.gather(*joins), 30)
@@ -187,19 +189,19 @@ def test_a_stepped_down_leader_is_on_probation_and_late_joins_then_step_it_down_
     """Stepping down ends in probation: back in groups, leading none. Its link is measured by its joins to the
     next leader meanwhile: late ones step it down again, and mark nobody (they say nothing about that leader)."""
     clock = [1000.0]
-    monkeypatch.setattr(matchmaking.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(link_quality.time, "monotonic", lambda: clock[0])
     peer = _matchmaker(PEERS[0], silent=set())
-    peer.membership.on_probation = peer.on_probation
-    peer._step_down()
-    assert peer.slow_peers() == [PEERS[0]] and not peer.on_probation()
-    clock[0] += matchmaking.SLOW_FOR_S + 1
-    assert peer.slow_peers() == [] and peer.on_probation()
-    assert peer.membership.leader() == PEERS[1]  # in its own view too
+    link, membership = peer.link, peer.membership
+    link.step_down()
+    assert link.slow_peers() == [PEERS[0]] and not link.on_probation()
+    clock[0] += link_quality.SLOW_FOR_S + 1
+    assert link.slow_peers() == [] and link.on_probation()
+    assert membership.leader() == PEERS[1]  # in its own view too
     for overhead in [0.002] * 5 + [0.3, 0.5, 0.4]:
-        peer._note_join_overhead(PEERS[1], overhead)
-    assert peer.slow_peers() == [PEERS[0]] and not peer.on_probation()
-    clock[0] += 2 * matchmaking.SLOW_FOR_S + 1
-    assert peer.slow_peers() == [] and not peer.on_probation() and peer.membership.leader() == PEERS[0]
+        link.note_join_overhead(PEERS[1], overhead)
+    assert link.slow_peers() == [PEERS[0]] and not link.on_probation()
+    clock[0] += 2 * link_quality.SLOW_FOR_S + 1
+    assert link.slow_peers() == [] and not link.on_probation() and membership.leader() == PEERS[0]
 
 
 @pytest.mark.parametrize(
@@ -214,9 +216,9 @@ def test_a_member_is_marked_slow_when_its_parts_were_late_in_several_of_its_last
     peer = _matchmaker(PEERS[0], silent=set())
     members = PEERS[:3]
     for late in late_rounds:
-        peer.note_round(members, [PEERS[2]] if late else [])
-    assert (PEERS[2] in peer.slow_peers()) is slow
-    assert PEERS[1] not in peer.slow_peers() and PEERS[0] not in peer.slow_peers()
+        peer.link.note_round(members, [PEERS[2]] if late else [])
+    assert (PEERS[2] in peer.link.slow_peers()) is slow
+    assert PEERS[1] not in peer.link.slow_peers() and PEERS[0] not in peer.link.slow_peers()
 
 
 def test_a_suspected_leader_that_answers_again_is_trusted_again(monkeypatch):

@@ -9,6 +9,7 @@ from hivemind.utils import get_dht_time
 
 from phalanx.errors import PeerProtocolError, RoundAbortedError
 from phalanx.protocol.config import MatchmakingConfig
+from phalanx.protocol.link_quality import LinkQuality
 from phalanx.protocol.matchmaking import JoinRequest, Matchmaker
 from phalanx.protocol.membership import Membership, PeerRecord
 from phalanx.protocol.quarantine import Quarantine
@@ -108,7 +109,8 @@ def _matchmaker(me: str, quarantine: Quarantine) -> Matchmaker:
     far = get_dht_time() + 3600
     membership._view = {p: (PeerRecord(state="online", step=0), far) for p in PEERS[:4]}
     config = MatchmakingConfig(matchmaking_timeout_s=3600.0, join_timeout_s=7200.0, min_group_size=2)
-    return Matchmaker(_Transport(me), membership, config, RUN, quarantine=quarantine)
+    link = LinkQuality(me, membership.announce_soon, membership.peers)
+    return Matchmaker(_Transport(me), membership, config, RUN, link, quarantine=quarantine)
 
 
 def _request() -> JoinRequest:
