@@ -501,6 +501,7 @@ async def open_node(plan: PeerPlan, *, loss: Callable[[], Optional[float]] = lam
                 raise ConfigError(f"--certificate: {e} (ask the owner for a certificate of {identity.peer_id})") from None
         listen, hosts = await direct_hosts(dht, config)
         await DialBackService.open(p2p, admission=gate)  # `phalanx doctor` of other peers asks us to dial their data port
+        banned: set[str] = set()  # one set: the transport refuses their calls, membership hides them, bans add to it
         transport = await Transport.open(
             p2p,
             namespace=key,
@@ -509,13 +510,14 @@ async def open_node(plan: PeerPlan, *, loss: Callable[[], Optional[float]] = lam
             announce_hosts=hosts,
             upload_limit_bytes_per_s=config.upload_limit_mbps * 1e6 / 8,
             admission=gate,
+            banned=banned,
         )
         leader_period_s = LEADER_PERIOD_S if plan.round.verify is not None else None
         membership = Membership(
             dht, keys["peers"].name, transport.peer_id, identity=identity, leader_period_s=leader_period_s,
-            admitted=gate.knows if gate is not None else None, reachable=reachable,
+            admitted=gate.knows if gate is not None else None, reachable=reachable, banned=banned,
         )  # fmt: skip
-        bans = BanBook(dht, keys["bans"].name, membership.banned)
+        bans = BanBook(dht, keys["bans"].name, banned)
         engine = RoundEngine(
             transport, membership, plan.round, plan.run_hash, identity=identity, bans=bans,
             behavior=plan.attack.behavior, sync_policy=plan.sync_policy, loss=loss,

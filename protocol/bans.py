@@ -81,7 +81,7 @@ class BanBook:
 
     dht: DHT
     key: str
-    banned: set[str]  # shared with membership, matchmaking and the transport: updated in place
+    banned: set[str]  # shared with membership, matchmaking and the transport (one set, given to each): updated in place
     ttl_s: float = BAN_TTL_S
     _votes: dict[str, Vote] = field(default_factory=dict)
 

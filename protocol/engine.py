@@ -122,9 +122,8 @@ class RoundEngine:
     ) -> None:
         self.transport, self.membership, self.config, self.run_hash = transport, membership, config, run_hash
         self.identity, self.bans, self.behavior = identity, bans, behavior or Behavior()
-        transport.banned = membership.banned  # one set: matchmaking, membership and every handler honor it
-        if bans is not None:
-            bans.banned = membership.banned
+        if transport.banned is not membership.banned or (bans is not None and bans.banned is not membership.banned):
+            raise ValueError("the transport, membership and ban book must share one banned set (give each the same)")
         # members this peer's reducers caught declaring oversized parts: their parts are refused, and the
         # matchmaker keeps them out of the groups it forms or joins, for a cool-off
         self.quarantine = Quarantine()

@@ -123,6 +123,7 @@ class Transport(ServicerBase):
         connect_timeout_s: float = 3.0,
         upload_limit_bytes_per_s: float = 0.0,
         admission: Optional[Admission] = None,
+        banned: Optional[set[str]] = None,
     ) -> None:
         self.p2p, self.namespace = p2p, namespace
         self.peer_id: str = p2p.peer_id.to_base58()
@@ -151,7 +152,8 @@ class Transport(ServicerBase):
         self._closing = False
         self._unary: set[asyncio.Task] = set()  # libp2p unary calls, finishing after their caller left
         self.stats = TransportStats()
-        self.banned: set[str] = set()  # shared with membership and the ban book: calls from these are refused
+        # calls from these are refused; the node hands the one set membership and the ban book update too
+        self.banned: set[str] = banned if banned is not None else set()
         self._in_round: Counter[str] = Counter()  # members of the rounds under way (see `round_with`)
         self.admission = admission  # private swarms: callers need its approval (protocol.admission.AdmissionGate)
         self.prefer_direct = True  # benchmarks turn this off to measure the libp2p path alone

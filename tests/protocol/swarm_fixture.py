@@ -68,11 +68,14 @@ async def open_peer(
     keys = run_keys(RUN_ID, KEY)
     await install(dht, keys)
     p2p = await dht.replicate_p2p()
-    transport = await Transport.open(p2p, namespace=KEY, direct_host="127.0.0.1" if direct and reachable else None)
+    banned: set[str] = set()  # one set, as the node hands it
+    direct_host = "127.0.0.1" if direct and reachable else None
+    transport = await Transport.open(p2p, namespace=KEY, direct_host=direct_host, banned=banned)
     membership = Membership(
-        dht, keys["peers"].name, transport.peer_id, identity=identity, refresh_s=1.0, ttl_s=6.0, reachable=reachable
-    )
-    bans = BanBook(dht, keys["bans"].name, membership.banned)
+        dht, keys["peers"].name, transport.peer_id, identity=identity, refresh_s=1.0, ttl_s=6.0, reachable=reachable,
+        banned=banned,
+    )  # fmt: skip
+    bans = BanBook(dht, keys["bans"].name, banned)
     engine = RoundEngine(
         transport, membership, config, RUN_HASH, identity=identity, bans=bans, behavior=behavior, sync_policy=sync_policy
     )
