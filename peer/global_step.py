@@ -27,7 +27,7 @@ from phalanx.errors import PhalanxError
 from phalanx.peer.model import Trainable
 from phalanx.peer.node import Node
 from phalanx.protocol.btard import Recompute
-from phalanx.protocol.engine import Averaged, Resync
+from phalanx.protocol.engine import Averaged, Resync, RoundRequest, Verification
 
 logger = logging.getLogger(__name__)
 
@@ -105,7 +105,8 @@ class GlobalStep:
         cancelled. Round failures raise (ROUND_FAILURES) and keep the gradient for another try."""
         steps = self.samples // self.batch_size_per_step
         vector = self._single if self._single is not None else self._sum / steps
-        return await self.engine.run_round(vector.to("cpu", torch.float32), weight=self.weight, recompute=self.recompute)
+        request = RoundRequest(vector.to("cpu", torch.float32), self.weight, verification=Verification(recompute=self.recompute))
+        return await self.engine.run_round(request)
 
     @property
     def weight(self) -> float:

@@ -36,7 +36,7 @@ from phalanx.errors import PhalanxError
 from phalanx.peer.global_step import InThread
 from phalanx.peer.node import Node
 from phalanx.protocol.btard import Recompute
-from phalanx.protocol.engine import Averaged, Resync
+from phalanx.protocol.engine import Averaged, Resync, RoundRequest, Verification
 
 logger = logging.getLogger(__name__)
 
@@ -189,10 +189,10 @@ class OuterStep:
     async def round(self, delta: torch.Tensor) -> Union[Averaged, Resync]:
         """All-reduce `delta`; may be cancelled. Failures raise (ROUND_FAILURES): call `failed`. A peer
         that sat the phase out sends nothing that counts and checks the member it replayed."""
-        return await self.engine.run_round(
-            delta, weight=1.0, recompute=self.recompute, recompute_s=self.replay_s,
-            sit_out=self.sitting is not None, target=self.sitting,
-        )  # fmt: skip
+        verification = Verification(
+            recompute=self.recompute, recompute_s=self.replay_s, sit_out=self.sitting is not None, target=self.sitting
+        )
+        return await self.engine.run_round(RoundRequest(delta, verification=verification))
 
     async def finish(self, outcome: Union[Averaged, Resync]) -> Union[Averaged, Resync, None]:
         """Averaged: the outer step is applied to θ and v and published. Resync: the swarm's θ and v

@@ -90,6 +90,33 @@ class Resync:
         return len(self.group.members) > 1
 
 
+@dataclass(frozen=True)
+class Verification:
+    """This member's part in checking the others: only verified rounds read it (unverified ones refuse
+    `sit_out`), so the plain request leaves it out."""
+
+    recompute: Optional[Recompute] = None  # a validator's recomputation of another member's contribution
+    # how long one `recompute` takes here, which the round waits for validators beyond its phase timeout
+    recompute_s: float = 0.0
+    # this member reduces, reports, judges and gets the result, but no aggregate counts its vector (a DiLoCo
+    # validator that replayed `target`'s phase instead of training); unverified rounds refuse it
+    sit_out: bool = False
+    target: Optional[str] = None  # sitting out: the member whose contribution it checks
+
+
+@dataclass(frozen=True)
+class RoundRequest:
+    """What this peer brings to a round: `RoundRequest(vector)` in the plain case.
+
+    Instead of a vector, `prepare(group)` may return (vector, weight) once the group is known
+    (asynchronous modes correct stale contributions with what the group says)."""
+
+    vector: Optional[torch.Tensor] = None  # (numel,)
+    weight: float = 1.0  # verified rounds count every member once: 1 only
+    prepare: Optional[Prepare] = None
+    verification: Verification = Verification()
+
+
 @dataclass
 class EngineStats:
     rounds_ok: int = 0
@@ -191,34 +218,19 @@ class RoundEngine:
             await asyncio.gather(task, return_exceptions=True)
         await self.matchmaker.aclose()
 
-    async def run_round(
-        self,
-        vector: Optional[torch.Tensor] = None,
-        *,
-        weight: float = 1.0,
-        recompute: Optional[Recompute] = None,
-        recompute_s: float = 0.0,
-        prepare: Optional[Prepare] = None,
-        sit_out: bool = False,
-        target: Optional[str] = None,
-    ) -> Union[Averaged, Resync]:
-        """Form a group and all-reduce `vector` (numel,) with it, or learn that we must resync.
+    async def run_round(self, request: RoundRequest) -> Union[Averaged, Resync]:
+        """Form a group and all-reduce the request's vector with it, or learn that we must resync.
 
         The averaged vector lives in a buffer that the next call overwrites (fresh 40 MB buffers
-        cost page faults every round): apply or copy it before the next round. Instead of a vector,
-        `prepare(group)` may return (vector, weight) once the group is known (asynchronous modes
-        correct stale contributions with what the group says). `recompute_s`: how long one `recompute`
-        takes here, which verified rounds wait for validators beyond their phase timeout. `sit_out` (verified
-        rounds): this member reduces, reports, judges and gets the result, but no aggregate counts its
-        vector (a DiLoCo validator that replayed `target`'s phase instead of training). A round that raises one of
+        cost page faults every round): apply or copy it before the next round. A round that raises one of
         ROUND_FAILURES counts as failed; a cancelled one counts nowhere."""
         try:
-            return await self._run_round(vector, weight, recompute, recompute_s, prepare, sit_out, target)
+            return await self._run_round(request)
         except ROUND_FAILURES:
             self.stats.rounds_failed += 1
             raise
 
-    async def _run_round(self, vector, weight: float, recompute, recompute_s: float, prepare, sit_out=False, target=None) -> Union[Averaged, Resync]:
+    async def _run_round(self, request: RoundRequest) -> Union[Averaged, Resync]:
         started = time.monotonic()
         reply = await self.matchmaker.join(version=self.version, step=self.step, together=self.together)
         if reply.kind == "resync":
@@ -233,16 +245,17 @@ class RoundEngine:
         self._groups += 1
         with self.transport.round_with(group.members):
             try:
-                return await self._run_group(group, started, vector, weight, recompute, recompute_s, prepare, sit_out, target)
+                return await self._run_group(group, started, request)
             except BaseException:  # failed or cancelled: peers told to resync from us must not wait for it
                 self.state.abandon(group.round_id)
                 raise
             finally:
                 self._groups -= 1
 
-    async def _run_group(self, group: GroupSpec, started: float, vector, weight: float, recompute, recompute_s: float, prepare, sit_out=False, target=None):
-        if prepare is not None:
-            vector, weight = await prepare(group)
+    async def _run_group(self, group: GroupSpec, started: float, request: RoundRequest):
+        vector, weight = request.vector, request.weight
+        if request.prepare is not None:
+            vector, weight = await request.prepare(group)
         spec = RoundSpec(
             round_id=group.round_id,
             members=tuple(group.members),
@@ -255,7 +268,7 @@ class RoundEngine:
             self._output = torch.empty(vector.numel())
         verdict = None
         if self.btard is None:
-            if sit_out:
+            if request.verification.sit_out:
                 raise ValueError("only verified rounds let a member sit out; unverified ones weight its contribution")
             result = await self.allreduce.run(
                 spec, vector, self.reducer, weight=weight, call_timeout_s=self.config.allreduce_timeout_s + 10, out=self._output
@@ -263,7 +276,7 @@ class RoundEngine:
         else:
             if weight != 1.0:  # the fixed-point check and the reports assume every member counts once
                 raise ValueError("verified rounds weight every member 1 (BTARD-SGD); got a weighted contribution")
-            result, verdict = await self._verified_round(group, spec, vector, recompute, recompute_s, sit_out, target)
+            result, verdict = await self._verified_round(group, spec, vector, request.verification)
         if result.missing_parts or result.dropped_senders:
             self.stats.rounds_partial += 1
         else:
@@ -283,12 +296,13 @@ class RoundEngine:
         self.stats.last_round_s = time.monotonic() - started
         return Averaged(group, result, verdict)
 
-    async def _verified_round(self, group: GroupSpec, spec: RoundSpec, vector: torch.Tensor, recompute, recompute_s: float, sit_out=False, target=None):
+    async def _verified_round(self, group: GroupSpec, spec: RoundSpec, vector: torch.Tensor, verification: Verification):
         """Phases 2–6 with BTARD: commit, data with signed statements, verify, judge, ban."""
         statement = self._check_group(group)
         if self.behavior.silent:
             raise RoundAbortedError("silent by design (attack)")
         # a member sitting out sends zeros: its parts only ask for the aggregates (the same call)
+        sit_out = verification.sit_out
         vector = torch.zeros(vector.numel()) if sit_out else vector.detach().to("cpu", torch.float32).contiguous().view(-1)
         exchange = self.exchange
         exchange.open_round(spec.round_id, spec.members)
@@ -304,9 +318,9 @@ class RoundEngine:
                 config=self.config.verify,
                 behavior=self.behavior,
                 vector=vector,
-                recompute=recompute,
-                recompute_s=recompute_s,
-                target=target if sit_out else None,
+                recompute=verification.recompute,
+                recompute_s=verification.recompute_s,
+                target=verification.target if sit_out else None,
             )
             t0 = time.monotonic()
             await vr.commit([encode(vector[a:b], spec.codec) for a, b in spec.bounds], sits_out=sit_out)

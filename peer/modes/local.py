@@ -16,7 +16,7 @@ from phalanx.aggregation.compression import ErrorFeedback
 from phalanx.errors import ConfigError, PhalanxError
 from phalanx.peer.local_exchange import LocalExchange
 from phalanx.peer.modes.base import Mode, ModeStatistics, Swarm, call_closure
-from phalanx.protocol.engine import ROUND_FAILURES, Averaged
+from phalanx.protocol.engine import ROUND_FAILURES, Averaged, RoundRequest
 
 logger = logging.getLogger(__name__)
 
@@ -79,7 +79,7 @@ class LocalMode(Mode):
             swarm.check_node()
             exchange.snapshot()
             self._since_exchange = 0
-            self._in_flight = swarm.submit(swarm.node.engine.run_round(prepare=exchange.contribution))
+            self._in_flight = swarm.submit(swarm.node.engine.run_round(RoundRequest(prepare=exchange.contribution)))
         return loss
 
     @property

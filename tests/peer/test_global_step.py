@@ -15,9 +15,10 @@ class _Engine:
     def __init__(self) -> None:
         self.rounds = []
 
-    async def run_round(self, vector, *, weight, recompute=None, recompute_s=0.0):
-        assert recompute is not None or recompute_s == 0.0  # only validators' recomputations are waited for
-        self.rounds.append((vector.clone(), weight))
+    async def run_round(self, request):
+        checks = request.verification  # only validators' recomputations are waited for
+        assert checks.recompute is not None or checks.recompute_s == 0.0
+        self.rounds.append((request.vector.clone(), request.weight))
         raise asyncio.CancelledError  # the test looks at what was sent only
 
 

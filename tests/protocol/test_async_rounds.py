@@ -10,7 +10,7 @@ from phalanx.aggregation.staleness import GapAware
 from phalanx.peer.local_exchange import BASE_KEY
 from phalanx.peer.local_sgd import LocalState, StalenessCorrection
 from phalanx.protocol.config import MatchmakingConfig, RoundConfig
-from phalanx.protocol.engine import Averaged
+from phalanx.protocol.engine import Averaged, RoundRequest
 from phalanx.protocol.state_sync import StateSnapshot
 from tests.protocol.swarm_fixture import open_swarm
 
@@ -29,7 +29,7 @@ def test_gossip_pair_ends_with_the_exact_pair_average():
     async def main():
         async with open_swarm(2, _config(target=2)) as peers:
             xs = [torch.randn(3000, generator=torch.Generator().manual_seed(i)) for i in range(2)]
-            outcomes = await asyncio.gather(*[p.engine.run_round(x) for p, x in zip(peers, xs)])
+            outcomes = await asyncio.gather(*[p.engine.run_round(RoundRequest(x)) for p, x in zip(peers, xs)])
             for outcome in outcomes:
                 assert isinstance(outcome, Averaged) and len(outcome.group.members) == 2
                 assert torch.equal(outcome.result.vector, (xs[0] + xs[1]) / 2)
@@ -44,7 +44,7 @@ def test_four_peer_gossip_reaches_consensus():
             mean = torch.stack(xs).mean(0)
             spread0 = max(float((x - mean).norm()) for x in xs)
             for _ in range(12):
-                outcomes = await asyncio.gather(*[p.engine.run_round(x) for p, x in zip(peers, xs)])
+                outcomes = await asyncio.gather(*[p.engine.run_round(RoundRequest(x)) for p, x in zip(peers, xs)])
                 assert all(len(o.group.members) == 2 for o in outcomes)  # one random peer at a time
                 xs = [o.result.vector.clone() for o in outcomes]
             assert torch.allclose(torch.stack(xs).mean(0), mean, atol=1e-5)  # pairwise averaging keeps the mean
@@ -89,7 +89,7 @@ def test_stale_contribution_is_penalized_end_to_end_as_gap_aware_says():
                 return prepare
 
             outcomes = await asyncio.gather(
-                *[p.engine.run_round(prepare=prepare_for(p, s, c)) for p, s, c in zip(peers, states, corrections)]
+                *[p.engine.run_round(RoundRequest(prepare=prepare_for(p, s, c))) for p, s, c in zip(peers, states, corrections)]
             )
             fresh_update = states[0].snapshot - fresh_base
             stale_update = states[1].snapshot - stale_base
@@ -117,7 +117,7 @@ def test_clipped_gossip_pair_moves_each_member_at_most_tau_per_part():
         async with open_swarm(2, config) as peers:
             xs = [torch.randn(4000, generator=torch.Generator().manual_seed(i)) for i in range(2)]
             xs[1] = xs[1] * 100  # far away: clipping must act
-            outcomes = await asyncio.gather(*[p.engine.run_round(x) for p, x in zip(peers, xs)])
+            outcomes = await asyncio.gather(*[p.engine.run_round(RoundRequest(x)) for p, x in zip(peers, xs)])
             members = outcomes[0].group.members
             by_member = {p.peer_id: x for p, x in zip(peers, xs)}
             for peer, outcome in zip(peers, outcomes):
@@ -145,7 +145,7 @@ def test_sync_policy_sets_the_group_size():
     async def main():
         async with open_swarm(4, config, sync_policy=lambda: parse_sync_policy("k:2")) as peers:
             xs = [torch.randn(100, generator=torch.Generator().manual_seed(i)) for i in range(4)]
-            outcomes = await asyncio.gather(*[p.engine.run_round(x) for p, x in zip(peers, xs)])
+            outcomes = await asyncio.gather(*[p.engine.run_round(RoundRequest(x)) for p, x in zip(peers, xs)])
             for outcome in outcomes:
                 assert outcome.group.k == 2 and len(outcome.group.members) == 2  # K = 2: no one waits for more
 
@@ -163,7 +163,7 @@ def test_an_asynchronous_group_closes_as_soon_as_every_expected_peer_joined():
         async with open_swarm(3, config) as peers:
             xs = [torch.full((100,), float(i)) for i in range(3)]
             async with asyncio.timeout(120):  # a hang here is the group sitting out its hour-long window
-                outcomes = await asyncio.gather(*[p.engine.run_round(x) for p, x in zip(peers, xs)])
+                outcomes = await asyncio.gather(*[p.engine.run_round(RoundRequest(x)) for p, x in zip(peers, xs)])
             for outcome in outcomes:
                 assert isinstance(outcome, Averaged) and len(outcome.group.members) == 3
                 assert torch.equal(outcome.result.vector, torch.full((100,), 1.0))

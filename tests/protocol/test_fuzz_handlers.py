@@ -13,7 +13,7 @@ from phalanx.errors import PeerProtocolError
 from phalanx.protocol.allreduce import PART_METHOD, PartHeader
 from phalanx.protocol.btard.messages import EVIDENCE_METHOD, RELAY_METHOD, EvidenceRequest, RelayRequest
 from phalanx.protocol.config import MatchmakingConfig, RoundConfig, verify_config_for
-from phalanx.protocol.engine import Averaged
+from phalanx.protocol.engine import Averaged, RoundRequest
 from phalanx.protocol.exchange import EXCHANGE_METHOD, ExchangeHeader
 from phalanx.protocol.matchmaking import JOIN_METHOD, JoinRequest
 from phalanx.protocol.state_sync import CHECK_METHOD, STATE_METHOD, CheckRequest, StateRequest
@@ -108,7 +108,7 @@ def test_handlers_refuse_garbage_and_the_peer_keeps_serving():
             for peer in peers:
                 peer.engine.set_state(b"v", 0)
             xs = [torch.randn(5000, generator=torch.Generator().manual_seed(i)) for i in range(3)]
-            results = await asyncio.gather(*[p.engine.run_round(x) for p, x in zip(peers, xs)])
+            results = await asyncio.gather(*[p.engine.run_round(RoundRequest(x)) for p, x in zip(peers, xs)])
             assert all(isinstance(r, Averaged) and not r.verdict.banned for r in results)
 
     asyncio.run(main())

@@ -11,7 +11,7 @@ import torch
 from hivemind.utils import get_dht_time
 
 from phalanx.protocol.config import MatchmakingConfig, RoundConfig
-from phalanx.protocol.engine import Averaged
+from phalanx.protocol.engine import Averaged, RoundRequest
 from phalanx.protocol.link_quality import SLOW_FOR_S, LinkQuality
 from phalanx.protocol.matchmaking import JOIN_METHOD, PROBE_METHOD
 from phalanx.protocol.membership import Membership, PeerRecord
@@ -141,12 +141,12 @@ def test_a_new_leader_period_during_formation_sends_the_joiners_to_the_new_leade
             by_id = {p.peer_id: p for p in peers}
             early = [p for p in peers if p.peer_id != new]
             xs = [torch.full((1000,), float(i)) for i in range(4)]
-            rounds = {p.peer_id: asyncio.create_task(p.engine.run_round(xs[i])) for i, p in enumerate(early)}
+            rounds = {p.peer_id: asyncio.create_task(p.engine.run_round(RoundRequest(xs[i]))) for i, p in enumerate(early)}
             async with asyncio.timeout(120):  # a hang here is the old leader waiting out its deadline
                 while len(by_id[old].engine.matchmaker._pending) < len(early):
                     await asyncio.sleep(0.01)
                 now[0] = later  # the period ends while the three wait at the old leader
-                rounds[new] = asyncio.create_task(by_id[new].engine.run_round(xs[3]))
+                rounds[new] = asyncio.create_task(by_id[new].engine.run_round(RoundRequest(xs[3])))
                 outcomes = {peer: await task for peer, task in rounds.items()}
             for peer, outcome in outcomes.items():
                 assert isinstance(outcome, Averaged), outcome
@@ -184,7 +184,7 @@ def test_joiners_give_up_on_a_leader_that_stops_answering_and_regroup_without_it
             others = [p for p in peers if p.peer_id not in frozen_ids]
             xs = [torch.full((1000,), float(i)) for i in range(len(others))]
             async with asyncio.timeout(120):  # a hang here is the joiners waiting on the frozen leader
-                outcomes = await asyncio.gather(*(p.engine.run_round(x) for p, x in zip(others, xs)))
+                outcomes = await asyncio.gather(*(p.engine.run_round(RoundRequest(x)) for p, x in zip(others, xs)))
             for peer, outcome in zip(others, outcomes):
                 assert isinstance(outcome, Averaged), outcome
                 assert sorted(outcome.group.members) == sorted(p.peer_id for p in others)

@@ -12,7 +12,7 @@ import torch
 
 from phalanx.protocol.allreduce import PART_METHOD, PartHeader, RoundSpec
 from phalanx.protocol.config import Codec, MatchmakingConfig, RoundConfig
-from phalanx.protocol.engine import Averaged
+from phalanx.protocol.engine import Averaged, RoundRequest
 from phalanx.protocol.partition import partition_bounds
 from phalanx.protocol.transport import CallFailed
 from phalanx.security.wire import pack
@@ -48,7 +48,7 @@ def test_a_member_declaring_oversized_parts_is_refused_unread_and_kept_out_of_th
             for peer in peers:
                 peer.engine.set_state(b"v0", 0)
             with declaring_oversized_parts(attacker.transport):
-                rounds = (p.engine.run_round(x) for p, x in zip(peers, xs))
+                rounds = (p.engine.run_round(RoundRequest(x)) for p, x in zip(peers, xs))
                 outcomes = await asyncio.gather(*rounds, return_exceptions=True)
             assert max(allocations, default=0) < DECLARED // 1024  # nobody allocated what the attacker declared
             members = outcomes[0].group.members
@@ -65,10 +65,10 @@ def test_a_member_declaring_oversized_parts_is_refused_unread_and_kept_out_of_th
             for peer in peers:
                 peer.engine.set_state(b"v1", 1)
             xs = _inputs(4)
-            attempt = asyncio.ensure_future(attacker.engine.run_round(xs[3]))
+            attempt = asyncio.ensure_future(attacker.engine.run_round(RoundRequest(xs[3])))
             try:
                 async with asyncio.timeout(120):
-                    outcomes = await asyncio.gather(*(p.engine.run_round(x) for p, x in zip(honest, xs)))
+                    outcomes = await asyncio.gather(*(p.engine.run_round(RoundRequest(x)) for p, x in zip(honest, xs)))
             finally:
                 attempt.cancel()
                 await asyncio.gather(attempt, return_exceptions=True)

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from phalanx.protocol.config import Codec, MatchmakingConfig, RoundConfig
-from phalanx.protocol.engine import Averaged
+from phalanx.protocol.engine import Averaged, RoundRequest
 from phalanx.protocol.partition import partition_bounds
 from tests.procs import script_env
 from tests.protocol.swarm_fixture import open_swarm
@@ -28,7 +28,7 @@ def _inputs(n: int, numel: int) -> list[torch.Tensor]:
 
 
 async def _round(peers, xs):
-    outcomes = await asyncio.gather(*[p.engine.run_round(x) for p, x in zip(peers, xs)])
+    outcomes = await asyncio.gather(*[p.engine.run_round(RoundRequest(x)) for p, x in zip(peers, xs)])
     for peer, outcome in zip(peers, outcomes):
         assert isinstance(outcome, Averaged), outcome
         await peer.engine.completed(outcome, dict)
@@ -159,7 +159,7 @@ def test_member_killed_mid_round_is_dropped_and_the_next_round_proceeds(fault, a
                 xs = _inputs(2, 400_000)
                 for peer in peers:
                     peer.engine.set_state(b"v0", 0)
-                round1 = [asyncio.create_task(p.engine.run_round(x)) for p, x in zip(peers, xs)]
+                round1 = [asyncio.create_task(p.engine.run_round(RoundRequest(x))) for p, x in zip(peers, xs)]
                 proc.stdin.write(f"{len(peers)}\n")  # it joins with them, once it sees them
                 proc.stdin.flush()
                 line = await asyncio.to_thread(proc.stdout.readline)  # the group formed with all three
@@ -249,10 +249,10 @@ def test_the_engine_counts_a_failed_round_itself_and_a_cancelled_one_nowhere():
 
     async def main():
         async with open_swarm(2, RoundConfig()) as peers:
-            results = await asyncio.gather(*[p.engine.run_round(prepare=refuse) for p in peers], return_exceptions=True)
+            results = await asyncio.gather(*[p.engine.run_round(RoundRequest(prepare=refuse)) for p in peers], return_exceptions=True)
             assert all(isinstance(r, PeerProtocolError) for r in results), results
             assert [(p.engine.stats.rounds_failed, p.engine.stats.rounds_ok) for p in peers] == [(1, 0), (1, 0)]
-            alone = asyncio.create_task(peers[0].engine.run_round(torch.ones(10)))  # nobody joins it
+            alone = asyncio.create_task(peers[0].engine.run_round(RoundRequest(torch.ones(10))))  # nobody joins it
             await asyncio.sleep(0.5)
             alone.cancel()
             await asyncio.gather(alone, return_exceptions=True)

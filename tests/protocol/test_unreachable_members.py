@@ -9,7 +9,7 @@ import torch
 
 from phalanx.protocol.allreduce import AllReduceService
 from phalanx.protocol.config import RoundConfig
-from phalanx.protocol.engine import Averaged
+from phalanx.protocol.engine import Averaged, RoundRequest
 from phalanx.protocol.membership import DIALABLE_MEMORY_S, Membership, PeerRecord
 from tests.protocol.swarm_fixture import open_swarm
 
@@ -48,7 +48,7 @@ def test_members_nobody_can_dial_send_their_parts_and_get_the_mean(homes, monkey
         async with open_swarm(n, RoundConfig(), reachable=reachable) as peers:
             xs = [torch.randn(numel, generator=torch.Generator().manual_seed(i)) for i in range(n)]
             for _ in range(2):
-                outcomes = await asyncio.gather(*[p.engine.run_round(x) for p, x in zip(peers, xs)])
+                outcomes = await asyncio.gather(*[p.engine.run_round(RoundRequest(x)) for p, x in zip(peers, xs)])
                 mean = torch.stack(xs).mean(0)
                 for peer, outcome in zip(peers, outcomes):
                     assert isinstance(outcome, Averaged), outcome

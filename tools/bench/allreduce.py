@@ -115,7 +115,7 @@ def _run_phalanx(args) -> dict[str, Any]:
     from phalanx.peer.plan import make_plan
     from phalanx.protocol.dht_calls import dht_get, dht_store
     from phalanx.protocol.dht_records import read_signed
-    from phalanx.protocol.engine import Averaged
+    from phalanx.protocol.engine import Averaged, RoundRequest, Verification
     from phalanx.security.records import sign_record
 
     config = PeerConfig(
@@ -149,6 +149,7 @@ def _run_phalanx(args) -> dict[str, Any]:
             made when asked as a gradient would be, so the round's memory is what a trainer's would be."""
             return _worker_tensor(ranks[peer], args.numel)
 
+        request = RoundRequest(base, verification=Verification(recompute=recompute if args.verify else None))
         try:
             mine, expiration = sign_record(
                 node.identity, ranks_key, BenchRank(rank=args.rank), signed_at=get_dht_time(), ttl_s=BENCH_RANK_TTL_S
@@ -167,7 +168,7 @@ def _run_phalanx(args) -> dict[str, Any]:
                     sent0, cpu0, measuring = node.transport.stats.bytes_sent, time.process_time(), True
                 outcome = None  # a trainer has applied and dropped the last round's result by now
                 started = time.perf_counter()
-                outcome = await engine.run_round(base, recompute=recompute if args.verify else None)
+                outcome = await engine.run_round(request)
                 if not isinstance(outcome, Averaged):
                     raise RuntimeError(f"round {r}: {outcome}")
                 if len(outcome.group.members) != args.world:

@@ -5,6 +5,7 @@ import asyncio
 import torch
 
 from phalanx.protocol.config import MatchmakingConfig, RoundConfig, verify_config_for
+from phalanx.protocol.engine import RoundRequest
 
 PARAMS = (("tau", 1.0),)
 CONFIG = RoundConfig(
@@ -26,4 +27,4 @@ def inputs(n):
 async def run_round(peers, xs):
     for peer in peers:
         peer.engine.set_state(b"v0", 0)
-    return await asyncio.gather(*[p.engine.run_round(x) for p, x in zip(peers, xs)], return_exceptions=True)
+    return await asyncio.gather(*[p.engine.run_round(RoundRequest(x)) for p, x in zip(peers, xs)], return_exceptions=True)

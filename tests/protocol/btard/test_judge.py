@@ -9,7 +9,7 @@ import pytest
 
 from phalanx.protocol.adversary import PROTOCOL_ATTACKS, Behavior
 from phalanx.protocol.config import Codec
-from phalanx.protocol.engine import Averaged
+from phalanx.protocol.engine import Averaged, RoundRequest
 from tests.protocol.btard.btard_rounds import CONFIG, inputs, run_round
 from tests.protocol.swarm_fixture import close_peer, open_peer, open_swarm
 
@@ -53,8 +53,8 @@ def test_banned_peer_is_refused_by_matchmaking_and_handlers():
             attacker.engine.set_state(b"v1", 1)
             xs = inputs(4)
             results = await asyncio.gather(
-                *[p.engine.run_round(x) for p, x in zip(honest, xs)],
-                attacker.engine.run_round(xs[3]),
+                *[p.engine.run_round(RoundRequest(x)) for p, x in zip(honest, xs)],
+                attacker.engine.run_round(RoundRequest(xs[3])),
                 return_exceptions=True,
             )
             for outcome in results[:3]:

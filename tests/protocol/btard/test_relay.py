@@ -11,7 +11,7 @@ import torch
 from phalanx.errors import RoundAbortedError
 from phalanx.protocol.adversary import Behavior
 from phalanx.protocol.config import Codec
-from phalanx.protocol.engine import Averaged
+from phalanx.protocol.engine import Averaged, RoundRequest
 from tests.protocol.btard.btard_rounds import CONFIG, NUMEL, inputs, run_round
 from tests.protocol.swarm_fixture import open_swarm
 
@@ -256,7 +256,7 @@ def test_two_reducers_dying_after_commit_get_only_themselves_banned(monkeypatch)
             for peer in peers:
                 peer.engine.set_state(b"v0", 0)
             xs = [torch.randn(NUMEL, generator=torch.Generator().manual_seed(i)) for i in range(5)]
-            outcomes = await asyncio.gather(*[p.engine.run_round(x) for p, x in zip(peers, xs)], return_exceptions=True)
+            outcomes = await asyncio.gather(*[p.engine.run_round(RoundRequest(x)) for p, x in zip(peers, xs)], return_exceptions=True)
             for peer, outcome in zip(peers[:3], outcomes[:3]):
                 assert isinstance(outcome, Averaged), outcome
                 assert outcome.verdict.banned == dead and peer.membership.banned == dead

@@ -16,7 +16,7 @@ from phalanx.errors import PeerProtocolError
 from phalanx.protocol.adversary import PROTOCOL_ATTACKS
 from phalanx.protocol.btard.behavior import Behavior
 from phalanx.protocol.config import Codec, verify_config_for
-from phalanx.protocol.engine import Averaged
+from phalanx.protocol.engine import Averaged, RoundRequest, Verification
 from phalanx.protocol.partition import partition_bounds
 from tests.protocol.btard.btard_rounds import CONFIG, NUMEL, inputs, run_round
 from tests.protocol.swarm_fixture import close_peer, open_peer, open_swarm
@@ -293,7 +293,7 @@ def test_a_peer_claiming_a_later_step_does_not_become_everyones_donor():
                 peer.engine.set_state(b"v" * 32, 5)
             liar.engine.set_state(b"x" * 32, 10**9)
             xs = inputs(4)
-            outcomes = await asyncio.gather(*[p.engine.run_round(x) for p, x in zip(peers, xs)], return_exceptions=True)
+            outcomes = await asyncio.gather(*[p.engine.run_round(RoundRequest(x)) for p, x in zip(peers, xs)], return_exceptions=True)
             for outcome in outcomes[:3]:
                 assert isinstance(outcome, Averaged) and liar.peer_id not in outcome.group.members, outcome
             assert isinstance(outcomes[3], Resync) and outcomes[3].donor in {p.peer_id for p in honest}
@@ -332,9 +332,8 @@ def test_a_member_sitting_out_reduces_and_gets_the_aggregate_of_the_others_alone
             sitter = peers[1].peer_id
             for peer in peers:
                 peer.engine.set_state(b"v0", 0)
-            outcomes = await asyncio.gather(
-                *[p.engine.run_round(x, sit_out=p.peer_id == sitter) for p, x in zip(peers, xs)], return_exceptions=True
-            )
+            requests = [RoundRequest(x, verification=Verification(sit_out=p.peer_id == sitter)) for p, x in zip(peers, xs)]
+            outcomes = await asyncio.gather(*[p.engine.run_round(r) for p, r in zip(peers, requests)], return_exceptions=True)
             members = outcomes[0].group.members
             by_member = {p.peer_id: x for p, x in zip(peers, xs)}
             stacked = torch.stack([by_member[m] for m in members if m != sitter])
@@ -366,10 +365,8 @@ def test_a_reducer_counting_a_member_that_sat_out_is_banned_and_its_part_dropped
             sitter, attacker = peers[1].peer_id, peers[3].peer_id
             for peer in peers:
                 peer.engine.set_state(b"v0", 0)
-            outcomes = await asyncio.gather(
-                *[p.engine.run_round(x, sit_out=p.peer_id == sitter) for p, x in zip(peers, inputs(4))],
-                return_exceptions=True,
-            )
+            requests = [RoundRequest(x, verification=Verification(sit_out=p.peer_id == sitter)) for p, x in zip(peers, inputs(4))]
+            outcomes = await asyncio.gather(*[p.engine.run_round(r) for p, r in zip(peers, requests)], return_exceptions=True)
             part = outcomes[0].group.members.index(attacker)
             for outcome in outcomes[:3]:
                 assert isinstance(outcome, Averaged), outcome

@@ -8,10 +8,15 @@ import pytest
 import torch
 
 from phalanx.protocol.adversary import PROTOCOL_ATTACKS
+from phalanx.protocol.engine import RoundRequest, Verification
 from tests.protocol.btard.btard_rounds import CONFIG, inputs
 from tests.protocol.swarm_fixture import open_swarm
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+
+
+def verified(x, **verification) -> RoundRequest:
+    return RoundRequest(x, verification=Verification(**verification))
 
 
 def test_validator_checks_its_target_while_the_gather_runs(monkeypatch):
@@ -35,7 +40,7 @@ def test_validator_checks_its_target_while_the_gather_runs(monkeypatch):
             async def verified_round(sent):
                 for peer in peers:
                     peer.engine.set_state(b"v0", 0)
-                return await asyncio.gather(*[p.engine.run_round(x, recompute=recompute) for p, x in zip(peers, sent)])
+                return await asyncio.gather(*[p.engine.run_round(verified(x, recompute=recompute)) for p, x in zip(peers, sent)])
 
             outcomes = await verified_round(xs)
             assert all(o.verdict.clean and o.verdict.banned == set() for o in outcomes), [o.verdict for o in outcomes]
@@ -71,7 +76,7 @@ def test_a_reducer_covering_up_its_aggregate_with_its_own_report_is_caught_by_th
             async def verified_round():
                 for peer in peers:
                     peer.engine.set_state(b"v0", 0)
-                return await asyncio.gather(*[p.engine.run_round(x, recompute=recompute) for p, x in zip(peers, xs)])
+                return await asyncio.gather(*[p.engine.run_round(verified(x, recompute=recompute)) for p, x in zip(peers, xs)])
 
             # validating someone else, nobody can tell: the wrong aggregate is applied
             outcomes = await verified_round()
@@ -103,7 +108,7 @@ def test_with_a_validator_per_member_a_cover_up_is_caught_in_its_first_round():
 
             for peer in peers:
                 peer.engine.set_state(b"v0", 0)
-            outcomes = await asyncio.gather(*[p.engine.run_round(x, recompute=recompute) for p, x in zip(peers, xs)])
+            outcomes = await asyncio.gather(*[p.engine.run_round(verified(x, recompute=recompute)) for p, x in zip(peers, xs)])
             at = outcomes[0].group.members.index(ids[3])
             for peer, outcome in zip(peers[:3], outcomes[:3]):
                 assert outcome.verdict.banned == {ids[3]} and peer.membership.banned == {ids[3]}
@@ -147,7 +152,7 @@ def test_a_validators_recomputation_is_freed_with_its_round(monkeypatch):
 
             for peer in peers:
                 peer.engine.set_state(b"v0", 0)
-            outcomes = await asyncio.gather(*[p.engine.run_round(x, recompute=recompute) for p, x in zip(peers, xs)])
+            outcomes = await asyncio.gather(*[p.engine.run_round(verified(x, recompute=recompute)) for p, x in zip(peers, xs)])
             assert all(o.verdict.clean for o in outcomes), [o.verdict for o in outcomes]
             assert made == [ids[1]]
             assert peers[0].engine.allreduce.has_round(outcomes[0].group.round_id)  # the guard is still held
@@ -182,7 +187,7 @@ def test_a_validator_whose_recomputation_outlasts_the_phase_timeouts_is_waited_f
                 peer.engine.set_state(b"v0", 0)
             sent = xs[:3] + [-xs[3]]  # peer 3 commits to and sends a flipped contribution
             outcomes = await asyncio.gather(*[
-                p.engine.run_round(x, recompute=recompute, recompute_s=recompute_s)
+                p.engine.run_round(verified(x, recompute=recompute, recompute_s=recompute_s))
                 for p, x in zip(peers, sent)
             ], return_exceptions=True)  # fmt: skip
             return ids, outcomes
@@ -221,7 +226,7 @@ def test_a_validator_sitting_out_checks_the_member_it_picked(case):
                 peer.engine.set_state(b"v0", 0)
             outcomes = await asyncio.gather(
                 *[
-                    p.engine.run_round(x, recompute=recompute_for(p.peer_id), sit_out=p.peer_id == sitter, target=target)
+                    p.engine.run_round(verified(x, recompute=recompute_for(p.peer_id), sit_out=p.peer_id == sitter, target=target))
                     for p, x in zip(peers, sent)
                 ]
             )
