@@ -76,14 +76,9 @@ class RelayKeeper:
         direct = [p for p in relayed if any("p2p-circuit" not in a for a in connected.get(p, ()))]
         self.stats.punched = len(direct) if self.relays else 0
         self.transport.circuits = relayed
-        # Between two relayed peers only the smaller id dials: two circuits opened at once, one each way,
-        # leave libp2p to close one, and every call on it breaks (calls to a peer not dialed yet connect
-        # on demand, in the transport).
-        dials = [
-            self._dial(peer, circuits)
-            for peer, circuits in relayed.items()
-            if peer not in connected and (not self.relays or me < peer)
-        ]  # fmt: skip
+        # every peer dials every relayed one ahead of its calls: p2pd knows a relayed peer's circuits only
+        # from these dials, and a call to a peer it cannot route to hangs until the call's timeout
+        dials = [self._dial(peer, circuits) for peer, circuits in relayed.items() if peer not in connected]
         await asyncio.gather(*dials)
 
     async def _dial(self, peer: str, circuits: list[str]) -> None:
