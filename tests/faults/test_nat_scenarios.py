@@ -110,8 +110,8 @@ def test_four_home_trainers_train_as_one_swarm_through_the_bootstrap_relay(lab_m
     """N2: the bootstrap is the only host anyone can dial; 4 home trainers reach each other through it."""
     if not os.environ.get(RELAYED_ROUNDS_ENV):
         why = (
-            "SKIPPED N2 (4 home trainers, every round through the bootstrap's relay): in about 1 run of 3 a join "
-            "reply arrives 5 s late and a poll sees a smaller group (docs/reliability.md); run it by hand with "
+            "SKIPPED N2 (4 home trainers, every round through the bootstrap's relay): in about half the runs a "
+            "home's relayed calls all reset at once and a poll sees a smaller group (docs/reliability.md); run it by hand with "
             f"{RELAYED_ROUNDS_ENV}=1"
         )
         warnings.warn(why, stacklevel=1)
