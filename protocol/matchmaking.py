@@ -377,8 +377,9 @@ class Matchmaker:
             self._former = asyncio.create_task(self._form_group(), name="form-group")
         reply = await future
         if request.attempt and reply.kind in ("group", "resync"):
-            self._answered = {p: a for p, a in self._answered.items() if now - a[2] < ANSWERED_KEEP_S}
-            self._answered[peer] = (request.attempt, reply, time.monotonic())
+            placed = time.monotonic()
+            self._answered = {p: a for p, a in self._answered.items() if placed - a[2] < ANSWERED_KEEP_S}
+            self._answered[peer] = (request.attempt, reply, placed)
         return reply
 
     def _expected(self) -> set[str]:
