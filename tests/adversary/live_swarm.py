@@ -118,8 +118,9 @@ def open_live_swarm(
             name, port = f"trainer-{i}" if i < trainers else "attacker", free_port()
             identity = workdir / f"{name}.id"
             flags = [*private_flags, *args]
+            # made here so the attacker's id is known even if it is banned before its status is read
+            peer_id = Identity.generate_ed25519(identity).peer_id
             if private:
-                peer_id = Identity.generate_ed25519(identity).peer_id
                 (workdir / f"{name}.cert").write_bytes(issue(load_owner_private(workdir / "owner.key"), peer_id, "phalanx", 3600))
                 flags += ["--certificate", str(workdir / f"{name}.cert")]
             join = [
@@ -133,10 +134,12 @@ def open_live_swarm(
             else:
                 bad = spawn_to_files(name, [*join, *attacker_args], workdir, port, command=attacker)
                 procs.append(bad)
-        for p in procs:
-            p.peer_id = wait_until(lambda p=p: get_json(p.url + "/api/v1/status")[1]["peer_id"], f"{p.name}'s status", procs)
+            procs[-1].peer_id = peer_id
+        honest = [boot, *started]  # a patched trainer may be banned, and stop, before the others are ready
+        boot.peer_id = wait_until(lambda: get_json(boot.url + "/api/v1/status")[1]["peer_id"], "the bootstrap's status", honest)
         for t in started:
-            wait_until(lambda t=t: http_get(t.url + "/readyz")[0] == 200, f"{t.name} ready", procs)
+            wait_until(lambda t=t: http_get(t.url + "/readyz")[0] == 200, f"{t.name} ready", honest)
+            assert get_json(t.url + "/api/v1/status")[1]["peer_id"] == t.peer_id, f"{t.name} runs under another identity"
         status = get_json(started[0].url + "/api/v1/status")[1]
         run_key = f"phalanx.{status['run_id']}.{status['config_hash'][:16]}"
         swarm = LiveSwarm(workdir, initial_peers, boot, started, run_key, status["run_id"], bad)
