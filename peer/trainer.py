@@ -91,9 +91,9 @@ class Trainer:
         self.model.lr_factor = None  # the schedule is a scheduler on the optimizer, following opt.position
         self.batch_size = config.batch_size or self.task.batch_size
         self.attack = plan.attack.gradient
-        self.diloco = config.mode == "diloco"
         # diloco attackers take honest inner steps (label_flip: on flipped labels) and attack Δ instead
-        self.attacks_delta = self.diloco and self.attack is not None and not self.attack.flips_labels
+        self.attacks_gradient = self.attack is not None and config.mode != "diloco"
+        self.attacks_delta = config.mode == "diloco" and self.attack is not None and not self.attack.flips_labels
         self.report = Report(attack=plan.attack.name)
         # the health server's; the optimizer updates it per round, the evaluations here
         self.health = PeerMetrics(role="trainer", metric=self.task.metric.key)
@@ -101,9 +101,10 @@ class Trainer:
         self.opt: Optional[Optimizer] = None
         self._last_event = 0.0
         self._evaluated_at: Optional[int] = None  # the global step of the last evaluation
-        # diloco with overlap: an evaluation (of θ_t) and a checkpoint wait for a step with no round in flight
+        # an evaluation and a checkpoint wait for a step where the mode is settled (diloco with overlap: no
+        # round in flight)
         self._eval_due = self._checkpoint_due = False
-        self._theta_module: Optional[torch.nn.Module] = None  # diloco: a copy of the model at θ_t, for evaluation
+        self._shared_module: Optional[torch.nn.Module] = None  # a copy of the model at the swarm's parameters
         self._replica: Optional[Model] = None  # diloco attackers: a copy for honest Δs on other batches
 
     # ---- the run --------------------------------------------------------------------------------
@@ -134,7 +135,7 @@ class Trainer:
     def _train(self, opt: Optimizer) -> None:
         try:
             while not self._done(opt.position) and self._node_ok(opt):
-                before = (opt.position, opt.global_step)
+                before = opt.position
                 try:
                     loss = float(opt.step(lambda: self._backward(opt)))
                 except PhalanxError as e:
@@ -142,10 +143,10 @@ class Trainer:
                         return
                     raise
                 opt.zero_grad()
-                self._stepped(opt, loss, *before)
+                self._stepped(opt, loss, before)
                 if self.plan.slowdown is not None:
                     self.stopping.wait(self.plan.slowdown.draw(self._slow_rng))
-            if self.diloco and opt.mode.round_in_flight and not self.stopping.is_set():
+            if not opt.mode.settled and not self.stopping.is_set():
                 opt.mode.flush()  # the last boundary waits for its round, so the peer stops on θ of it
                 if self._eval_due or self._evaluated_at != opt.global_step:
                     self._evaluate(opt)
@@ -164,7 +165,7 @@ class Trainer:
                 loss.backward()
                 return loss.detach()
             loss, grad = self._gradient(module, peer_id, step, flip_labels=self.attack.flips_labels)
-            if not self.diloco:
+            if self.attacks_gradient:
                 extra = lambda k: self._gradient(module, f"{peer_id}/extra{k}", step)[1]  # noqa: E731
                 grad = self.attack.contribution(step, grad, extra)
         offset = 0
@@ -198,7 +199,7 @@ class Trainer:
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in module.parameters()]
         return loss.item(), torch.nn.utils.parameters_to_vector(grads)
 
-    def _stepped(self, opt: Optimizer, loss: float, position_before: int, global_before: int) -> None:
+    def _stepped(self, opt: Optimizer, loss: float, position_before: int) -> None:
         """After a step: the report, events and a log line now and then, eval and checkpoint by cadence."""
         position, config = opt.position, self.config
         if position == position_before:
@@ -206,11 +207,6 @@ class Trainer:
         self.report.loss = loss
         stats = opt.statistics()
         self.report.group_size = stats.peers_last_round or self.report.group_size
-        if self.diloco and opt.global_step > global_before and stats.last_round in ("ok", "partial"):
-            engine = opt.node.engine
-            self.emit("outer", step=position, outer_step=opt.global_step, group=stats.peers_last_round,
-                      round_s=round(engine.stats.last_round_s or 0.0, 4))  # fmt: skip
-            logger.info(f"outer step {opt.global_step}: group {stats.peers_last_round}")
         now = time.monotonic()
         if now - self._last_event >= EVENT_EVERY_S:
             self._last_event = now
@@ -220,11 +216,11 @@ class Trainer:
         last = config.steps is not None and position >= config.steps
         if position % config.eval_every == 0 or last:
             self._eval_due = True
-        # diloco with overlap: θ_t changes when the round in flight lands, and state_dict() would wait for it
-        busy = self.diloco and opt.mode.round_in_flight
-        # diloco evaluates θ_t, which only an outer step changes: a due evaluation waits for the next one
-        # rather than repeat the last (with H = 50 and --eval-every 10, four in five would)
-        stale = self.diloco and self._evaluated_at == opt.global_step and not last
+        busy = not opt.mode.settled
+        # the swarm's parameters change only at a global step: a due evaluation of them waits for the next
+        # one rather than repeat the last (diloco with H = 50 and --eval-every 10: four in five would)
+        shared = opt.mode.shared_parameters() is not None
+        stale = shared and self._evaluated_at == opt.global_step and not last
         if self._eval_due and not busy and not stale:
             self._evaluate(opt)
         if config.checkpoint_dir is not None and (position % config.checkpoint_every == 0 or self._checkpoint_due):
@@ -309,8 +305,8 @@ class Trainer:
 
     def _event(self, name: str, **fields: Any) -> None:
         position = self.opt.position if self.opt is not None else 0
-        if name == "resynced":
-            self.emit("resynced", step=position, **fields)
+        if name in ("resynced", "outer"):
+            self.emit(name, step=position, **fields)
         elif name == "penalty":
             self.emit("penalty", **fields)
 
@@ -323,8 +319,10 @@ class Trainer:
     # ---- evaluation and checkpoints ------------------------------------------------------------
 
     def _evaluate(self, opt: Optimizer) -> None:
-        """The task's metrics on the swarm's model: θ_t in diloco (the same on every peer), else ours."""
-        module = self._theta(opt) if self.diloco else self.model.module
+        """The task's metrics on the swarm's model: its shared parameters where the mode keeps them apart
+        (diloco's θ_t, the same on every peer), else ours."""
+        shared = opt.mode.shared_parameters()
+        module = self.model.module if shared is None else self._at(shared)
         metrics = self.task.evaluate(module)
         self._evaluated_at, self._eval_due = opt.global_step, False
         metric = self.task.metric
@@ -333,19 +331,19 @@ class Trainer:
         step = opt.position
         others = ", ".join(f"{k} {v:.4f}" for k, v in metrics.items() if k not in (metric.key, "perplexity"))
         logger.info(f"step {step} {metric.text(metrics[metric.key])}; {others}")
-        diloco = {"outer_step": opt.global_step} if self.diloco else {}
-        self.emit("eval", step=step, **diloco, metric=metric.key, **metrics)
+        outer = {"outer_step": opt.global_step} if shared is not None else {}
+        self.emit("eval", step=step, **outer, metric=metric.key, **metrics)
         if self.target is not None and metric.reached(metrics[metric.key], self.target):
             self.report.reached_target = True
 
-    def _theta(self, opt: Optimizer) -> torch.nn.Module:
-        """A copy of the model at θ_t, with the module's buffers as they are now."""
+    def _at(self, params: torch.Tensor) -> torch.nn.Module:
+        """A copy of the model at the flat `params`, with the module's buffers as they are now."""
         module = self.model.module
-        if self._theta_module is None:
-            self._theta_module = copy.deepcopy(module)
-        self._theta_module.load_state_dict(module.state_dict())
-        write_flat([p for p in self._theta_module.parameters() if p.requires_grad], _outer(opt).anchor)
-        return self._theta_module
+        if self._shared_module is None:
+            self._shared_module = copy.deepcopy(module)
+        self._shared_module.load_state_dict(module.state_dict())
+        write_flat([p for p in self._shared_module.parameters() if p.requires_grad], params)
+        return self._shared_module
 
     def _checkpoint(self, opt: Optimizer) -> Path:
         """The model, the task's optimizer, and the rest of `opt.state_dict()` (global step; diloco's θ_t

@@ -48,7 +48,8 @@ class JoinHooks:
     contribute: Optional[Callable[[int, torch.Tensor], torch.Tensor]] = None
     """diloco: (outer step, honest Δ) → what this peer sends instead (`--attack`)."""
     event: Callable[..., None] = lambda name, **fields: None
-    """Called with "resynced" (donor=) and "penalty" (gap=, method=, divisor=), as they happen."""
+    """Called with "resynced" (donor=), "penalty" (gap=, method=, divisor=) and diloco's "outer" (outer_step=,
+    group=, round_s=), as they happen."""
     metrics: Optional[PeerMetrics] = None
     """The health server's metrics, when the caller shows them too."""
 
@@ -223,6 +224,17 @@ class Mode(ABC):
     def round_in_flight(self) -> bool:
         """A round started at a boundary runs in the background."""
         return False
+
+    @property
+    def settled(self) -> bool:
+        """Whether `state_dict()` and `shared_parameters()` hold now without waiting for a round in flight
+        (diloco's lands θ_t, v and the global step all at once): checkpoints and evaluations wait until so."""
+        return True
+
+    def shared_parameters(self) -> Optional[torch.Tensor]:
+        """The parameters every peer holds alike, when the model's are this peer's own (diloco's θ_t):
+        what an evaluation of the swarm's model measures. None: the model's parameters are the swarm's."""
+        return None
 
     def flush(self) -> None:
         """Land what runs in the background (the end of a run)."""

@@ -78,6 +78,13 @@ class DiLoCoMode(LockstepMode):
         return self._in_flight is not None
 
     @property
+    def settled(self) -> bool:
+        return self._in_flight is None
+
+    def shared_parameters(self) -> torch.Tensor:
+        return self.outer.anchor
+
+    @property
     def feedback(self) -> Optional[ErrorFeedback]:
         return self.outer.feedback
 
@@ -165,6 +172,10 @@ class DiLoCoMode(LockstepMode):
             return
         outer.rebase()
         swarm.landed(outcome, outer.inner_steps * swarm.batch_size_per_step, self.position)
+        if isinstance(outcome, Averaged):
+            group, round_s = len(outcome.group.members), swarm.node.engine.stats.last_round_s
+            logger.info(f"outer step {outer.step}: group {group}")
+            swarm.hooks.event("outer", outer_step=outer.step, group=group, round_s=round(round_s or 0.0, 4))
         self._sit_out_next_phase(outcome)
 
     async def _round(self, delta: torch.Tensor) -> Union[Averaged, Resync, None]:
