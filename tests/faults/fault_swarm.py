@@ -174,7 +174,10 @@ class FaultSwarm:
             *(["--debug"] if os.environ.get(PEER_DEBUG_ENV) else []), "join", "--initial-peers", ",".join(initial_peers), "--host-maddrs", f"/ip4/{host.ip}/tcp/{P2P_PORT}",
             "--direct-port", str(DIRECT_PORT), "--identity-path", str(identity), "--http-port", str(HTTP_PORT),
             "--task", "digits-mlp", "--checkpoint-dir", str(self.workdir / f"{name}.ckpt"), "--checkpoint-every", "10",
-            "--checkpoint-keep", "100000", *self.join_args, *extra,
+            "--checkpoint-keep", "100000",
+            # started beside each other, as the launcher and compose start theirs: a first dial that fails on a
+            # loaded machine (a home's through its router, in a CI run) is tried again, not the trainer's end
+            "--initial-peers-wait-s", "60", *self.join_args, *extra,
         ]  # fmt: skip
 
     def start_trainer(self, name: str, initial_peers: Optional[list[str]] = None, *extra: str) -> Peer:
