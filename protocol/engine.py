@@ -34,6 +34,7 @@ from phalanx.protocol.link_quality import LinkQuality
 from phalanx.protocol.matchmaking import GroupSpec, Matchmaker
 from phalanx.protocol.membership import Membership
 from phalanx.protocol.quarantine import Quarantine
+from phalanx.protocol.round_counts import RoundCounts
 from phalanx.protocol.state_sync import StateService, StateSnapshot
 from phalanx.protocol.sync_policy import SyncPolicy
 from phalanx.protocol.transport import CallFailed, Transport
@@ -129,6 +130,9 @@ class EngineStats:
     members_dropped_idle: int = 0  # senders this peer's reducer dropped because their bytes stopped (or link broke)
     members_dropped_late: int = 0  # senders still missing at the all-reduce deadline
     parts_dropped_idle: int = 0  # reducers that moved no bytes after our own part was reduced
+
+    def counts(self) -> RoundCounts:
+        return RoundCounts(self.rounds_ok, self.rounds_partial, self.rounds_failed, self.resyncs)
 
 
 class RoundEngine:
