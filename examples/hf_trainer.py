@@ -13,6 +13,7 @@ target_batch_size), so the scheduler the Trainer steps follows the swarm's step 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 
 import torch
@@ -81,7 +82,7 @@ def main() -> None:
     if args.out:
         params = torch.nn.utils.parameters_to_vector(model.parameters()).tolist()
         with open(args.out, "w") as f:
-            json.dump({"params": params, **vars(stats)}, f)
+            json.dump({"params": params, **dataclasses.asdict(stats)}, f)
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ swarm averages the gradient. Digits from scikit-learn, so nothing is downloaded.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 
 import lightning as L
@@ -69,7 +70,7 @@ def main() -> None:
     print(f"global step {stats.global_step}, {stats.peers_last_round} peers in the last round")
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"params": params, **vars(stats)}, f)
+            json.dump({"params": params, **dataclasses.asdict(stats)}, f)
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ progress is averaged in the background, and a global step is one such average.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 
 import torch
@@ -85,7 +86,7 @@ def main() -> None:
             opt.zero_grad()
             step += 1
         stats = opt.statistics()
-        result = {"validation_loss": validation_loss(model, valid), "local_steps": step, **vars(stats)}
+        result = {"validation_loss": validation_loss(model, valid), "local_steps": step, **dataclasses.asdict(stats)}
         result["params"] = torch.nn.utils.parameters_to_vector(model.parameters()).tolist()
     print(f"global step {stats.global_step}: validation loss {result['validation_loss']:.4f}")
     if args.out:

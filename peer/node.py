@@ -36,6 +36,7 @@ from phalanx.protocol.engine import RoundEngine
 from phalanx.protocol.membership import LEADER_PERIOD_S, Membership
 from phalanx.protocol.redial import Redialer
 from phalanx.protocol.relays import RelayKeeper
+from phalanx.protocol.round_counts import RoundCounts
 from phalanx.protocol.transport import Transport
 from phalanx.security.admission import load_owner_public
 from phalanx.security.identity import Identity
@@ -440,6 +441,27 @@ async def wait_for_trainers(node: Node, wanted: int, stop: Optional[asyncio.Even
     return seen
 
 
+@dataclass(frozen=True)
+class NodeSnapshot:
+    """The node's counters at one instant. Only `Node.snapshot()` builds one; statistics(), the trainer's
+    report and the health record, status and metrics all read it, so they agree on the numbers."""
+
+    peer_id: str
+    step: int = 0  # global steps of the state this peer holds
+    state_version: str = ""  # hex of that state's version: equal at equal steps means the same model
+    rounds: RoundCounts = RoundCounts()
+    last_group_size: int = 0  # members of the last round that formed
+    last_round_s: float = 0.0  # its matchmaking and all-reduce, wall clock
+    # why members or parts were dropped: their bytes stopped (idle) or the deadline passed (late)
+    members_dropped_idle: int = 0
+    members_dropped_late: int = 0
+    parts_dropped_idle: int = 0
+    bytes_sent: int = 0  # by the round transport: payload and framing
+    bytes_received: int = 0
+    relayed_bytes: int = 0  # of those sent and received, to and from peers reached through a relay
+    banned: tuple[str, ...] = ()  # sorted: peers the swarm banned, as this peer knows
+
+
 @dataclass
 class Node:
     dht: hivemind.DHT
@@ -454,6 +476,24 @@ class Node:
     @property
     def peer_id(self) -> str:
         return self.transport.peer_id
+
+    def snapshot(self) -> NodeSnapshot:
+        engine, rounds, transport = self.engine, self.engine.stats, self.transport.stats
+        return NodeSnapshot(
+            peer_id=self.peer_id,
+            step=engine.step,
+            state_version=engine.version.hex(),
+            rounds=rounds.counts(),
+            last_group_size=rounds.last_group_size,
+            last_round_s=rounds.last_round_s,
+            members_dropped_idle=rounds.members_dropped_idle,
+            members_dropped_late=rounds.members_dropped_late,
+            parts_dropped_idle=rounds.parts_dropped_idle,
+            bytes_sent=transport.bytes_sent,
+            bytes_received=transport.bytes_received,
+            relayed_bytes=transport.relayed_bytes,
+            banned=tuple(sorted(self.membership.banned)),
+        )
 
     async def aclose(self) -> None:
         alive = self.dht.is_alive()  # a Ctrl-C or killpg may have taken the DHT and p2pd down already

@@ -52,6 +52,7 @@ from phalanx.peer.node import Node, open_node, wait_for_trainers
 from phalanx.peer.node_loop import SwarmLoop
 from phalanx.peer.optimizer_arguments import JOIN_ONLY, check_arguments, make_inner, plan_for, refuse_join_settings
 from phalanx.peer.plan import PeerPlan
+from phalanx.protocol.round_counts import RoundCounts
 
 __all__ = ["API_MODES", "JOIN_ONLY", "Interrupted", "JoinHooks", "Optimizer", "Statistics"]
 
@@ -77,10 +78,8 @@ class Statistics:
     """Members of the last round this peer applied."""
     last_round: Optional[str]
     """ok, partial (some parts were lost), failed, resynced (downloaded the swarm's state), or None."""
-    rounds_ok: int
-    rounds_partial: int
-    rounds_failed: int
-    resyncs: int
+    rounds: RoundCounts
+    """This peer's rounds since it started, by outcome (`rounds.ok`, `.partial`, `.failed`, `.resyncs`)."""
     bytes_sent: int
     bytes_received: int
     staleness_penalty: Optional[float]
@@ -296,22 +295,18 @@ class Optimizer(torch.optim.Optimizer):
                 pass
 
     def statistics(self) -> Statistics:
-        engine, transport, swarm = self.node.engine, self.node.transport, self._swarm
-        s, mine = engine.stats, self.mode.statistics()
+        node, swarm, mine = self.node.snapshot(), self._swarm, self.mode.statistics()
         return Statistics(
-            global_step=engine.step,
+            global_step=node.step,
             local_samples=mine.local_samples,
             samples_per_round=mine.samples_per_round,
             peers_last_round=swarm.peers_last_round,
             last_round=swarm.last_round,
-            rounds_ok=s.rounds_ok,
-            rounds_partial=s.rounds_partial,
-            rounds_failed=s.rounds_failed,
-            resyncs=s.resyncs,
-            bytes_sent=transport.stats.bytes_sent,
-            bytes_received=transport.stats.bytes_received,
+            rounds=node.rounds,
+            bytes_sent=node.bytes_sent,
+            bytes_received=node.bytes_received,
             staleness_penalty=mine.staleness_penalty,
-            banned=sorted(self.node.membership.banned),
+            banned=list(node.banned),
         )
 
     def state_dict(self) -> dict[str, Any]:

@@ -2,8 +2,8 @@
 
 `PeerMetrics` is the one object the training loop updates (once per round, eval or resync);
 the health server, the record publisher and the `/metrics` collector only read it. Counters
-the protocol already keeps (engine, transport, membership stats) are read at scrape time
-instead of being copied, so they cannot drift apart.
+the protocol already keeps are read at scrape time, from the node's snapshot (and the transport's
+and membership's own stats for their details), instead of being copied, so they cannot drift apart.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from phalanx.tasks.metric import MetricKey
 
 if TYPE_CHECKING:
     from phalanx.peer.health.swarm_view import RecentPeers
-    from phalanx.peer.node import Node
+    from phalanx.peer.node import Node, NodeSnapshot
     from phalanx.protocol.engine import Averaged, Resync
     from phalanx.protocol.matchmaking import GroupSpec
     from phalanx.protocol.redial import Redialer
@@ -138,6 +138,7 @@ class ScrapeSource(Protocol):
     splits_seen: int
 
     def readiness(self) -> tuple[bool, list[str]]: ...
+    def snapshot(self) -> NodeSnapshot: ...
     def peers_seen(self) -> int: ...
     def records_by_state(self) -> dict[str, int]: ...
     def bans(self) -> set[str]: ...
@@ -173,28 +174,25 @@ class NodeCollector(Collector):
         for state, count in sorted(s.records_by_state().items()):
             states.add_metric([state], count)
         yield states
-        engine = s.node.engine.stats if s.node is not None else None
+        snapshot = s.snapshot()
+        counts = snapshot.rounds
         rounds = CounterMetricFamily("phalanx_rounds", "Averaging rounds by outcome.", labels=["outcome"])
-        for outcome in ("ok", "partial", "failed", "resync"):
-            attr = {"ok": "rounds_ok", "partial": "rounds_partial", "failed": "rounds_failed", "resync": "resyncs"}[
-                outcome
-            ]
-            rounds.add_metric([outcome], getattr(engine, attr) if engine else 0)
+        for outcome, value in (
+            ("ok", counts.ok),
+            ("partial", counts.partial),
+            ("failed", counts.failed),
+            ("resync", counts.resyncs),
+        ):
+            rounds.add_metric([outcome], value)
         yield rounds
-        transport = s.node.transport.stats if s.node is not None else None
-        yield _counter(
-            "phalanx_bytes_sent", "Bytes sent by the round transport.", transport.bytes_sent if transport else 0
-        )
-        yield _counter(
-            "phalanx_bytes_received",
-            "Bytes received by the round transport.",
-            transport.bytes_received if transport else 0,
-        )
+        yield _counter("phalanx_bytes_sent", "Bytes sent by the round transport.", snapshot.bytes_sent)
+        yield _counter("phalanx_bytes_received", "Bytes received by the round transport.", snapshot.bytes_received)
         yield _counter(
             "phalanx_relayed_bytes",
             "Of the bytes sent and received, those to and from peers reached through a relay.",
-            transport.relayed_bytes if transport else 0,
+            snapshot.relayed_bytes,
         )
+        transport = s.node.transport.stats if s.node is not None else None  # its calls by path, below
         relays = s.node.relays.stats if s.node is not None else None
         yield GaugeMetricFamily(
             "phalanx_relay_circuits", "Relays this peer is reachable through now (0: dialed directly, or unreachable).",

@@ -35,7 +35,7 @@ from phalanx.peer.health.record import (
     sign_record,
 )
 from phalanx.peer.health.swarm_view import RecentPeers, Self, swarm_reasons, training_groups
-from phalanx.peer.node import visible_maddrs
+from phalanx.peer.node import NodeSnapshot, visible_maddrs
 from phalanx.protocol.dht_calls import dht_get, dht_store
 from phalanx.protocol.redial import Redialer
 from phalanx.security.identity import Identity
@@ -167,8 +167,12 @@ class HealthService:
 
     # ---- what this peer publishes ---------------------------------------------------------
 
+    def snapshot(self) -> NodeSnapshot:
+        """The node's counters; a bootstrap peer (no node) has all of them at zero."""
+        return self.node.snapshot() if self.node is not None else NodeSnapshot(self.peer_id)
+
     def bans(self) -> set[str]:
-        return set(self.node.membership.banned) if self.node is not None else set()
+        return set(self.snapshot().banned)
 
     def _track_bans(self) -> None:
         digest = bans_digest(self.bans())
@@ -237,7 +241,7 @@ class HealthService:
         return "online" if self.metrics.in_sync else "joining"
 
     def record(self) -> HealthRecord:
-        m, engine = self.metrics, (self.node.engine.stats if self.node is not None else None)
+        m, snapshot = self.metrics, self.snapshot()
         return HealthRecord(
             peer_id=self.peer_id,
             role=m.role,
@@ -250,25 +254,26 @@ class HealthService:
             started_at=self.started_at,
             addresses=[a[:256] for a in self.addresses],
             reachability=reachability(self.addresses, self.dials_out_only(), bool(self.relayed()), self.punched()),
-            relayed_bytes=self.node.transport.stats.relayed_bytes if self.node is not None else 0,
+            relayed_bytes=snapshot.relayed_bytes,
             step=m.step,
             samples_per_s=m.samples_per_s,
             loss=m.loss,
             accuracy=m.accuracy,
-            rounds_ok=engine.rounds_ok if engine else 0,
-            rounds_partial=engine.rounds_partial if engine else 0,
-            rounds_failed=engine.rounds_failed if engine else 0,
-            resyncs=engine.resyncs if engine else 0,
+            # the wire format keeps them flat: a record is signed msgpack that older peers read too
+            rounds_ok=snapshot.rounds.ok,
+            rounds_partial=snapshot.rounds.partial,
+            rounds_failed=snapshot.rounds.failed,
+            resyncs=snapshot.rounds.resyncs,
             last_round=m.last_round,
             peers_seen=self.peers_seen(),
-            bans=sorted(self.bans())[:MAX_BANS],
+            bans=list(snapshot.banned[:MAX_BANS]),
             bans_digest=self._bans_digest,
             bans_changed_at=self._bans_changed_at,
             accusations_seen=m.accusations_seen,
             violations=[v[:200] for v in self.violations],
             legal=not self.violations,
             leader=self.node.membership.leader() if self.node is not None else None,
-            state_version=self.node.engine.version.hex()[:16] if self.node is not None else "",
+            state_version=snapshot.state_version[:16],
             swarm_problems=[p[:200] for p in self.swarm_problems],
             eval_loss=m.eval_loss,
             metric=m.metric,
@@ -353,8 +358,8 @@ class HealthService:
 
     def status(self) -> dict[str, Any]:
         ready, reasons = self.readiness()
-        node, m = self.node, self.metrics
-        engine = node.engine.stats if node is not None else None
+        node, m, snapshot = self.node, self.metrics, self.snapshot()
+        rounds = snapshot.rounds
         return {
             "peer_id": self.peer_id,
             "role": m.role,
@@ -379,22 +384,22 @@ class HealthService:
             "samples_per_s": m.samples_per_s,
             "staleness_penalty": m.staleness_penalty,
             "rounds": {
-                "ok": engine.rounds_ok if engine else 0,
-                "partial": engine.rounds_partial if engine else 0,
-                "failed": engine.rounds_failed if engine else 0,
-                "resync": engine.resyncs if engine else 0,
-                "last_group_size": engine.last_group_size if engine else 0,
-                "last_round_s": engine.last_round_s if engine else 0.0,
+                "ok": rounds.ok,
+                "partial": rounds.partial,
+                "failed": rounds.failed,
+                "resync": rounds.resyncs,  # named as the outcome label of phalanx_rounds and the last round's
+                "last_group_size": snapshot.last_group_size,
+                "last_round_s": snapshot.last_round_s,
                 # why members or parts were dropped: their bytes stopped (idle) or the deadline passed (late)
-                "members_dropped_idle": engine.members_dropped_idle if engine else 0,
-                "members_dropped_late": engine.members_dropped_late if engine else 0,
-                "parts_dropped_idle": engine.parts_dropped_idle if engine else 0,
+                "members_dropped_idle": snapshot.members_dropped_idle,
+                "members_dropped_late": snapshot.members_dropped_late,
+                "parts_dropped_idle": snapshot.parts_dropped_idle,
             },
             "last_round": m.last_round.model_dump(mode="json") if m.last_round is not None else None,
             "transport": asdict(node.transport.stats) if node is not None else {},
-            "bytes_sent": node.transport.stats.bytes_sent if node is not None else 0,
-            "bytes_received": node.transport.stats.bytes_received if node is not None else 0,
-            "relayed_bytes": node.transport.stats.relayed_bytes if node is not None else 0,  # of those, through relays
+            "bytes_sent": snapshot.bytes_sent,
+            "bytes_received": snapshot.bytes_received,
+            "relayed_bytes": snapshot.relayed_bytes,  # of those, through relays
             "peers_seen": self.peers_seen(),
             # reads of the membership key, and records in them that failed their signature or bounds
             "membership_reads": asdict(node.membership.stats) if node is not None else {},
@@ -403,7 +408,7 @@ class HealthService:
                 if node is not None
                 else {}
             ),
-            "bans": sorted(self.bans()),
+            "bans": list(snapshot.banned),
             "accusations_seen": m.accusations_seen,
             "disputed_parts": m.disputed_parts,
             "relayed_parts": m.relayed_parts,

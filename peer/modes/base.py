@@ -128,7 +128,7 @@ class Swarm:
             self.peers_last_round = len(outcome.group.members)
             self.metrics.round_done(
                 step=position, loss=self.last_loss if self.last_loss is not None else math.nan,
-                samples=samples, averaged=outcome, duration_s=self.node.engine.stats.last_round_s,
+                samples=samples, averaged=outcome, duration_s=self.node.snapshot().last_round_s,
             )  # fmt: skip
         else:
             self.last_round = "resynced"

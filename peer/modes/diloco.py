@@ -173,9 +173,9 @@ class DiLoCoMode(LockstepMode):
         outer.rebase()
         swarm.landed(outcome, outer.inner_steps * swarm.batch_size_per_step, self.position)
         if isinstance(outcome, Averaged):
-            group, round_s = len(outcome.group.members), swarm.node.engine.stats.last_round_s
+            group, round_s = len(outcome.group.members), swarm.node.snapshot().last_round_s
             logger.info(f"outer step {outer.step}: group {group}")
-            swarm.hooks.event("outer", outer_step=outer.step, group=group, round_s=round(round_s or 0.0, 4))
+            swarm.hooks.event("outer", outer_step=outer.step, group=group, round_s=round(round_s, 4))
         self._sit_out_next_phase(outcome)
 
     async def _round(self, delta: torch.Tensor) -> Union[Averaged, Resync, None]:

@@ -6,6 +6,7 @@ plain SGD inside, the outer Nesterov step across the swarm; writes its final θ 
 """
 
 import argparse
+import dataclasses
 import json
 from pathlib import Path
 
@@ -50,7 +51,7 @@ with opt:
     params = torch.nn.utils.parameters_to_vector(model.parameters()).tolist()  # x, before a checkpoint lands a round
     state = opt.state_dict()
     result = {
-        **vars(opt.statistics()),
+        **dataclasses.asdict(opt.statistics()),
         "local_steps": step,
         "validation_loss": plain_loop.validation_loss(model, valid),
     }

@@ -8,6 +8,7 @@ Exit 0 after --global-steps (diloco: outer steps), 3 when banned.
 """
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -67,7 +68,11 @@ with opt:
         print(f"stopped: {e}", flush=True)
         code = 3
     stats = opt.statistics()
-    result = {**vars(stats), "peer_id": opt.node.peer_id, "validation_loss": plain_loop.validation_loss(model, valid)}
+    result = {
+        **dataclasses.asdict(stats),
+        "peer_id": opt.node.peer_id,
+        "validation_loss": plain_loop.validation_loss(model, valid),
+    }
     result["params"] = torch.nn.utils.parameters_to_vector(model.parameters()).tolist()
 args.out.write_text(json.dumps(result))
 sys.exit(code)

@@ -113,7 +113,7 @@ def test_every_peer_ends_an_outer_step_with_identical_parameters_and_outer_momen
         "0.9",
     )
     for r in results:
-        assert r["global_step"] == 6 and r["local_steps"] == 30 and r["rounds_ok"] == 6
+        assert r["global_step"] == 6 and r["local_steps"] == 30 and r["rounds"]["ok"] == 6
     assert results[0]["params"] == results[1]["params"] == results[2]["params"]
     assert results[0]["outer_momentum"] == results[1]["outer_momentum"] == results[2]["outer_momentum"]
     assert any(v != 0.0 for v in results[0]["outer_momentum"])
@@ -174,7 +174,7 @@ def test_with_overlap_every_peer_holds_the_same_outer_state_and_trains(bootstrap
     results = _run(bootstrap, tmp_path, 3, "--outer-steps", "8", "--inner-steps", "5", "--outer-lr", "0.7",
                    "--outer-momentum", "0.9", "--overlap", "on")  # fmt: skip
     for r in results:
-        assert r["global_step"] in (8, 9) and r["rounds_ok"] == r["global_step"], r
+        assert r["global_step"] in (8, 9) and r["rounds"]["ok"] == r["global_step"], r
         assert math.isfinite(r["validation_loss"]), r  # how well overlap trains is not asserted (see above)
     # a script stops once θ_8 is in; the round after it may have landed on some peers too: compare by step
     by_step: dict[int, list[dict]] = {}

@@ -87,3 +87,32 @@ def test_routine_p2p_daemon_events_are_not_logged_as_errors(caplog):
         assert [r.levelno for r in caplog.records] == [logging.ERROR, logging.ERROR]  # not hivemind's: as before
     finally:
         loop.close()
+
+
+def test_a_snapshot_holds_the_counters_of_that_instant():
+    """What statistics(), the trainer's report and health read: one copy, which later rounds leave as it was."""
+    from types import SimpleNamespace
+
+    from phalanx.peer.node import Node, NodeSnapshot
+    from phalanx.protocol.engine import EngineStats
+    from phalanx.protocol.round_counts import RoundCounts
+    from phalanx.protocol.transport_wire import TransportStats
+
+    stats = EngineStats(rounds_ok=5, rounds_partial=2, rounds_failed=1, resyncs=3, last_group_size=4, last_round_s=0.5)
+    stats.members_dropped_late = 1
+    engine = SimpleNamespace(stats=stats, step=7, version=bytes.fromhex("ab12"))
+    sent = TransportStats(bytes_sent=100, bytes_received=200, relayed_bytes=10)
+    transport = SimpleNamespace(peer_id="12D3KooWme", stats=sent)
+    membership = SimpleNamespace(banned={"12D3KooWzz", "12D3KooWaa"})
+    node = Node(None, None, transport, membership, engine, None, {}, None)
+
+    snapshot = node.snapshot()
+    assert snapshot == NodeSnapshot(
+        peer_id="12D3KooWme", step=7, state_version="ab12", rounds=RoundCounts(ok=5, partial=2, failed=1, resyncs=3),
+        last_group_size=4, last_round_s=0.5, members_dropped_late=1, bytes_sent=100, bytes_received=200,
+        relayed_bytes=10, banned=("12D3KooWaa", "12D3KooWzz"),
+    )  # fmt: skip
+    stats.rounds_ok += 1
+    membership.banned.add("12D3KooWbb")
+    assert snapshot.rounds.ok == 5 and snapshot.banned == ("12D3KooWaa", "12D3KooWzz")
+    assert node.snapshot().rounds == RoundCounts(ok=6, partial=2, failed=1, resyncs=3)

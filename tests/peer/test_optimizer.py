@@ -63,7 +63,7 @@ def test_three_users_scripts_match_one_process_training_on_the_union_of_their_ba
     initial = plain_loop.validation_loss(plain_loop.make_model(), valid)
 
     for r in results:
-        assert r["global_step"] == GLOBAL_STEPS and r["rounds_ok"] == GLOBAL_STEPS and r["rounds_failed"] == 0
+        assert r["global_step"] == GLOBAL_STEPS and r["rounds"]["ok"] == GLOBAL_STEPS and r["rounds"]["failed"] == 0
         # target_batch_size exactly: each peer put in its share, 2 local steps of 8 samples, every global step
         assert r["samples_per_round"] == TARGET // PEERS and r["local_steps"] == GLOBAL_STEPS * per_peer
         assert r["peers_last_round"] == PEERS and r["last_round"] == "ok"
@@ -107,7 +107,8 @@ def test_three_lasgd_scripts_learn_and_their_averages_hold_their_models_together
         return max(float((a - b).norm()) for i, a in enumerate(vectors) for b in vectors[i + 1 :])
 
     for r in results:
-        assert r["global_step"] >= LASGD_VERSIONS and r["rounds_ok"] >= 2 and r["samples_per_round"] == SYNC_EVERY * BATCH
+        assert r["global_step"] >= LASGD_VERSIONS and r["rounds"]["ok"] >= 2
+        assert r["samples_per_round"] == SYNC_EVERY * BATCH
         assert r["validation_loss"] < initial - 0.3, (r["validation_loss"], initial)
         assert r["staleness_penalty"] is not None  # an exchange corrected (or left) its contribution
     assert spread(together) < 0.5 * spread(apart), (spread(together), spread(apart))
@@ -289,7 +290,7 @@ def test_alone_it_steps_its_schedule_per_global_step_round_trips_state_and_leave
             F.mse_loss(model(torch.randn(2, 4)), torch.randn(2, 2)).backward()
             opt.step()
             opt.zero_grad()
-        assert opt.global_step == 5 and opt.statistics().rounds_ok == 5 and opt.statistics().peers_last_round == 1
+        assert opt.global_step == 5 and opt.statistics().rounds.ok == 5 and opt.statistics().peers_last_round == 1
         assert inner.param_groups[0]["lr"] == pytest.approx(1e-3 / 6)
         state = opt.state_dict()
         params = [p.detach().clone() for p in model.parameters()]
@@ -327,7 +328,7 @@ def test_alone_its_throughput_is_the_samples_of_each_round_over_the_time_between
     ) as opt:
         ticks = itertools.count()
         opt.metrics.clock = lambda: float(next(ticks))  # one second between two rounds
-        while opt.statistics().rounds_ok < 4:
+        while opt.statistics().rounds.ok < 4:
             F.mse_loss(model(torch.randn(2, 4)), torch.randn(2, 2)).backward()
             opt.step()
             opt.zero_grad()
@@ -351,8 +352,8 @@ def test_alone_in_lasgd_it_exchanges_every_sync_every_steps_and_round_trips_its_
             if opt.global_step >= 3:
                 break
         stats = opt.statistics()
-        assert stats.global_step >= 3 and stats.rounds_ok >= 3 and stats.peers_last_round == 1
-        assert stats.samples_per_round == 6 and stats.rounds_failed == 0
+        assert stats.global_step >= 3 and stats.rounds.ok >= 3 and stats.peers_last_round == 1
+        assert stats.samples_per_round == 6 and stats.rounds.failed == 0
         state = opt.state_dict()
         assert state["global_step"] == opt.global_step and state["local_base"].numel() == 10
     _, again = _model_and_adamw()
@@ -427,7 +428,7 @@ def test_alone_in_diloco_with_overlap_a_checkpoint_lands_the_round_in_flight_fir
                 opt.step()  # the second starts outer round `boundary` and returns while it runs
                 opt.zero_grad()
             state = opt.state_dict()
-            assert state["global_step"] == boundary == opt.statistics().rounds_ok
+            assert state["global_step"] == boundary == opt.statistics().rounds.ok
             flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
             assert torch.equal(flat, state["outer_anchor"])  # no inner step since: x is θ_{t+1} exactly
 
@@ -488,7 +489,7 @@ def test_interrupt_ends_a_step_waiting_for_a_round_that_cannot_form(mode):
         with pytest.raises(phalanx.Interrupted):
             opt.step()  # a global step (diloco: the boundary) waits for a round with a second member
         timer.join()
-        assert opt.global_step == 0 and opt.statistics().rounds_ok == 0
+        assert opt.global_step == 0 and opt.statistics().rounds.ok == 0
         with pytest.raises(phalanx.Interrupted):
             opt.step()
         state = opt.state_dict()  # diloco: the round left counts as failed, its inner steps still in x
@@ -544,14 +545,15 @@ def _alone_node(peer_id: str = "12D3KooWalone"):
     async def nothing(*args, **kwargs):
         return None
 
-    stats = SimpleNamespace(rounds_ok=0, rounds_partial=0, rounds_failed=0, resyncs=0)
+    from phalanx.peer.node import NodeSnapshot
+
     state = SimpleNamespace(keep_serving=lambda key: None, publish=nothing)
-    engine = SimpleNamespace(step=0, in_group=False, stats=stats, run_round=never, state=state)
+    engine = SimpleNamespace(step=0, in_group=False, run_round=never, state=state)
     engine.set_state = lambda version, step, **_: setattr(engine, "step", step)
     membership = SimpleNamespace(peers=lambda: {peer_id: SimpleNamespace(step=0)}, banned=set(), refresh=nothing)
     return SimpleNamespace(
         peer_id=peer_id, engine=engine, membership=membership, dht=SimpleNamespace(is_alive=lambda: True),
-        transport=SimpleNamespace(stats=SimpleNamespace(bytes_sent=0, bytes_received=0)),
+        snapshot=lambda: NodeSnapshot(peer_id, step=engine.step),
     )  # fmt: skip
 
 
@@ -570,7 +572,7 @@ def test_lasgd_steps_never_wait_for_an_exchange_and_the_schedule_follows_them():
             opt.zero_grad()
         assert opt.position == 5 and opt.global_step == 0 and opt.mode.round_in_flight
         stats = opt.statistics()
-        assert (stats.local_samples, stats.samples_per_round, stats.rounds_ok) == (3 * 2, 2 * 2, 0)
+        assert (stats.local_samples, stats.samples_per_round, stats.rounds.ok) == (3 * 2, 2 * 2, 0)
         assert inner.param_groups[0]["lr"] == pytest.approx(1e-3 * 0.5**5)
         state = opt.state_dict()
         assert state["local_steps"] == 5 and state["global_step"] == 0 and state["local_base"].numel() == 10

@@ -165,7 +165,7 @@ def _run_phalanx(args) -> dict[str, Any]:
             while r <= args.rounds:
                 if r == 1 and not measuring:  # the warm-up round's last replies are sent by now: count none of them
                     await node.transport.wait_idle(30.0)
-                    sent0, cpu0, measuring = node.transport.stats.bytes_sent, time.process_time(), True
+                    sent0, cpu0, measuring = node.snapshot().bytes_sent, time.process_time(), True
                 outcome = None  # a trainer has applied and dropped the last round's result by now
                 started = time.perf_counter()
                 outcome = await engine.run_round(request)
@@ -186,7 +186,7 @@ def _run_phalanx(args) -> dict[str, Any]:
                 r += 1
             await node.transport.wait_idle(30.0)  # and every reply of the last round is counted
             peak = _peak_rss()  # the rounds' high-water mark, before the check below allocates its own vectors
-            per_round = (node.transport.stats.bytes_sent - sent0) / args.rounds
+            per_round = (node.snapshot().bytes_sent - sent0) / args.rounds
             cpu = (time.process_time() - cpu0) / args.rounds  # this process only (not its p2pd daemon)
             error = float("nan")
             if args.aggregator == "mean":
