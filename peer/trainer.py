@@ -42,6 +42,7 @@ from phalanx.peer.node import DHT_DIED, visible_maddrs
 from phalanx.peer.optimizer import Interrupted, JoinHooks, Optimizer
 from phalanx.peer.outer_step import OuterStep, phase_lr_scale, write_flat
 from phalanx.peer.plan import PeerPlan, TrainingConfig
+from phalanx.protocol.round_counts import RoundCounts
 from phalanx.tasks import ACCURACY, VALIDATION_LOSS, Task, compute_gradient, resolve_task
 
 logger = logging.getLogger(__name__)
@@ -57,10 +58,7 @@ class Report:
     step: int = 0
     loss: Optional[float] = None
     accuracy: Optional[float] = None
-    rounds_ok: int = 0
-    rounds_partial: int = 0
-    rounds_failed: int = 0
-    resyncs: int = 0
+    rounds: RoundCounts = RoundCounts()  # in the "done" event: {"ok": …, "partial": …, "failed": …, "resyncs": …}
     group_size: int = 0
     bytes_sent: int = 0
     bytes_received: int = 0
@@ -271,12 +269,9 @@ class Trainer:
             report.step = opt.position
             report.wall_s = time.monotonic() - started
             report.param_hash = self.model.param_hash()
-            s = node.engine.stats
-            report.rounds_ok, report.rounds_partial = s.rounds_ok, s.rounds_partial
-            report.rounds_failed, report.resyncs = s.rounds_failed, s.resyncs
-            report.banned = sorted(node.membership.banned)
-            report.bytes_sent = node.transport.stats.bytes_sent
-            report.bytes_received = node.transport.stats.bytes_received
+            snapshot = node.snapshot()
+            report.rounds, report.banned = snapshot.rounds, list(snapshot.banned)
+            report.bytes_sent, report.bytes_received = snapshot.bytes_sent, snapshot.bytes_received
             report.peak_rss_bytes = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
             if self.config.checkpoint_dir is not None and report.step > 0:  # counted as --checkpoint-every counts
                 path = self._checkpoint(opt)

@@ -107,7 +107,7 @@ try:
         peers = json.load(r)["peers"]
 except Exception as e:
     print(f"monitor not answering yet ({e.__class__.__name__})"); sys.exit(1)
-done = [p for p in peers if p["role"] == "trainer" and p["state"] == "online" and p["rounds_ok"] > 0]
+done = [p for p in peers if p["role"] == "trainer" and p["state"] == "online" and p["rounds"]["ok"] > 0]
 boots = [p for p in peers if p["role"] == "bootstrap" and p["state"] == "online"]
 print(f"{len(done)}/{trainers} trainers online with completed rounds, {len(boots)} bootstrap; steps "
       + ",".join(str(p["step"]) for p in done))
@@ -142,7 +142,7 @@ roles = sorted(p["role"] for p in peers)
 assert roles == ["bootstrap"] + ["trainer"] * trainers, roles
 bad = {p["short_id"]: p["problems"] for p in peers if p["problems"] or p["state"] != "online"}
 assert not bad, bad
-assert all(p["rounds_ok"] > 0 for p in peers if p["role"] == "trainer")
+assert all(p["rounds"]["ok"] > 0 for p in peers if p["role"] == "trainer")
 print(f"phalanx health: {len(peers)} peers online, no problems")
 ' "$TRAINERS" >&2
 

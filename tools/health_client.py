@@ -31,6 +31,7 @@ from phalanx.peer.health.legality import swarm_problems
 from phalanx.peer.health.record import HealthRecord
 from phalanx.peer.health.service import fetch_records, install_validator
 from phalanx.peer.node import start_dht
+from phalanx.protocol.round_counts import RoundCounts
 from phalanx.tasks.metric import ACCURACY, METRICS, Metric
 
 logger = logging.getLogger(__name__)
@@ -54,10 +55,7 @@ class PeerRow:
     last_seen_s: float  # seconds since the record was signed
     reachability: str
     relayed_bytes: int  # its rounds' bytes to and from peers reached through a relay
-    rounds_ok: int
-    rounds_partial: int
-    rounds_failed: int
-    resyncs: int
+    rounds: RoundCounts  # in the JSON output: {"ok": …, "partial": …, "failed": …, "resyncs": …}
     config_hash: str
     legal: bool
     problems: list[str]
@@ -101,10 +99,7 @@ def swarm_rows(records: dict[str, HealthRecord], *, now: float) -> list[PeerRow]
                 last_seen_s=round(max(0.0, now - r.published_at), 1),
                 reachability=r.reachability,
                 relayed_bytes=r.relayed_bytes,
-                rounds_ok=r.rounds_ok,
-                rounds_partial=r.rounds_partial,
-                rounds_failed=r.rounds_failed,
-                resyncs=r.resyncs,
+                rounds=RoundCounts(r.rounds_ok, r.rounds_partial, r.rounds_failed, r.resyncs),
                 config_hash=r.config_hash,
                 legal=r.legal,
                 problems=problems[peer],

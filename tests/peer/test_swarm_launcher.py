@@ -112,4 +112,4 @@ def test_a_diloco_swarm_runs_to_its_target_under_the_launcher(tmp_path):
     assert result.reached_target, out.getvalue()[-3000:]
     outer = [e for v in result.peers for e in v.events if e["event"] == "outer"]
     assert outer and all(e["group"] == 2 for e in outer[-2:]), outer[-4:]
-    assert all(v.report and v.report["rounds_ok"] >= 1 for v in result.peers)
+    assert all(v.report and v.report["rounds"]["ok"] >= 1 for v in result.peers)

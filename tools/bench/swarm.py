@@ -273,18 +273,19 @@ def _run_phalanx(world: int, goal: Goal, extra_args: list[str]) -> dict[str, Any
     events = [e for v in result.peers for e in v.events]
     starts = [e["t"] for e in events if e["event"] == "training"]
     hits = [e for e in events if e["event"] == "eval" and _met(e, goal.metric, goal.target)]
+    rounds = [(v.report or {}).get("rounds", {}) for v in result.peers]  # each trainer's RoundCounts
     reports = [v.report or {} for v in result.peers]
-    failures = sum(r.get("rounds_failed", 0) + r.get("rounds_partial", 0) for r in reports)
+    failures = sum(r.get("failed", 0) + r.get("partial", 0) for r in rounds)
     return {
         "impl": "phalanx",
         "time_s": (min(h["t"] for h in hits) - min(starts)) if hits and starts else None,
         "phases_s": phase_times_s(events, min(starts)) if starts else None,
         "steps": min(h["step"] for h in hits) if hits else 0,
         "failures": failures,
-        "resyncs": sum(r.get("resyncs", 0) for r in reports),
+        "resyncs": sum(r.get("resyncs", 0) for r in rounds),
         "peak_rss": max((r["peak_rss_bytes"] for r in reports if r.get("peak_rss_bytes")), default=None),
         "bytes_sent": max((r.get("bytes_sent", 0) for r in reports), default=0),
-        "rounds": max((r.get("rounds_ok", 0) + r.get("rounds_partial", 0) for r in reports), default=0),
+        "rounds": max((r.get("ok", 0) + r.get("partial", 0) for r in rounds), default=0),
         "rounds_s": rounds_cost_s(events),
     }
 

@@ -115,15 +115,13 @@ def print_report(result: SwarmResult, console: Console) -> None:
             table.add_column(col, justify="left" if col in ("peer", "id", "banned") else "right")
     for v in result.peers:
         r = v.report or {}
+        rounds = r.get("rounds", {})  # the trainer's "done" event: its RoundCounts
         table.add_row(
             v.name,
             v.peer_id[-8:],
             str(r.get("step", v.step)),
             *metric.cells(v.metric_value),
-            str(r.get("rounds_ok", "")),
-            str(r.get("rounds_partial", "")),
-            str(r.get("rounds_failed", "")),
-            str(r.get("resyncs", "")),
+            *(str(rounds.get(outcome, "")) for outcome in ("ok", "partial", "failed", "resyncs")),
             f"{r.get('bytes_sent', v.bytes_sent) / 1e6:.2f}",
             _bans(r.get("banned", []), attackers),
             "" if v.exit_code is None else str(v.exit_code),

@@ -170,10 +170,10 @@ class SwarmCollector(Collector):
             families["seen"].add_metric(key, r.last_seen_s)
             families["problems"].add_metric(key, len(r.problems))
             for outcome, value in (
-                ("ok", r.rounds_ok),
-                ("partial", r.rounds_partial),
-                ("failed", r.rounds_failed),
-                ("resync", r.resyncs),
+                ("ok", r.rounds.ok),
+                ("partial", r.rounds.partial),
+                ("failed", r.rounds.failed),
+                ("resync", r.rounds.resyncs),
             ):
                 rounds.add_metric([*key, outcome], value)
         yield from families.values()

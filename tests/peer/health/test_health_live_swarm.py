@@ -123,7 +123,7 @@ def test_phalanx_health_json_lists_every_peer(live_swarm):
     assert peers[live_swarm.bootstrap.peer_id]["role"] == "bootstrap"
     for t in live_swarm.trainers:
         row = peers[t.peer_id]
-        assert row["role"] == "trainer" and row["state"] == "online" and row["rounds_ok"] >= 1
+        assert row["role"] == "trainer" and row["state"] == "online" and row["rounds"]["ok"] >= 1
         assert row["short_id"] == t.peer_id[-8:] and row["reachability"] == "direct"
         assert row["problems"] == [] and row["legal"] is True
 
