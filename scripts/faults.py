@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository: 
 
 from tests.faults.fault_lab import missing_requirements, sweep_stale  # noqa: E402
 from tests.faults.fault_swarm import PEER_DEBUG_ENV  # noqa: E402
-from tests.faults.fault_table import BY_KEY, CHECKS, failed_checks, format_rows, rows_json, run_scenario  # noqa: E402
+from tests.faults.fault_table import BY_KEY, CHECKS, SCENARIOS, failed_checks, format_rows, rows_json, run_scenario  # noqa: E402
 
 
 def main() -> int:
@@ -35,7 +35,7 @@ def main() -> int:
     args = parser.parse_args()
     if args.debug:
         os.environ[PEER_DEBUG_ENV] = "1"
-    keys = list(BY_KEY) if args.scenario == "all" else [k.strip() for k in args.scenario.split(",") if k.strip()]
+    keys = [s.key for s in SCENARIOS] if args.scenario == "all" else [k.strip() for k in args.scenario.split(",") if k.strip()]
     unknown = [k for k in keys if k not in BY_KEY]
     if unknown:
         print(f"error: --scenario: unknown {', '.join(unknown)}; choose from {', '.join(BY_KEY)} or all", file=sys.stderr)

@@ -99,3 +99,18 @@ def test_format_rows_shows_filled_columns_and_notes():
     assert text.splitlines()[0].endswith("| accuracy | kills | corrupt | missing |")
     assert "| 20 |" in text and "- (g) kill 3: resumed from nothing" in text
     assert "orphans" not in text
+
+
+def test_a_fault_with_its_own_checks_is_judged_by_those_only():
+    """The short row holds several rows' faults on one swarm: a SIGSTOP row is not judged by the
+    readiness while cut off that only its cut and split rows have."""
+    short = BY_KEY["short"]
+    stop = next(f for f in short.faults if f.kind == "stop")
+    row = Row("short", stop.label, stall_s=2.0, rounds_during=3, ready_after_s=4.0, one_swarm_s=5.0, same_at_ends=True)
+    assert failed_checks(short, [row]) == []
+    cut = next(f for f in short.faults if f.kind == "cut")
+    assert failed_checks(short, [Row("short", cut.label, stall_s=2.0, rounds_during=3, ready_after_s=4.0, one_swarm_s=5.0,
+                                     same_at_ends=True, ready_while_faulty="2/8")]) == [
+        f"(short) {cut.label}: /readyz 503 while cut off (after the grace)"
+    ]  # fmt: skip
+    assert {c for f in short.faults for c in f.checks} <= set(short.checks)  # each is printed by scripts/faults.py
