@@ -4,7 +4,6 @@ protocol attack gets exactly its attacker banned, and commitments are signed onc
 
 import asyncio
 import dataclasses
-import logging
 import math
 import os
 
@@ -22,12 +21,6 @@ from tests.protocol.btard.btard_rounds import CONFIG, NUMEL, inputs, run_round
 from tests.protocol.swarm_fixture import close_peer, open_peer, open_swarm
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
-
-
-@pytest.fixture(autouse=True)
-def judges_log(caplog):
-    """A failing test shows each judge's convictions and why (the round's INFO log)."""
-    caplog.set_level(logging.INFO, logger="phalanx.protocol.btard")
 
 
 def test_honest_verified_round_equals_centered_clip_per_part():
