@@ -273,19 +273,24 @@ def bench_replay(
     inner_steps: int = typer.Option(50, "--inner-steps", min=1, help="DiLoCo's H: the steps a validator replays."),
     threads: str = typer.Option("1,2", "--threads", help="Comma-separated torch thread counts; the first is the reference."),
     parts: int = typer.Option(8, "--parts", min=1, help="Parts of the vector (a round's members), compared one by one."),
+    devices: str = typer.Option(
+        "cpu", "--devices", help="Comma-separated devices, one per replay (one value: every replay); the first is the reference."
+    ),
 ) -> None:
-    """How far two honest replays of H inner steps differ (other thread counts), against the
-    tolerance validators of verified diloco rounds accept.
+    """How far two honest replays of H inner steps differ (other thread counts or devices), against
+    the tolerance validators of verified diloco rounds accept.
 
     [bold]Examples[/bold]
 
       phalanx bench replay
 
       phalanx bench replay --task digits-mlp --task-options "" --inner-steps 500 --threads 1,2
+
+      phalanx bench replay --devices cuda,cuda,cpu --threads 1
     """
     from phalanx.tools.bench.replay import run_replay_bench
 
-    run_replay_bench(task, task_options, inner_steps, int_list(threads, "--threads"), parts)
+    run_replay_bench(task, task_options, inner_steps, int_list(threads, "--threads"), parts, tuple(str_list(devices)) or ("cpu",))
 
 
 @bench_app.command("convergence")
