@@ -52,15 +52,15 @@ def run_replay_bench(
     the rows of the table, each against the first replay."""
     from rich.table import Table
 
+    from phalanx.peer.model import resolve_device
     from phalanx.protocol.config import VerifyConfig
 
     console = console or bench_console()
     count = max(len(threads), len(devices))
     if {len(threads), len(devices)} - {1, count}:
         raise ConfigError(f"--threads and --devices: give one value or {count} of each, not {len(threads)} and {len(devices)}")
-    replays = list(zip(threads * count if len(threads) == 1 else threads, devices * count if len(devices) == 1 else devices))
-    from phalanx.peer.model import resolve_device
-
+    # a list of one value is repeated for every replay
+    replays = list(zip(list(threads) * (count // len(threads)), list(devices) * (count // len(devices))))
     for device in set(devices):
         resolve_device(device)  # a device this machine lacks is one line here, not a replay's traceback
     rtol = VerifyConfig(tau=float("inf")).contribution_rtol
