@@ -32,8 +32,8 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 P2PD = Path(hivemind.__file__).parent / "hivemind_cli" / "p2pd"
 PORT = 4101
 PUBLIC = ("relay", "o1", "o2", "o3")  # the relay and the other observers of each home's address
-DIRECT_WITHIN_S = 30.0
-RELAYED_FOR_S = 15.0
+DIRECT_WITHIN_S = 20.0  # per relayed connection
+ATTEMPTS = {False: 4, True: 2}  # relayed connections B opens to A, one after another, by symmetric
 
 
 def _p2pd_flags(create: dict, extra: dict) -> list[str]:
@@ -66,8 +66,21 @@ async def _addresses_of(p2p: P2P, peer) -> list[str]:
     return [str(a) for info in await p2p.list_peers() if info.peer_id == peer for a in info.addrs]
 
 
-async def _scenario(lab: Lab, tmp: Path) -> tuple[bool, float]:
-    """(whether B's connection to A became direct, seconds after the relayed call)."""
+async def _relayed_call(a: P2P, b: P2P, circuit: Multiaddr, number: int) -> None:
+    deadline = time.monotonic() + 30
+    while True:  # until A holds its slot on the relay
+        try:
+            await b._client.connect(a.peer_id, [circuit])
+            break
+        except Exception:
+            assert time.monotonic() < deadline, "B never reached A through the relay"
+            await asyncio.sleep(0.5)
+    reply = await b.call_protobuf_handler(a.peer_id, "echo", test_pb2.TestRequest(number=number), test_pb2.TestRequest)
+    assert reply.number == number
+
+
+async def _scenario(lab: Lab, tmp: Path, attempts: int) -> tuple[int | None, float]:
+    """(the relayed connection that became direct, if one did; seconds since the first relayed call)."""
     observers = []
     for name in PUBLIC:
         identity = Identity.generate_ed25519(tmp / f"{name}.id")
@@ -88,24 +101,20 @@ async def _scenario(lab: Lab, tmp: Path) -> tuple[bool, float]:
 
         await a.add_protobuf_handler("echo", echo, test_pb2.TestRequest)
         circuit = Multiaddr(f"{relay}/p2p-circuit/p2p/{a.peer_id.to_base58()}")
-        deadline = time.monotonic() + 30
-        while True:  # until A holds its slot on the relay
-            try:
-                await b._client.connect(a.peer_id, [circuit])
-                break
-            except Exception:
-                assert time.monotonic() < deadline, "B never reached A through the relay"
-                await asyncio.sleep(0.5)
-        reply = await b.call_protobuf_handler(a.peer_id, "echo", test_pb2.TestRequest(number=7), test_pb2.TestRequest)
-        assert reply.number == 7
         began = time.monotonic()
-        while time.monotonic() - began < DIRECT_WITHIN_S:
-            if any("p2p-circuit" not in address for address in await _addresses_of(b, a.peer_id)):
-                return True, time.monotonic() - began
-            await asyncio.sleep(0.5)
-        reply = await b.call_protobuf_handler(a.peer_id, "echo", test_pb2.TestRequest(number=8), test_pb2.TestRequest)
-        assert reply.number == 8  # still through the relay
-        return False, time.monotonic() - began
+        for attempt in range(1, attempts + 1):
+            # libp2p punches once per relayed connection, and only once the home counts its public
+            # address as confirmed; a home that reconnects through the relay gets another punch
+            await _relayed_call(a, b, circuit, number=attempt)
+            waited = time.monotonic()
+            while time.monotonic() - waited < DIRECT_WITHIN_S:
+                if any("p2p-circuit" not in address for address in await _addresses_of(b, a.peer_id)):
+                    return attempt, time.monotonic() - began
+                await asyncio.sleep(0.5)
+            reply = await b.call_protobuf_handler(a.peer_id, "echo", test_pb2.TestRequest(number=100 + attempt), test_pb2.TestRequest)
+            assert reply.number == 100 + attempt  # still through the relay
+            await b._client.disconnect(a.peer_id)
+        return None, time.monotonic() - began
     finally:
         for p2p in (a, b):
             await p2p.shutdown()
@@ -116,11 +125,11 @@ def test_homes_punch_a_hole_where_both_nats_allow_it(lab_machine, tmp_path, symm
     with Lab(list(PUBLIC), tag="hp", subnet=PUBLIC_LOOKING_SUBNET) as lab:
         for home in ("a", "b"):
             lab.add_home(home, symmetric=symmetric, stealth=True)
-        direct, after_s = asyncio.run(_scenario(lab, tmp_path))
+        direct, after_s = asyncio.run(_scenario(lab, tmp_path, ATTEMPTS[symmetric]))
     logs = "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-800:]}" for p in sorted(tmp_path.glob("*.log")))
     if symmetric:
-        assert not direct, f"a hole through symmetric NAT?\n{logs}"
-        print(f"symmetric NAT: still relayed {after_s:.0f} s after the first relayed call")
+        assert direct is None, f"a hole through symmetric NAT?\n{logs}"
+        print(f"symmetric NAT: {ATTEMPTS[symmetric]} relayed connections, still relayed {after_s:.0f} s after the first call")
     else:
-        assert direct, f"no direct connection within {DIRECT_WITHIN_S:.0f} s\n{logs}"
-        print(f"port-keeping NAT: B's connection to A direct {after_s:.1f} s after the first relayed call")
+        assert direct is not None, f"no direct connection in {ATTEMPTS[symmetric]} relayed connections of {DIRECT_WITHIN_S:.0f} s\n{logs}"
+        print(f"port-keeping NAT: relayed connection {direct} of B to A direct {after_s:.1f} s after the first relayed call")
