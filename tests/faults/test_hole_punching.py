@@ -11,7 +11,6 @@ behind symmetric NAT (a random port per connection) it stays relayed, and calls 
 from __future__ import annotations
 
 import asyncio
-import os
 import subprocess
 import time
 from pathlib import Path
@@ -85,14 +84,20 @@ async def _scenario(lab: Lab, tmp: Path, attempts: int) -> tuple[int | None, flo
     for name in PUBLIC:
         identity = Identity.generate_ed25519(tmp / f"{name}.id")
         host = lab[name]
-        create, extra = relay_flags(NetworkSettings(relay_budget_gb=1)) if name == "relay" else (dict(force_reachability="public"), {})
+        create, extra = (
+            relay_flags(NetworkSettings(relay_budget_gb=1))
+            if name == "relay"
+            else (dict(force_reachability="public"), {})
+        )
         args = [f"-id={tmp / f'{name}.id'}", f"-hostAddrs=/ip4/{host.ip}/tcp/{PORT}", *_p2pd_flags(create, extra)]
         _start(host, tmp, name, args)
         observers.append(f"/ip4/{host.ip}/tcp/{PORT}/p2p/{identity.peer_id}")
     relay = observers[0]
     create, extra = relay_flags(NetworkSettings(initial_peers=[relay]), [relay])
     home_args = [f"-bootstrapPeers={','.join(observers)}", "-b", *_p2pd_flags(create, extra)]
-    socks = {name: _start(lab[name], tmp, name, [f"-hostAddrs=/ip4/0.0.0.0/tcp/{PORT}", *home_args]) for name in ("a", "b")}
+    socks = {
+        name: _start(lab[name], tmp, name, [f"-hostAddrs=/ip4/0.0.0.0/tcp/{PORT}", *home_args]) for name in ("a", "b")
+    }
     a, b = await _replica(socks["a"]), await _replica(socks["b"])
     try:
 
@@ -111,7 +116,9 @@ async def _scenario(lab: Lab, tmp: Path, attempts: int) -> tuple[int | None, flo
                 if any("p2p-circuit" not in address for address in await _addresses_of(b, a.peer_id)):
                     return attempt, time.monotonic() - began
                 await asyncio.sleep(0.5)
-            reply = await b.call_protobuf_handler(a.peer_id, "echo", test_pb2.TestRequest(number=100 + attempt), test_pb2.TestRequest)
+            reply = await b.call_protobuf_handler(
+                a.peer_id, "echo", test_pb2.TestRequest(number=100 + attempt), test_pb2.TestRequest
+            )
             assert reply.number == 100 + attempt  # still through the relay
             await b._client.disconnect(a.peer_id)
         return None, time.monotonic() - began
@@ -129,7 +136,13 @@ def test_homes_punch_a_hole_where_both_nats_allow_it(lab_machine, tmp_path, symm
     logs = "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-800:]}" for p in sorted(tmp_path.glob("*.log")))
     if symmetric:
         assert direct is None, f"a hole through symmetric NAT?\n{logs}"
-        print(f"symmetric NAT: {ATTEMPTS[symmetric]} relayed connections, still relayed {after_s:.0f} s after the first call")
+        print(
+            f"symmetric NAT: {ATTEMPTS[symmetric]} relayed connections, still relayed {after_s:.0f} s after the first call"
+        )
     else:
-        assert direct is not None, f"no direct connection in {ATTEMPTS[symmetric]} relayed connections of {DIRECT_WITHIN_S:.0f} s\n{logs}"
-        print(f"port-keeping NAT: relayed connection {direct} of B to A direct {after_s:.1f} s after the first relayed call")
+        assert direct is not None, (
+            f"no direct connection in {ATTEMPTS[symmetric]} relayed connections of {DIRECT_WITHIN_S:.0f} s\n{logs}"
+        )
+        print(
+            f"port-keeping NAT: relayed connection {direct} of B to A direct {after_s:.1f} s after the first relayed call"
+        )
