@@ -14,6 +14,7 @@ cut-off members are noticed by their closed connection or by bytes that stop flo
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -36,7 +37,7 @@ from phalanx.protocol.round_spec import (
     Reducer,
     RoundSpec,
 )
-from phalanx.protocol.transport import CallFailed, Landing, Transport
+from phalanx.protocol.transport import SMALL_CALL_BYTES, CallFailed, Landing, Transport
 from phalanx.protocol.waiting import WaitingCalls
 from phalanx.security.wire import pack, unpack
 
@@ -54,6 +55,7 @@ MAX_PART_BYTES = max(encoded_size_bound(MAX_PART_NUMEL, codec) for codec in Code
 # is kept out of this peer's groups this long: a dozen rounds of a few seconds, and an honest peer never does it.
 OVERSIZED_QUARANTINE_S = 60.0
 CLOSED_ROUNDS_KEPT = 64  # closed rounds whose counted senders a probe may still ask about
+ANSWERED_ROUNDS_KEPT = 8  # forgotten rounds whose replies to small parts are kept for a part sent again
 
 
 class AllReduceService:
@@ -79,6 +81,8 @@ class AllReduceService:
         self._spare_rows: dict[tuple[int, int], torch.Tensor] = {}  # fresh memory costs page faults every round
         # closed rounds: their members and the senders counted, for probes of senders we left out
         self._closed: dict[bytes, tuple[tuple[str, ...], frozenset[int]]] = {}
+        # forgotten rounds: per sender of a small part, its part's digest and the reply it got (see Reduction.digests)
+        self._answered: dict[bytes, dict[str, tuple[bytes, tuple[bytes, bytes | memoryview]]]] = {}
         transport.register(PART_METHOD, self._serve_part, max_payload=MAX_PART_BYTES, sink=self._part_sink)
         transport.register(ALIVE_METHOD, self._serve_alive, max_payload=0)
 
@@ -248,6 +252,12 @@ class AllReduceService:
             self._closed[round_id] = (tuple(reduction.spec.members), frozenset(reduction.received))
             while len(self._closed) > CLOSED_ROUNDS_KEPT:
                 self._closed.pop(next(iter(self._closed)))
+            members = reduction.spec.members
+            answered = {members[i]: (reduction.digests[i], reply) for i, reply in reduction.answers.items()}
+            if answered:
+                self._answered[round_id] = answered
+                while len(self._answered) > ANSWERED_ROUNDS_KEPT:
+                    self._answered.pop(next(iter(self._answered)))
             reduction.release()
 
     async def _send_part(self, spec, j, part, weight, out, timeout_s, guard: Optional[PartGuard], activity: Activity) -> None:
@@ -363,6 +373,8 @@ class AllReduceService:
         the sender declares. Raw float32 parts are received straight into their row (and, in verified rounds,
         hashed record by record on the way). A sender that declared more than its codec can take for the
         part is quarantined (verified rounds: one that signed such a size is proven, see `check_size`)."""
+        if self._answered_before(peer, header) is not None:
+            return Landing()  # the part of a forgotten round sent again: compared once its bytes are in
         head, reduction, index = await self._checked_part(peer, header)
         if peer in self.quarantine:
             _refuse(reduction, index)
@@ -380,6 +392,8 @@ class AllReduceService:
                 )
                 self.quarantine.add(peer, OVERSIZED_QUARANTINE_S)
             raise
+        if index in reduction.digests:
+            return Landing()  # most likely the same part sent again: compared once its bytes are in
         reduction.claim(index)
         hasher = None
         if reduction.guard is not None:
@@ -388,28 +402,50 @@ class AllReduceService:
         return Landing(into, hasher, reduction.activity.get(index))
 
     async def _serve_part(self, peer: str, header: bytes, payload) -> tuple[bytes, bytes | memoryview]:
+        before = self._answered_before(peer, header)
+        if before is not None:
+            digest, reply = before
+            _check_same_part(digest, header, payload, peer)
+            return reply
         head, reduction, index = await self._checked_part(peer, header)
-        if reduction.guard is not None:
-            try:
-                hasher = reduction.hashers.pop(index, None)
-                if hasher is None:
-                    raise PeerProtocolError("part arrived without passing the sink", peer=peer)
-                reduction.guard.accept_part(index, reduction.my_index, payload, head, hasher.digest())
-            except PeerProtocolError:
-                reduction.refuse(index)
-                raise
-        if reduction.spec.codec is Codec.NONE:
-            reduction.add(index, None, head.weight)  # the sink already put the bytes in place
+        if index in reduction.digests:
+            _check_same_part(reduction.digests[index], header, payload, peer)
+            logger.info(f"round {reduction.spec.round_id.hex()[:8]}: {peer[-8:]} sent its part again (its reply was lost); answering again")
+            if index in reduction.answers:
+                return reduction.answers[index]
         else:
-            reduction.add(index, decode(payload, reduction.spec.codec, head.numel, peer=peer), head.weight)
+            if reduction.guard is not None:
+                try:
+                    hasher = reduction.hashers.pop(index, None)
+                    if hasher is None:
+                        raise PeerProtocolError("part arrived without passing the sink", peer=peer)
+                    reduction.guard.accept_part(index, reduction.my_index, payload, head, hasher.digest())
+                except PeerProtocolError:
+                    reduction.refuse(index)
+                    raise
+            if len(payload) <= SMALL_CALL_BYTES:
+                reduction.digests[index] = _part_digest(header, payload)
+            if reduction.spec.codec is Codec.NONE:
+                reduction.add(index, None, head.weight)  # the sink already put the bytes in place
+            else:
+                reduction.add(index, decode(payload, reduction.spec.codec, head.numel, peer=peer), head.weight)
         await asyncio.shield(reduction.result)
         if reduction.guard is not None:
-            return reduction.guard.reply_for(index, *reduction.encoded)
-        reply = reduction.encoded_for.get(index, reduction.encoded)
-        reduction.replied.add(index)
-        if reduction.finished and reduction.all_replied():  # the transport holds the reply until it is sent
-            self._forget(reduction.spec.round_id)
+            reply = reduction.guard.reply_for(index, *reduction.encoded)
+        else:
+            reply = reduction.encoded_for.get(index, reduction.encoded)
+            reduction.replied.add(index)
+        if index in reduction.digests:
+            reduction.answers[index] = reply
+        if reduction.guard is None and reduction.finished and reduction.all_replied():
+            self._forget(reduction.spec.round_id)  # the transport holds the reply until it is sent
         return reply
+
+    def _answered_before(self, peer: str, header: bytes) -> Optional[tuple[bytes, tuple[bytes, bytes | memoryview]]]:
+        """The digest of `peer`'s part of a forgotten round and the reply it got, if it was a small part."""
+        if not self._answered:
+            return None
+        return self._answered.get(unpack(header, PartHeader, peer=peer).round_id, {}).get(peer)
 
     async def _wait_for_round(self, round_id: bytes, peer: str) -> Reduction:
         """The round `round_id`, once this peer starts it: a sender may be a step ahead. Such calls wait in a
@@ -568,6 +604,18 @@ async def _reply_or_relayed(call, guard: PartGuard, j: int, reducer: str, hasher
 async def _nothing() -> torch.Tensor:
     """The aggregate of a member that reduces no part."""
     return torch.empty(0)
+
+
+def _part_digest(header: bytes, payload) -> bytes:
+    digest = hashlib.blake2b(header, digest_size=16)
+    digest.update(payload)
+    return digest.digest()
+
+
+def _check_same_part(digest: bytes, header: bytes, payload, peer: str) -> None:
+    """A part sent again must be the same bytes: a relayed unary call that reset is sent again whole."""
+    if _part_digest(header, payload) != digest:
+        raise PeerProtocolError("sent two different parts for one round", peer=peer)
 
 
 def _refuse(reduction: Reduction, index: int) -> None:

@@ -239,7 +239,11 @@ class RoundEngine:
         reply = await self.matchmaker.join(version=self.version, step=self.step, together=self.together)
         if reply.kind == "resync":
             self.stats.resyncs += 1
-            logger.info(f"state {self.step} is behind the swarm's {reply.group.step}: resyncing from {reply.donor[-8:]}")
+            if reply.group.step == self.step:  # a partial round left members at one step with different parameters
+                why = f"state {self.step} differs from the swarm's at the same step"
+            else:
+                why = f"state {self.step} is {'behind' if reply.group.step > self.step else 'ahead of'} the swarm's {reply.group.step}"
+            logger.info(f"{why}: resyncing from {reply.donor[-8:]}")
             return Resync(reply.group, reply.donor)
         group = reply.group
         known = sorted(p[-8:] for p in group.members if p in self.membership.banned)

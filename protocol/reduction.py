@@ -49,6 +49,10 @@ class Reduction:
     replied: set[int] = field(default_factory=set)  # senders handed their result: once all are, nothing holds it
     finished: bool = False  # this peer's own run of the round returned
     arrived_at: dict[int, float] = field(default_factory=dict)  # time.monotonic() each sender's part was in
+    # parts small enough for a unary call, which a relayed connection's reset makes the sender send again
+    # whole: each one's digest, to tell the same part sent again from another part, and the reply it got
+    digests: dict[int, bytes] = field(default_factory=dict)
+    answers: dict[int, tuple[bytes, bytes | memoryview]] = field(default_factory=dict)
 
     def slow(self, started: float) -> list[int]:
         """Senders whose part came in SLOW_MIN_S, and SLOW_FACTOR times the fastest other sender's time,
@@ -64,7 +68,7 @@ class Reduction:
         """Drop the aggregate and the per-member results once the round is forgotten. The activity
         callbacks point back at this object, a reference cycle that only the cyclic collector frees,
         rounds later: 100M values held that way per round added up to a copy of the vector each."""
-        self.encoded, self.encoded_for, self.result = None, {}, None
+        self.encoded, self.encoded_for, self.result, self.answers = None, {}, None, {}
         self.activity.clear()
 
     def all_replied(self) -> bool:

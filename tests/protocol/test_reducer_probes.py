@@ -86,10 +86,11 @@ def test_a_reducer_says_whether_it_still_waits_for_a_senders_part():
     members = ("peer-a", "peer-b", "peer-c")
     rid, other = b"r" * 16, b"o" * 16
     service = AllReduceService.__new__(AllReduceService)
-    service._rounds, service._registered, service._closed = {}, {}, {}
+    service._rounds, service._registered, service._closed, service._answered = {}, {}, {}, {}
     reduction = Reduction.__new__(Reduction)
     reduction.spec = type("Spec", (), {"members": members})()
     reduction.received, reduction.refused, reduction.closed = {0, 1}, set(), False
+    reduction.digests, reduction.answers = {}, {}
     reduction.release = lambda: None
     service._rounds[rid] = reduction
 
