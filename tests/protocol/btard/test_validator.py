@@ -13,6 +13,9 @@ from tests.protocol.btard.btard_rounds import CONFIG, inputs
 from tests.protocol.swarm_fixture import open_swarm
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+# every member here answers every phase, so no phase waits its timeout out: a long one costs nothing, and a
+# loaded machine once took more than CONFIG's 3 s for a cover-up's phases (the validator then proved nothing)
+PATIENT = dataclasses.replace(CONFIG, verify=dataclasses.replace(CONFIG.verify, phase_timeout_s=15.0))
 
 
 def verified(x, **verification) -> RoundRequest:
@@ -26,7 +29,7 @@ def test_validator_checks_its_target_while_the_gather_runs(monkeypatch):
     from phalanx.protocol.btard.validator import Validator
 
     async def main():
-        async with open_swarm(4, CONFIG) as peers:
+        async with open_swarm(4, PATIENT) as peers:
             ids = [p.peer_id for p in peers]
             target = [ids[1]]
             monkeypatch.setattr(Validator, "pairs", lambda self, seed: [(ids[0], target[0])])
@@ -62,7 +65,7 @@ def test_a_reducer_covering_up_its_aggregate_with_its_own_report_is_caught_by_th
 
     async def main():
         behaviors = [None, None, None, PROTOCOL_ATTACKS["cover_up"]()]
-        async with open_swarm(4, CONFIG, behaviors=behaviors) as peers:
+        async with open_swarm(4, PATIENT, behaviors=behaviors) as peers:
             ids = [p.peer_id for p in peers]
             target = [ids[1]]
             monkeypatch.setattr(Validator, "pairs", lambda self, seed: [(ids[0], target[0])])
@@ -95,7 +98,7 @@ def test_a_reducer_covering_up_its_aggregate_with_its_own_report_is_caught_by_th
 def test_with_a_validator_per_member_a_cover_up_is_caught_in_its_first_round():
     """`validators` equal to the group size: every member is some validator's target each round, so the
     reducer that covers up its shifted aggregate with its own report is caught whatever the seed."""
-    config = dataclasses.replace(CONFIG, verify=dataclasses.replace(CONFIG.verify, validators=4))
+    config = dataclasses.replace(PATIENT, verify=dataclasses.replace(PATIENT.verify, validators=4))
 
     async def main():
         async with open_swarm(4, config, behaviors=[None, None, None, PROTOCOL_ATTACKS["cover_up"]()]) as peers:
