@@ -55,7 +55,7 @@ MAX_PART_BYTES = max(encoded_size_bound(MAX_PART_NUMEL, codec) for codec in Code
 # is kept out of this peer's groups this long: a dozen rounds of a few seconds, and an honest peer never does it.
 OVERSIZED_QUARANTINE_S = 60.0
 CLOSED_ROUNDS_KEPT = 64  # closed rounds whose counted senders a probe may still ask about
-ANSWERED_ROUNDS_KEPT = 8  # forgotten rounds whose replies to small parts are kept for a part sent again
+ANSWERS_KEPT = 256  # replies to small parts of forgotten rounds, kept for a part sent again (a few rounds' worth)
 
 
 class AllReduceService:
@@ -81,8 +81,9 @@ class AllReduceService:
         self._spare_rows: dict[tuple[int, int], torch.Tensor] = {}  # fresh memory costs page faults every round
         # closed rounds: their members and the senders counted, for probes of senders we left out
         self._closed: dict[bytes, tuple[tuple[str, ...], frozenset[int]]] = {}
-        # forgotten rounds: per sender of a small part, its part's digest and the reply it got (see Reduction.digests)
-        self._answered: dict[bytes, dict[str, tuple[bytes, tuple[bytes, bytes | memoryview]]]] = {}
+        # forgotten rounds' small parts, by (sender, part header: it names the round): the part's digest and
+        # the reply it got (see Reduction.digests); a part sent again comes with the very same header
+        self._answered: dict[tuple[str, bytes], tuple[bytes, tuple[bytes, bytes | memoryview]]] = {}
         transport.register(PART_METHOD, self._serve_part, max_payload=MAX_PART_BYTES, sink=self._part_sink)
         transport.register(ALIVE_METHOD, self._serve_alive, max_payload=0)
 
@@ -252,12 +253,10 @@ class AllReduceService:
             self._closed[round_id] = (tuple(reduction.spec.members), frozenset(reduction.received))
             while len(self._closed) > CLOSED_ROUNDS_KEPT:
                 self._closed.pop(next(iter(self._closed)))
-            members = reduction.spec.members
-            answered = {members[i]: (reduction.digests[i], reply) for i, reply in reduction.answers.items()}
-            if answered:
-                self._answered[round_id] = answered
-                while len(self._answered) > ANSWERED_ROUNDS_KEPT:
-                    self._answered.pop(next(iter(self._answered)))
+            for i, (header, reply) in reduction.answers.items():
+                self._answered[(reduction.spec.members[i], header)] = (reduction.digests[i], reply)
+            while len(self._answered) > ANSWERS_KEPT:
+                self._answered.pop(next(iter(self._answered)))
             reduction.release()
 
     async def _send_part(self, spec, j, part, weight, out, timeout_s, guard: Optional[PartGuard], activity: Activity) -> None:
@@ -373,7 +372,7 @@ class AllReduceService:
         the sender declares. Raw float32 parts are received straight into their row (and, in verified rounds,
         hashed record by record on the way). A sender that declared more than its codec can take for the
         part is quarantined (verified rounds: one that signed such a size is proven, see `check_size`)."""
-        if self._answered_before(peer, header) is not None:
+        if (peer, bytes(header)) in self._answered:
             return Landing()  # the part of a forgotten round sent again: compared once its bytes are in
         head, reduction, index = await self._checked_part(peer, header)
         if peer in self.quarantine:
@@ -402,7 +401,7 @@ class AllReduceService:
         return Landing(into, hasher, reduction.activity.get(index))
 
     async def _serve_part(self, peer: str, header: bytes, payload) -> tuple[bytes, bytes | memoryview]:
-        before = self._answered_before(peer, header)
+        before = self._answered.get((peer, bytes(header)))
         if before is not None:
             digest, reply = before
             _check_same_part(digest, header, payload, peer)
@@ -412,7 +411,7 @@ class AllReduceService:
             _check_same_part(reduction.digests[index], header, payload, peer)
             logger.info(f"round {reduction.spec.round_id.hex()[:8]}: {peer[-8:]} sent its part again (its reply was lost); answering again")
             if index in reduction.answers:
-                return reduction.answers[index]
+                return reduction.answers[index][1]
         else:
             if reduction.guard is not None:
                 try:
@@ -436,16 +435,10 @@ class AllReduceService:
             reply = reduction.encoded_for.get(index, reduction.encoded)
             reduction.replied.add(index)
         if index in reduction.digests:
-            reduction.answers[index] = reply
+            reduction.answers[index] = (bytes(header), reply)
         if reduction.guard is None and reduction.finished and reduction.all_replied():
             self._forget(reduction.spec.round_id)  # the transport holds the reply until it is sent
         return reply
-
-    def _answered_before(self, peer: str, header: bytes) -> Optional[tuple[bytes, tuple[bytes, bytes | memoryview]]]:
-        """The digest of `peer`'s part of a forgotten round and the reply it got, if it was a small part."""
-        if not self._answered:
-            return None
-        return self._answered.get(unpack(header, PartHeader, peer=peer).round_id, {}).get(peer)
 
     async def _wait_for_round(self, round_id: bytes, peer: str) -> Reduction:
         """The round `round_id`, once this peer starts it: a sender may be a step ahead. Such calls wait in a

@@ -50,9 +50,9 @@ class Reduction:
     finished: bool = False  # this peer's own run of the round returned
     arrived_at: dict[int, float] = field(default_factory=dict)  # time.monotonic() each sender's part was in
     # parts small enough for a unary call, which a relayed connection's reset makes the sender send again
-    # whole: each one's digest, to tell the same part sent again from another part, and the reply it got
+    # whole: each one's digest, to tell the same part sent again from another part, and its header and reply
     digests: dict[int, bytes] = field(default_factory=dict)
-    answers: dict[int, tuple[bytes, bytes | memoryview]] = field(default_factory=dict)
+    answers: dict[int, tuple[bytes, tuple[bytes, bytes | memoryview]]] = field(default_factory=dict)
 
     def slow(self, started: float) -> list[int]:
         """Senders whose part came in SLOW_MIN_S, and SLOW_FACTOR times the fastest other sender's time,
