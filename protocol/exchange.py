@@ -1,7 +1,9 @@
 """All-to-all exchange of one small message per member, for the verification phases of a round.
 
 Each member sends its message to every other member and waits (until a deadline) for
-theirs. Messages may arrive before this peer reaches the phase: they wait in a mailbox
+theirs; a phase that allows it then asks the members that answered for the messages that never
+reached this peer (every such message is signed by its sender, so the relaying member cannot forge
+one). Messages may arrive before this peer reaches the phase: they wait in a mailbox
 keyed by (round, phase, sender). Only members of a round this peer opened can fill its
 mailbox, one message per phase of the round (RoundPhase) each, so a mailbox holds at most
 members × phases messages; a call for a round not opened yet is held (a bounded number of
@@ -13,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Annotated, Optional
 
@@ -22,11 +25,13 @@ from phalanx.errors import PeerProtocolError, RoundAbortedError
 from phalanx.protocol.transport import CallFailed, Transport
 from phalanx.protocol.waiting import WaitingCalls
 from phalanx.security.phases import RoundPhase
-from phalanx.security.wire import RoundId, WireModel, pack, unpack
+from phalanx.security.statements import Signed, check_statement
+from phalanx.security.wire import PeerIdStr, RoundId, WireModel, pack, unpack
 
 logger = logging.getLogger(__name__)
 
 EXCHANGE_METHOD = "exchange"
+EXCHANGE_RELAY_METHOD = "exchange_relay"
 MAX_PHASE_BYTES = 512 << 10
 MAX_OPEN_ROUNDS = 64
 # calls held for rounds not opened yet (each holds at most MAX_PHASE_BYTES), MAX_WAITING_PER_CALLER of them a caller
@@ -39,6 +44,28 @@ SEND_RETRY_PAUSES_S = (0.2, 0.5)
 class ExchangeHeader(WireModel):
     round_id: RoundId  # the round whose mailbox the message goes to
     phase: Annotated[RoundPhase, Strict(False)]  # a msgpack string; a name the round has no phase of is refused
+
+
+class RelayAsk(WireModel):
+    round_id: RoundId
+    phase: Annotated[RoundPhase, Strict(False)]
+    sender: PeerIdStr  # whose message of `phase` the asking member lacks
+
+
+Check = Callable[[str, bytes], bool]  # (sender, message) -> whether the message is the sender's own
+
+
+def signed_by_sender(round_id: bytes, phase: RoundPhase) -> Check:
+    """A relayed message must be a statement of `phase` in this round, signed by its sender."""
+
+    def check(sender: str, raw: bytes) -> bool:
+        try:
+            check_statement(unpack(raw, Signed, peer=sender), kind=phase, round_id=round_id, sender=sender)
+        except PeerProtocolError:
+            return False
+        return True
+
+    return check
 
 
 @dataclass
@@ -58,6 +85,7 @@ class ExchangeService:
         self._opened: dict[bytes, asyncio.Event] = {}
         self._waiting = WaitingCalls(MAX_WAITING_CALLS)
         transport.register(EXCHANGE_METHOD, self._serve, max_payload=MAX_PHASE_BYTES)
+        transport.register(EXCHANGE_RELAY_METHOD, self._serve_relay, max_payload=0)
 
     def open_round(self, round_id: bytes, members: tuple[str, ...]) -> None:
         self._rounds[round_id] = _Mailbox(frozenset(members))
@@ -97,6 +125,16 @@ class ExchangeService:
         box.arrived.set()
         return b"", b""
 
+    async def _serve_relay(self, peer: str, header: bytes, payload) -> tuple[bytes, bytes]:
+        """Another member's message of a phase, for a member it never reached (empty: we lack it too)."""
+        ask = unpack(header, RelayAsk, peer=peer)
+        box = self._rounds.get(ask.round_id)
+        if box is None:
+            raise RoundAbortedError("round is not open for exchange")
+        if peer not in box.members:
+            raise PeerProtocolError("asked for a phase message of a round it is not a member of", peer=peer)
+        return b"", box.messages.get((ask.phase, ask.sender), b"")
+
     async def arrivals(self, round_id: bytes, phase: RoundPhase, seen: set[str]) -> dict[str, bytes]:
         """The `phase` messages of the round from members not in `seen`, once there is at least one
         (they stay for `all_to_all` to collect): a member may act on early messages of a later phase."""
@@ -120,10 +158,13 @@ class ExchangeService:
         send: bool = True,
         expect: Optional[set[str]] = None,
         payload_for: Optional[dict[str, Optional[bytes]]] = None,
+        relay: Optional[tuple[float, Check]] = None,
     ) -> dict[str, bytes]:
         """Send `payload` to every other member (unless `send` is False) and collect theirs until every
         member (or every peer in `expect`) answered or `deadline` (time.monotonic()) passed.
-        `payload_for` sends some members another payload, or None: nothing (attacks, for tests)."""
+        `payload_for` sends some members another payload, or None: nothing (attacks, for tests).
+        `relay` = (seconds, check): then, for at most that long, ask the members that answered for the
+        messages still missing, and keep those `check` takes as their senders' own."""
         box = self._rounds.get(round_id)
         if box is None:
             raise RoundAbortedError("round is not open for exchange")
@@ -170,6 +211,50 @@ class ExchangeService:
         finally:
             for task in sending:
                 task.cancel()
+        missing = awaited - {p for (ph, p) in box.messages if ph == phase}
+        if missing and relay is not None:
+            await self._take_missing(box, round_id, phase, missing, time.monotonic() + relay[0], relay[1])
         received = {p: data for (ph, p), data in box.messages.items() if ph == phase}
         received[me] = payload
         return received
+
+    async def _take_missing(
+        self, box: _Mailbox, round_id: bytes, phase: RoundPhase, missing: set[str], deadline: float, check: Check
+    ) -> None:
+        """Ask every member whose message of `phase` we hold for each message that never reached us: a
+        connection that lost one sender's message to us alone (a relayed one, between two homes) would
+        otherwise leave us with another view of the round than every other member's."""
+        me = self.transport.peer_id
+        holders = sorted({p for (ph, p) in box.messages if ph == phase} - {me})
+        header = {s: pack(RelayAsk(round_id=round_id, phase=phase, sender=s)) for s in missing}
+
+        async def ask(holder: str, sender: str) -> tuple[str, bytes]:
+            timeout = max(deadline - time.monotonic(), 0.1)
+            _, data = await self.transport.call(
+                holder, EXCHANGE_RELAY_METHOD, header[sender], b"", max_reply_payload=MAX_PHASE_BYTES, timeout_s=timeout
+            )
+            return holder, bytes(data)
+
+        async def take(sender: str) -> None:
+            asks = [asyncio.ensure_future(ask(h, sender)) for h in holders if h != sender]
+            try:
+                for answer in asyncio.as_completed(asks, timeout=max(deadline - time.monotonic(), 0.1)):
+                    try:
+                        holder, data = await answer
+                    except (CallFailed, PeerProtocolError, RoundAbortedError):
+                        continue
+                    if (phase, sender) in box.messages:
+                        return  # it came itself meanwhile
+                    if data and check(sender, data):
+                        box.messages[(phase, sender)] = data
+                        box.arrived.set()
+                        logger.info(f"round {round_id.hex()[:8]}: took {sender[-8:]}'s {phase} message from {holder[-8:]}, as it never reached us")
+                        return
+            except TimeoutError:
+                pass
+            finally:
+                for task in asks:
+                    task.cancel()
+                await asyncio.gather(*asks, return_exceptions=True)
+
+        await asyncio.gather(*(take(s) for s in sorted(missing)))

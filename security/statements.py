@@ -40,15 +40,8 @@ def sign_statement(identity: Identity, kind: str, round_id: bytes, body: WireMod
     return Signed(statement=statement, public_key=identity.public_key, signature=identity.sign(DOMAIN + statement))
 
 
-def open_statement(
-    signed: Signed,
-    body_model: type[B],
-    *,
-    kind: str,
-    round_id: bytes | None = None,
-    sender: str | None = None,
-) -> tuple[Statement, B]:
-    """Check signature, kind, round and sender, then parse the body; PeerProtocolError otherwise."""
+def check_statement(signed: Signed, *, kind: str, round_id: bytes | None = None, sender: str | None = None) -> Statement:
+    """Check signature, kind, round and sender, without parsing the body; PeerProtocolError otherwise."""
     kind = str(kind)  # a RoundPhase by its wire name, in messages too
     statement = unpack(signed.statement, Statement, peer=sender)
     verify(statement.sender, signed.public_key, DOMAIN + signed.statement, signed.signature)
@@ -58,4 +51,17 @@ def open_statement(
         raise PeerProtocolError(f"{kind} statement of another round (replayed?)", peer=statement.sender)
     if sender is not None and statement.sender != sender:
         raise PeerProtocolError(f"{kind} statement signed by {statement.sender}, not by the sender", peer=sender)
+    return statement
+
+
+def open_statement(
+    signed: Signed,
+    body_model: type[B],
+    *,
+    kind: str,
+    round_id: bytes | None = None,
+    sender: str | None = None,
+) -> tuple[Statement, B]:
+    """Check signature, kind, round and sender, then parse the body; PeerProtocolError otherwise."""
+    statement = check_statement(signed, kind=kind, round_id=round_id, sender=sender)
     return statement, unpack(statement.body, body_model, peer=statement.sender)

@@ -37,6 +37,7 @@ from phalanx.protocol.btard.service import BtardService, Held
 from phalanx.protocol.btard.state import RoundState
 from phalanx.protocol.btard.validator import Validator
 from phalanx.protocol.codec import Codec, decode, encoded_size_bound
+from phalanx.protocol.exchange import Check, signed_by_sender
 from phalanx.security.commitments import (
     AggregateBody,
     CommitBody,
@@ -53,6 +54,10 @@ from phalanx.security.statements import Signed, Statement, open_statement, sign_
 from phalanx.security.wire import pack, unpack
 
 logger = logging.getLogger(__name__)
+# of a phase timeout: how long a member asks the others for commitments and reveals that never reached it.
+# Every member must derive the seed from the same reveals; one lost on a single link (a relayed connection
+# between two homes) would give one honest member another seed, and every report of its a false one.
+PHASE_RELAY = 0.25
 
 
 class VerifiedRound(RoundState):
@@ -94,8 +99,9 @@ class VerifiedRound(RoundState):
         )
         mine = sign_statement(self.identity, RoundPhase.COMMIT, self.round_id, body)
         received = await self.service.exchange.all_to_all(
-            self.round_id, RoundPhase.COMMIT, pack(mine), deadline=self.next_deadline(), send=self.behavior.speaks(RoundPhase.COMMIT)
-        )
+            self.round_id, RoundPhase.COMMIT, pack(mine), deadline=self.next_deadline(), send=self.behavior.speaks(RoundPhase.COMMIT),
+            relay=self._relay(RoundPhase.COMMIT),
+        )  # fmt: skip
         digest = members_digest(self.members)
         for peer, raw in received.items():
             try:
@@ -373,6 +379,7 @@ class VerifiedRound(RoundState):
             deadline=self.next_deadline(),
             send=self.behavior.speaks(RoundPhase.REVEAL),
             expect=self.committed,
+            relay=self._relay(RoundPhase.REVEAL),
         )
         shares: dict[str, bytes] = {}
         for peer, raw in received.items():
@@ -392,6 +399,9 @@ class VerifiedRound(RoundState):
         self.seed_future().set_result(seed)
         self._validating = asyncio.ensure_future(self.validator.validate(seed))
         return seed, set(shares)
+
+    def _relay(self, phase: RoundPhase) -> tuple[float, Check]:
+        return PHASE_RELAY * self.config.phase_timeout_s, signed_by_sender(self.round_id, phase)
 
     def _open_reveal(self, peer: str, raw: bytes) -> Optional[tuple[Signed, RevealBody]]:
         try:
