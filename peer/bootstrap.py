@@ -10,7 +10,7 @@ import signal
 from phalanx.peer.config import NetworkSettings
 from phalanx.peer.health import PeerMetrics, open_health
 from phalanx.peer.node import (
-    daemon_socket_file, remove_if_stale, replicate_p2p, serve_until, start_dht_as, visible_maddrs,
+    daemon_socket_file, remove_if_stale, replicate_p2p, serve_relay, serve_until, start_dht_as, visible_maddrs,
 )  # fmt: skip
 from phalanx.protocol.dial_back import DialBackService
 from phalanx.protocol.redial import Redialer
@@ -38,11 +38,12 @@ async def _serve(settings: NetworkSettings, print_fn) -> None:
         loop.add_signal_handler(sig, stop.set)
     # the identity signs its health record
     dht, identity = await loop.run_in_executor(None, start_dht_as, settings, "phalanx-bootstrap-")
-    daemon_socket = p2p = None
+    daemon_socket = p2p = relay = None
     try:
         daemon_socket = await daemon_socket_file(dht)
         p2p = await replicate_p2p(dht)
         await DialBackService.open(p2p)  # newcomers' `phalanx doctor` asks it to dial their data port
+        relay = await serve_relay(p2p, settings)  # for the peers nobody can dial
         maddrs = await visible_maddrs(dht)
         logger.info(f"bootstrap peer {dht.peer_id} is up")
         print_fn("Other peers join this swarm with:")
@@ -62,6 +63,8 @@ async def _serve(settings: NetworkSettings, print_fn) -> None:
         finally:
             await redialer.aclose()
     finally:
+        if relay is not None:
+            await relay.aclose()
         if p2p is not None:
             await p2p.shutdown()  # our replica's connection to p2pd and its socket file
         await loop.run_in_executor(None, dht.shutdown)

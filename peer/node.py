@@ -33,6 +33,7 @@ from phalanx.protocol.bans import BanBook
 from phalanx.protocol.dht_calls import DHT_DIED, in_dht
 from phalanx.protocol.dial_back import DialBackService, dialable
 from phalanx.protocol.engine import RoundEngine
+from phalanx.protocol.hop_relay import HopRelay
 from phalanx.protocol.membership import LEADER_PERIOD_S, Membership
 from phalanx.protocol.redial import Redialer
 from phalanx.protocol.relays import RelayKeeper
@@ -46,7 +47,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-RELAY_TIME_LIMIT = "168h"  # a relayed connection may last a week-long run
+RELAY_TIME_LIMIT_S = 7 * 24 * 3600  # a relayed connection may last a week-long run
+RELAY_TIME_LIMIT = f"{RELAY_TIME_LIMIT_S // 3600}h"
 RELAY_MAX_CIRCUITS = 128  # relayed connections per peer: each home keeps one to every other relayed trainer
 
 
@@ -116,6 +118,17 @@ def relay_flags(settings: NetworkSettings, relays: Sequence[str] = ()) -> tuple[
         "relayMaxCircuits": RELAY_MAX_CIRCUITS,
     }  # fmt: skip
     return dict(force_reachability="public"), budget
+
+
+async def serve_relay(p2p: P2P, settings: NetworkSettings) -> Optional[HopRelay]:
+    """Our relay on `p2p`, in place of p2pd's, for a peer that serves as one (`relay_flags`); else None.
+    p2pd's own relay may come up with libp2p's default limits (see `protocol.hop_relay`)."""
+    extra = relay_flags(settings)[1]
+    if "relayDataLimit" not in extra:
+        return None
+    relay = HopRelay(p2p, data_limit=extra["relayDataLimit"], time_limit_s=RELAY_TIME_LIMIT_S, max_circuits=RELAY_MAX_CIRCUITS)
+    await relay.start()
+    return relay
 
 
 def load_identity(settings: NetworkSettings, scratch: Path) -> tuple[Path, Identity]:
@@ -472,6 +485,7 @@ class Node:
     redialer: Redialer
     keys: dict[str, DhtKey]  # the run's DHT keys, each with its validator installed (peer/dht_keys.py)
     relays: RelayKeeper
+    hop: Optional[HopRelay] = None  # the relay this peer serves, if it is a swarm's entry point
 
     @property
     def peer_id(self) -> str:
@@ -499,6 +513,7 @@ class Node:
         alive = self.dht.is_alive()  # a Ctrl-C or killpg may have taken the DHT and p2pd down already
         steps = (
             self.relays.aclose(),
+            *([self.hop.aclose()] if self.hop is not None else []),
             self.redialer.aclose(),
             self.engine.aclose(),
             self.membership.aclose(announce_leaving=alive),
@@ -541,6 +556,7 @@ async def open_node(plan: PeerPlan, *, loss: Callable[[], Optional[float]] = lam
                 raise ConfigError(f"--certificate: {e} (ask the owner for a certificate of {identity.peer_id})") from None
         listen, hosts = await direct_hosts(dht, config)
         await DialBackService.open(p2p, admission=gate)  # `phalanx doctor` of other peers asks us to dial their data port
+        hop = await serve_relay(p2p, config)
         banned: set[str] = set()  # one set: the transport refuses their calls, membership hides them, bans add to it
         transport = await Transport.open(
             p2p,
@@ -575,7 +591,7 @@ async def open_node(plan: PeerPlan, *, loss: Callable[[], Optional[float]] = lam
     except BaseException:
         dht.shutdown()
         raise
-    return Node(dht, identity, transport, membership, engine, redialer, keys, keeper)
+    return Node(dht, identity, transport, membership, engine, redialer, keys, keeper, hop)
 
 
 def _membership_view(membership: Membership) -> tuple[dict[str, tuple[str, ...]], list[str]]:

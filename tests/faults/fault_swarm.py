@@ -162,7 +162,8 @@ class FaultSwarm:
     def start_bootstrap(self) -> None:
         identity, peer_id = self.identity("boot")
         host = self.lab["boot"]
-        args = ["bootstrap", "--host-maddrs", f"/ip4/{host.ip}/tcp/{P2P_PORT}", "--identity-path", str(identity), "--http-port", str(HTTP_PORT)]
+        debug = ["--debug"] if os.environ.get(PEER_DEBUG_ENV) else []
+        args = [*debug, "bootstrap", "--host-maddrs", f"/ip4/{host.ip}/tcp/{P2P_PORT}", "--identity-path", str(identity), "--http-port", str(HTTP_PORT)]
         self.boot_maddr = self.maddr("boot", peer_id)
         self.peers["boot"] = peer = Peer("boot", "bootstrap", args, self.workdir / "boot.log")
         self._spawn(peer)
