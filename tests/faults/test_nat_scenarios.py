@@ -9,9 +9,7 @@ can dial, such swarms split into groups of 1, 1 and 2 (three models), or a home 
 
 from __future__ import annotations
 
-import os
 import time
-import warnings
 
 import pytest
 
@@ -98,7 +96,6 @@ def test_one_public_and_three_home_trainers_train_as_one_swarm(lab_machine, tmp_
     assert ratio >= MIN_THROUGHPUT
 
 
-RELAYED_ROUNDS_ENV = "FAULT_LAB_RELAYED_ROUNDS"  # set: N2 and N4 run too (by hand: see their skips); not PHALANX_*, which peers read as settings
 
 
 def _said_no_relay(swarm: FaultSwarm, name: str) -> bool:
@@ -108,14 +105,6 @@ def _said_no_relay(swarm: FaultSwarm, name: str) -> bool:
 
 def test_four_home_trainers_train_as_one_swarm_through_the_bootstrap_relay(lab_machine, tmp_path):
     """N2: the bootstrap is the only host anyone can dial; 4 home trainers reach each other through it."""
-    if not os.environ.get(RELAYED_ROUNDS_ENV):
-        why = (
-            "SKIPPED N2 (4 home trainers, every round through the bootstrap's relay): in about half the runs a "
-            "home's relayed calls all reset at once and a poll sees a smaller group (docs/reliability.md); run it by hand with "
-            f"{RELAYED_ROUNDS_ENV}=1"
-        )
-        warnings.warn(why, stacklevel=1)
-        pytest.skip(why)
     homes = _run(tmp_path / "homes", "r", homes=("t1", "t2", "t3", "t4"))
     _check_one_swarm(homes, "4 homes, the bootstrap relays")
     assert all(s.reachability == "relay" for s in homes["last"].values()), homes["last"]
@@ -151,15 +140,6 @@ BAN_S = 240.0  # bound on every honest trainer banning both attackers
 def test_verified_rounds_with_home_members_ban_a_home_and_a_public_attacker(lab_machine, tmp_path):
     """N4: N1 plus a home attacker (sign_flip) and a public protocol attacker (wrong_aggregate), verified
     CenteredClip rounds: every honest trainer bans both and no one else, and the honest hold one model."""
-    if not os.environ.get(RELAYED_ROUNDS_ENV):
-        why = (
-            "SKIPPED N4 (verified rounds with home members): when a relayed connection between two homes drops one "
-            "member's commitment and reveal on the way to another, that member derives another round seed, its reports "
-            "disagree with everyone's, and the others ban it (docs/reliability.md); run it by hand with "
-            f"{RELAYED_ROUNDS_ENV}=1"
-        )
-        warnings.warn(why, stacklevel=1)
-        pytest.skip(why)
     verified = ("--mode", "sync", "--aggregator", "centered_clip", "--tau", "1", "--verify", "--phase-timeout-s", "3")
     attacks = {"t5": "sign_flip", "t6": "wrong_aggregate"}
     honest = ["t1", "t2", "t3", "t4"]
