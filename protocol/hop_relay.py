@@ -21,7 +21,6 @@ import logging
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Optional
 
 from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 from google.protobuf.message import DecodeError
