@@ -54,7 +54,7 @@ async def _serve(settings: NetworkSettings, print_fn) -> None:
         try:
             health = await open_health(
                 dht=dht, identity=identity, metrics=PeerMetrics(role="bootstrap"), settings=settings,
-                redialer=redialer,
+                redialer=redialer, served_relay=relay,
             )  # fmt: skip
             try:
                 await serve_until(stop, dht)

@@ -36,6 +36,8 @@ RESERVATION_S = 3600  # a home renews its slot before this runs out
 HANDSHAKE_S = 10.0  # for a message of the handshake, and for the home to answer a STOP
 CHUNK = 64 << 10
 MAX_RESERVATIONS = 1024
+MAX_RESERVATIONS_PER_IP = 8  # as libp2p's relay: one host cannot take every slot with fresh identities
+MAX_CIRCUITS = 1024  # relayed connections open at once, all peers together
 # statuses (the spec's numbers)
 OK, RESERVATION_REFUSED, RESOURCE_LIMIT_EXCEEDED, CONNECTION_FAILED, NO_RESERVATION = 100, 200, 201, 203, 204
 MALFORMED_MESSAGE, UNEXPECTED_MESSAGE = 400, 401
@@ -98,6 +100,12 @@ async def read_message(reader: asyncio.StreamReader, cls: type):
     return message
 
 
+def _host_of(addr) -> str:
+    """The IP (or whatever the first component holds) of a stream's remote multiaddr: /ip4/1.2.3.4/tcp/…"""
+    parts = str(addr).split("/")
+    return parts[2] if len(parts) > 2 else str(addr)
+
+
 def is_peer_id(raw: bytes) -> bool:
     """Whether `raw` is a libp2p peer ID: a multihash, identity (a key of up to 42 bytes) or sha2-256."""
     if len(raw) >= 2 and raw[0] == 0x00:
@@ -137,7 +145,7 @@ class HopRelay:
     time_limit_s: int
     max_circuits: int
     stats: HopRelayStats = field(default_factory=HopRelayStats)
-    _reservations: dict[str, float] = field(default_factory=dict)  # peer -> expiry (monotonic)
+    _reservations: dict[str, tuple[float, str]] = field(default_factory=dict)  # peer -> (expiry, monotonic; its IP)
     _circuits: Counter = field(default_factory=Counter)  # peer -> open circuits it is an end of
     _tasks: set = field(default_factory=set)
     _addresses: list[bytes] = field(default_factory=list)
@@ -176,7 +184,7 @@ class HopRelay:
                 logger.debug(f"relay: a malformed hop message from {source[-8:]}: {e!r}")
                 return self._status(writer, MALFORMED_MESSAGE)
             if request.type == HOP_RESERVE:
-                return self._reserve(source, writer)
+                return self._reserve(source, _host_of(stream_info.addr), writer)
             if request.type == HOP_CONNECT:
                 return await self._connect(source, request, reader, writer)
             self.stats.refused += 1
@@ -188,13 +196,16 @@ class HopRelay:
     def _status(self, writer: asyncio.StreamWriter, status: int, **fields) -> None:
         write_message(writer, HopMessage(type=HOP_STATUS, status=status, **fields))
 
-    def _reserve(self, source: str, writer: asyncio.StreamWriter) -> None:
+    def _reserve(self, source: str, host: str, writer: asyncio.StreamWriter) -> None:
         now = time.monotonic()
-        self._reservations = {p: t for p, t in self._reservations.items() if t > now}
-        if source not in self._reservations and len(self._reservations) >= MAX_RESERVATIONS:
+        self._reservations = {p: (t, h) for p, (t, h) in self._reservations.items() if t > now}
+        same_host = sum(h == host for _, h in self._reservations.values())
+        full = len(self._reservations) >= MAX_RESERVATIONS or same_host >= MAX_RESERVATIONS_PER_IP
+        if full and source not in self._reservations:  # a renewal always goes through
             self.stats.refused += 1
+            self.stats.reservations = len(self._reservations)
             return self._status(writer, RESERVATION_REFUSED)
-        self._reservations[source] = now + RESERVATION_S
+        self._reservations[source] = (now + RESERVATION_S, host)
         self.stats.reservations = len(self._reservations)
         reservation = dict(expire=int(time.time()) + RESERVATION_S, addrs=self._addresses)
         self._status(writer, OK, reservation=reservation, limit=self._limit())
@@ -204,10 +215,10 @@ class HopRelay:
             self.stats.refused += 1
             return self._status(writer, MALFORMED_MESSAGE)
         target = PeerID(request.peer.id).to_base58()
-        if self._reservations.get(target, 0.0) < time.monotonic():
+        if self._reservations.get(target, (0.0, ""))[0] < time.monotonic():
             self.stats.refused += 1
             return self._status(writer, NO_RESERVATION)
-        if self._circuits[source] >= self.max_circuits or self._circuits[target] >= self.max_circuits:
+        if self.stats.circuits >= MAX_CIRCUITS or max(self._circuits[source], self._circuits[target]) >= self.max_circuits:
             self.stats.refused += 1
             return self._status(writer, RESOURCE_LIMIT_EXCEEDED)
         try:

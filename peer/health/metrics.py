@@ -25,6 +25,7 @@ from phalanx.tasks.metric import MetricKey
 if TYPE_CHECKING:
     from phalanx.peer.health.swarm_view import RecentPeers
     from phalanx.peer.node import Node, NodeSnapshot
+    from phalanx.protocol.hop_relay import HopRelay
     from phalanx.protocol.engine import Averaged, Resync
     from phalanx.protocol.matchmaking import GroupSpec
     from phalanx.protocol.redial import Redialer
@@ -131,6 +132,7 @@ class ScrapeSource(Protocol):
     started_monotonic: float
     node: Optional[Node]
     redialer: Optional[Redialer]
+    served_relay: Optional[HopRelay]
     violations: list[str]
     swarm_problems: list[str]
     recent: RecentPeers
@@ -205,6 +207,14 @@ class NodeCollector(Collector):
             "phalanx_punched_peers", "Of the relayed trainers, those connected directly now (a hole punched).",
             value=relays.punched if relays else 0,
         )
+        served = s.served_relay.stats if s.served_relay is not None else None  # the relay this peer serves
+        yield GaugeMetricFamily(
+            "phalanx_relay_reservations", "Peers holding a slot on this peer's relay now.", value=served.reservations if served else 0
+        )
+        yield GaugeMetricFamily(
+            "phalanx_relay_served_circuits", "Relayed connections through this peer open now.", value=served.circuits if served else 0
+        )
+        yield _counter("phalanx_relay_served_bytes", "Bytes this peer relayed for others, both ways.", served.relayed_bytes if served else 0)
         calls = CounterMetricFamily("phalanx_transport_calls", "Transport calls by path.", labels=["path"])
         for path in ("direct", "stream", "unary", "failed"):
             calls.add_metric([path], getattr(transport, f"{path}_calls") if transport else 0)

@@ -37,6 +37,7 @@ from phalanx.peer.health.record import (
 from phalanx.peer.health.swarm_view import RecentPeers, Self, swarm_reasons, training_groups
 from phalanx.peer.node import NodeSnapshot, visible_maddrs
 from phalanx.protocol.dht_calls import dht_get, dht_store
+from phalanx.protocol.hop_relay import HopRelay
 from phalanx.protocol.redial import Redialer
 from phalanx.security.identity import Identity
 
@@ -82,10 +83,12 @@ class HealthService:
         config_hash: str = "",
         node: Optional[Node] = None,
         redialer: Optional[Redialer] = None,
+        served_relay: Optional[HopRelay] = None,
         publish_every_s: float = PUBLISH_EVERY_S,
     ) -> None:
         self.dht, self.identity, self.metrics, self.settings, self.node = dht, identity, metrics, settings, node
         self.redialer = redialer if redialer is not None or node is None else node.redialer
+        self.served_relay = served_relay if served_relay is not None or node is None else node.hop
         self.peer_id = identity.peer_id
         self.config_hash = config_hash
         self.protocol = PROTOCOL_VERSION
@@ -445,11 +448,12 @@ async def open_health(
     config_hash: str = "",
     node: Optional[Node] = None,
     redialer: Optional[Redialer] = None,
+    served_relay: Optional[HopRelay] = None,
 ) -> HealthService:
     """Start publishing this peer's record (and serving HTTP when --http-port is set)."""
     service = HealthService(
         dht=dht, identity=identity, metrics=metrics, settings=settings, config_hash=config_hash, node=node,
-        redialer=redialer,
+        redialer=redialer, served_relay=served_relay,
     )  # fmt: skip
     try:
         await service.start()

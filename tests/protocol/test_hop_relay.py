@@ -162,3 +162,36 @@ def test_malformed_and_unknown_requests_are_refused():
         hop_relay.MALFORMED_MESSAGE, hop_relay.UNEXPECTED_MESSAGE,
     ]  # fmt: skip
     assert stats.refused == 5 and stats.circuits_total == 0
+
+
+class _Writer:
+    def __init__(self):
+        self.data = bytearray()
+
+    def write(self, chunk: bytes) -> None:
+        self.data += chunk
+
+
+async def _answer(writer: _Writer) -> int:
+    reader = asyncio.StreamReader()
+    reader.feed_data(bytes(writer.data))
+    reader.feed_eof()
+    return (await read_message(reader, HopMessage)).status
+
+
+def test_one_host_gets_a_bounded_number_of_slots_and_renewals_always_go_through():
+    """Fresh identities are free: a host that reserves with many takes at most MAX_RESERVATIONS_PER_IP slots,
+    and the homes already holding theirs keep renewing them."""
+    relay = HopRelay(p2p=None, data_limit=1, time_limit_s=1, max_circuits=1)
+
+    def reserve(peer: str, host: str) -> int:
+        writer = _Writer()
+        relay._reserve(peer, host, writer)
+        return asyncio.run(_answer(writer))
+
+    cap = hop_relay.MAX_RESERVATIONS_PER_IP
+    assert [reserve(f"peer{i}", "10.0.0.9") for i in range(cap)] == [hop_relay.OK] * cap
+    assert reserve("one too many", "10.0.0.9") == hop_relay.RESERVATION_REFUSED
+    assert reserve("peer0", "10.0.0.9") == hop_relay.OK  # a renewal
+    assert reserve("a home elsewhere", "10.0.0.10") == hop_relay.OK
+    assert relay.stats.reservations == cap + 1 and relay.stats.refused == 1

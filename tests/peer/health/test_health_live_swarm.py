@@ -102,6 +102,9 @@ def test_bootstrap_serves_healthz_and_publishes_its_record(live_swarm):
     assert http_get(boot.url + "/readyz")[0] == 200
     status, s = get_json(boot.url + "/api/v1/status")
     assert s["role"] == "bootstrap" and s["state"] == "online"
+    families = _metrics(boot.url)  # it serves the swarm's relay; on loopback nobody needs it
+    for name in ("phalanx_relay_reservations", "phalanx_relay_served_circuits", "phalanx_relay_served_bytes"):
+        assert name in families and families[name][0].value == 0, name
 
 
 def _health_json(swarm, *extra: str) -> dict:
