@@ -3,8 +3,8 @@ served by us over p2pd's stream API.
 
 hivemind 1.1.12's p2pd starts its own relay twice, once with the limits it is given and once with
 libp2p's defaults (128 KiB each way and 2 minutes per relayed connection), and whichever registers last
-serves every circuit: a start-up race that the defaults won in most starts on an idle machine. Through
-those defaults every relayed connection closes after 128 KiB and resets every call on it. Registering
+serves every circuit: a start-up race that the defaults won in 2 of 5 starts on loopback and 6 of 6 in the
+fault lab. Through those defaults every relayed connection closes after 128 KiB and resets every call on it. Registering
 this handler after p2pd is up replaces both, so a relay's limits are the ones its flags say, its relayed
 bytes are counted, and homes' p2pd clients (go-libp2p's, unchanged) reserve and connect as with any relay.
 
