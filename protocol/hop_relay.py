@@ -184,7 +184,7 @@ class HopRelay:
                 logger.debug(f"relay: a malformed hop message from {source[-8:]}: {e!r}")
                 return self._status(writer, MALFORMED_MESSAGE)
             if request.type == HOP_RESERVE:
-                return self._reserve(source, _host_of(stream_info.addr), writer)
+                return await self._reserve(source, _host_of(stream_info.addr), writer)
             if request.type == HOP_CONNECT:
                 return await self._connect(source, request, reader, writer)
             self.stats.refused += 1
@@ -196,12 +196,15 @@ class HopRelay:
     def _status(self, writer: asyncio.StreamWriter, status: int, **fields) -> None:
         write_message(writer, HopMessage(type=HOP_STATUS, status=status, **fields))
 
-    def _reserve(self, source: str, host: str, writer: asyncio.StreamWriter) -> None:
+    async def _reserve(self, source: str, host: str, writer: asyncio.StreamWriter) -> None:
         now = time.monotonic()
         self._reservations = {p: (t, h) for p, (t, h) in self._reservations.items() if t > now}
-        same_host = sum(h == host for _, h in self._reservations.values())
-        full = len(self._reservations) >= MAX_RESERVATIONS or same_host >= MAX_RESERVATIONS_PER_IP
-        if full and source not in self._reservations:  # a renewal always goes through
+        if source not in self._reservations and self._full(host):
+            # as libp2p's relay, a slot lasts while its peer stays connected: a home that restarted under a
+            # new identity (the default) frees the old one
+            connected = {info.peer_id.to_base58() for info in await self.p2p.list_peers()}
+            self._reservations = {p: v for p, v in self._reservations.items() if p in connected}
+        if source not in self._reservations and self._full(host):  # a renewal always goes through
             self.stats.refused += 1
             self.stats.reservations = len(self._reservations)
             return self._status(writer, RESERVATION_REFUSED)
@@ -209,6 +212,10 @@ class HopRelay:
         self.stats.reservations = len(self._reservations)
         reservation = dict(expire=int(time.time()) + RESERVATION_S, addrs=self._addresses)
         self._status(writer, OK, reservation=reservation, limit=self._limit())
+
+    def _full(self, host: str) -> bool:
+        same_host = sum(h == host for _, h in self._reservations.values())
+        return len(self._reservations) >= MAX_RESERVATIONS or same_host >= MAX_RESERVATIONS_PER_IP
 
     async def _connect(self, source: str, request, reader, writer) -> None:
         if not is_peer_id(request.peer.id):

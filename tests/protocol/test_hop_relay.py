@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import os
 from contextlib import asynccontextmanager, contextmanager
+from types import SimpleNamespace
 from typing import Optional
 
 import pytest
@@ -181,12 +182,20 @@ async def _answer(writer: _Writer) -> int:
 
 def test_one_host_gets_a_bounded_number_of_slots_and_renewals_always_go_through():
     """Fresh identities are free: a host that reserves with many takes at most MAX_RESERVATIONS_PER_IP slots,
-    and the homes already holding theirs keep renewing them."""
-    relay = HopRelay(p2p=None, data_limit=1, time_limit_s=1, max_circuits=1)
+    and the homes already holding theirs keep renewing them. A slot whose peer disconnected is given up
+    when another is asked for (a home restarted under a new identity)."""
+    connected: set[str] = set()
+
+    class _P2P:
+        async def list_peers(self):
+            return [SimpleNamespace(peer_id=SimpleNamespace(to_base58=lambda p=p: p)) for p in connected]
+
+    relay = HopRelay(p2p=_P2P(), data_limit=1, time_limit_s=1, max_circuits=1)
 
     def reserve(peer: str, host: str) -> int:
+        connected.add(peer)
         writer = _Writer()
-        relay._reserve(peer, host, writer)
+        asyncio.run(relay._reserve(peer, host, writer))
         return asyncio.run(_answer(writer))
 
     cap = hop_relay.MAX_RESERVATIONS_PER_IP
@@ -195,3 +204,6 @@ def test_one_host_gets_a_bounded_number_of_slots_and_renewals_always_go_through(
     assert reserve("peer0", "10.0.0.9") == hop_relay.OK  # a renewal
     assert reserve("a home elsewhere", "10.0.0.10") == hop_relay.OK
     assert relay.stats.reservations == cap + 1 and relay.stats.refused == 1
+    connected.discard("peer3")  # gone: restarted under another identity
+    assert reserve("peer3, restarted", "10.0.0.9") == hop_relay.OK
+    assert "peer3" not in relay._reservations and relay.stats.reservations == cap + 1
