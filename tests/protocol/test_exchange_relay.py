@@ -64,13 +64,18 @@ async def _phase(mesh: _Mesh, round_id: bytes, messages: dict[str, bytes], relay
     return dict(zip(mesh.services, results))
 
 
+def _third_lost_to_me(tmp_path):
+    """Three members, each message signed for a fresh round; the link from the third to the first loses all."""
+    ids = _members(tmp_path, 3)
+    me, other, third = ids
+    round_id = os.urandom(16)
+    messages = {name: _signed(identity, round_id) for name, identity in ids.items()}
+    return ids, (me, other, third), round_id, messages, _Mesh(list(ids), lost={(third, me)})
+
+
 def test_a_message_lost_on_one_link_comes_from_a_member_that_holds_it(tmp_path):
     async def main():
-        ids = _members(tmp_path, 3)
-        me, other, third = ids
-        round_id = os.urandom(16)
-        messages = {name: _signed(identity, round_id) for name, identity in ids.items()}
-        mesh = _Mesh(list(ids), lost={(third, me)})
+        ids, (me, other, third), round_id, messages, mesh = _third_lost_to_me(tmp_path)
         views = await _phase(mesh, round_id, messages, relay_s=2.0)
         assert all(view == messages for view in views.values())  # one view of the phase, ours included
         assert {asker for asker, _ in mesh.asked} == {me} and (me, other) in mesh.asked
@@ -80,12 +85,8 @@ def test_a_message_lost_on_one_link_comes_from_a_member_that_holds_it(tmp_path):
 
 def test_a_relayed_message_its_sender_did_not_sign_is_not_taken(tmp_path):
     async def main():
-        ids = _members(tmp_path, 3)
-        me, other, third = ids
-        round_id = os.urandom(16)
-        messages = {name: _signed(identity, round_id) for name, identity in ids.items()}
+        ids, (me, other, third), round_id, messages, mesh = _third_lost_to_me(tmp_path)
         messages[third] = _signed(ids[other], round_id)  # what `other` passes off as third's, signed by itself
-        mesh = _Mesh(list(ids), lost={(third, me)})
         views = await _phase(mesh, round_id, messages, relay_s=2.0)
         assert third not in views[me] and views[other][third] == messages[third]
         other_round = os.urandom(16)  # a statement of another round is not taken either
@@ -98,11 +99,7 @@ def test_a_relayed_message_its_sender_did_not_sign_is_not_taken(tmp_path):
 
 def test_without_relay_a_lost_message_stays_lost_and_outsiders_get_nothing(tmp_path):
     async def main():
-        ids = _members(tmp_path, 3)
-        me, other, third = ids
-        round_id = os.urandom(16)
-        messages = {name: _signed(identity, round_id) for name, identity in ids.items()}
-        mesh = _Mesh(list(ids), lost={(third, me)})
+        ids, (me, other, third), round_id, messages, mesh = _third_lost_to_me(tmp_path)
         for service in mesh.services.values():
             service.open_round(round_id, tuple(mesh.services))
         deadline = time.monotonic() + 1.0
