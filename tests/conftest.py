@@ -3,6 +3,7 @@ leave in the temporary folder."""
 
 from __future__ import annotations
 
+import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -23,6 +24,16 @@ def pytest_collection_modifyitems(config, items):
     for item in lab:
         item.add_marker(pytest.mark.xdist_group(LAB_GROUP))
     items[:] = lab + [item for item in items if LAB not in item.path.parents]
+
+
+@pytest.fixture
+def short_tmp():
+    """A temporary folder with a short path, for peers given it as TMPDIR: torch's shared-memory manager
+    puts a unix socket in it, and a socket's path may not exceed 108 bytes (pytest's tmp_path under a
+    worker of `-n` is one folder deeper and was too long)."""
+    folder = Path(tempfile.mkdtemp(prefix="px-"))
+    yield folder
+    shutil.rmtree(folder, ignore_errors=True)
 
 
 def _orphaned_torch_shm_dirs(before: set[Path]) -> list[Path]:
