@@ -115,7 +115,7 @@ def test_sigterm_while_a_trainer_waits_for_its_initial_peers_stops_it_at_once(tm
         join.wait()
 
 
-def test_a_sigkilled_bootstrap_and_trainer_leave_no_temporary_files(short_tmp):
+def test_a_sigkilled_bootstrap_and_trainer_leave_no_temporary_files(tmp_path, short_tmp):
     """A peer without --identity-path writes a throwaway key for p2pd to read at its start; it must be gone
     once the peer is up, so a kill -9 (which runs no cleanup) leaves nothing behind."""
     scratch = short_tmp  # the peers' temporary folders are made here, so the test can see them
