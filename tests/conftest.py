@@ -1,13 +1,39 @@
-"""Session-wide cleanup of what SIGKILLed peers leave in the temporary folder."""
+"""Session-wide hooks: the network-namespace tests kept together, and cleanup of what SIGKILLed peers
+leave in the temporary folder."""
 
 from __future__ import annotations
 
+import shutil
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
 
 TORCH_SHM_DIRS = "torch-shm-dir-*"
+LAB = Path(__file__).parent / "faults"
+# tests run in parallel worker processes (pytest -n, the README's command): the lab's swarms measure stalls
+# and steps/s on separate hosts, so one worker runs them one after another, first, while the others share the
+# rest of the suite
+LAB_GROUP = "lab"
+FRESH_S = 60.0  # a shared-memory folder this young may be another worker's, its manager not yet listening
+
+
+def pytest_collection_modifyitems(config, items):
+    lab = [item for item in items if LAB in item.path.parents]
+    for item in lab:
+        item.add_marker(pytest.mark.xdist_group(LAB_GROUP))
+    items[:] = lab + [item for item in items if LAB not in item.path.parents]
+
+
+@pytest.fixture
+def short_tmp():
+    """A temporary folder with a short path, for peers given it as TMPDIR: torch's shared-memory manager
+    puts a unix socket in it, and a socket's path may not exceed 108 bytes (pytest's tmp_path under a
+    worker of `-n` is one folder deeper and was too long)."""
+    folder = Path(tempfile.mkdtemp(prefix="px-"))
+    yield folder
+    shutil.rmtree(folder, ignore_errors=True)
 
 
 def _orphaned_torch_shm_dirs(before: set[Path]) -> list[Path]:
@@ -19,8 +45,15 @@ def _orphaned_torch_shm_dirs(before: set[Path]) -> list[Path]:
     return [
         folder
         for folder in set(Path(tempfile.gettempdir()).glob(TORCH_SHM_DIRS)) - before
-        if str(folder / "manager.sock") not in bound
+        if str(folder / "manager.sock") not in bound and _age_s(folder) > FRESH_S
     ]
+
+
+def _age_s(folder: Path) -> float:
+    try:
+        return time.time() - folder.stat().st_mtime
+    except FileNotFoundError:
+        return 0.0  # gone meanwhile: nothing to remove
 
 
 @pytest.fixture(scope="session", autouse=True)

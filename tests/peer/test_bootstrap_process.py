@@ -115,11 +115,10 @@ def test_sigterm_while_a_trainer_waits_for_its_initial_peers_stops_it_at_once(tm
         join.wait()
 
 
-def test_a_sigkilled_bootstrap_and_trainer_leave_no_temporary_files(tmp_path):
+def test_a_sigkilled_bootstrap_and_trainer_leave_no_temporary_files(tmp_path, short_tmp):
     """A peer without --identity-path writes a throwaway key for p2pd to read at its start; it must be gone
     once the peer is up, so a kill -9 (which runs no cleanup) leaves nothing behind."""
-    scratch = tmp_path / "tmp"  # the peers' temporary folders are made here, so the test can see them
-    scratch.mkdir()
+    scratch = short_tmp  # the peers' temporary folders are made here, so the test can see them
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "TMPDIR": str(scratch), "PHALANX_TORCH_THREADS": "1"}
     boot = subprocess.Popen(
         [sys.executable, "-m", "phalanx", "bootstrap", "--host-maddrs", LOOPBACK],

@@ -21,9 +21,8 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 NO_DEVICE = ["--device", "cuda:99"]
 
 
-def test_failing_trainers_are_reported_with_their_error_and_the_folder_is_kept(tmp_path):
-    scratch = tmp_path / "tmp"  # the swarm's own temporary folder is made here, so the test can find it
-    scratch.mkdir()
+def test_failing_trainers_are_reported_with_their_error_and_the_folder_is_kept(short_tmp):
+    scratch = short_tmp  # the swarm's own temporary folder is made here, so the test can find it
     result = subprocess.run(
         [sys.executable, "-m", "phalanx", "swarm", "--peers", "3", "--byzantine", "2", *NO_DEVICE],
         capture_output=True,

@@ -47,10 +47,8 @@ def test_three_cli_peers_train_tiny_gpt_below_a_validation_loss_that_an_untraine
         dht.shutdown()
 
 
-def _swarm(tmp_path, *args: str) -> tuple[subprocess.CompletedProcess, str]:
-    """`phalanx swarm` on tiny-gpt at SWARM_OPTIONS, its temporary folder in `tmp_path`: (result, stderr)."""
-    scratch = tmp_path / "tmp"
-    scratch.mkdir()
+def _swarm(scratch, *args: str) -> tuple[subprocess.CompletedProcess, str]:
+    """`phalanx swarm` on tiny-gpt at SWARM_OPTIONS, its temporary folder in `scratch`: (result, stderr)."""
     done = subprocess.run(
         [sys.executable, "-m", "phalanx", "swarm", "--task", "tiny-gpt", "--task-options", SWARM_OPTIONS, *args],
         capture_output=True, text=True, timeout=800, env={**os.environ, "PYTHONUNBUFFERED": "1", "TMPDIR": str(scratch)},
@@ -66,8 +64,8 @@ def _final_rows(err: str) -> list[list[str]]:
 
 @pytest.mark.integration
 @pytest.mark.timeout(900)
-def test_a_swarm_with_no_target_succeeds_by_its_steps_and_reports_validation_loss_and_perplexity(tmp_path):
-    done, err = _swarm(tmp_path, "--peers", "2", "--steps", "40", "--eval-every", "20")
+def test_a_swarm_with_no_target_succeeds_by_its_steps_and_reports_validation_loss_and_perplexity(short_tmp):
+    done, err = _swarm(short_tmp, "--peers", "2", "--steps", "40", "--eval-every", "20")
     assert done.returncode == 0, err[-3000:]
     assert "NOT reached" not in err and "accuracy" not in err, err[-3000:]
     header = next(line for line in err.splitlines() if "┃ peer" in line)
@@ -83,8 +81,8 @@ def test_a_swarm_with_no_target_succeeds_by_its_steps_and_reports_validation_los
 
 @pytest.mark.integration
 @pytest.mark.timeout(900)
-def test_a_swarm_stops_when_a_trainers_validation_loss_reaches_its_target_loss(tmp_path):
-    done, err = _swarm(tmp_path, "--peers", "3", "--target-loss", str(TARGET_LOSS), "--eval-every", "25", "--steps", "600")
+def test_a_swarm_stops_when_a_trainers_validation_loss_reaches_its_target_loss(short_tmp):
+    done, err = _swarm(short_tmp, "--peers", "3", "--target-loss", str(TARGET_LOSS), "--eval-every", "25", "--steps", "600")
     assert done.returncode == 0, err[-3000:]
     assert re.search(rf"reached {TARGET_LOSS} after \d+\.\d s", err), err[-3000:]
     rows = _final_rows(err)
