@@ -12,17 +12,18 @@ import pytest
 
 TORCH_SHM_DIRS = "torch-shm-dir-*"
 LAB = Path(__file__).parent / "faults"
-# tests run in parallel worker processes (pytest -n, the README's command): the lab's swarms measure stalls
-# and steps/s on separate hosts, so one worker runs them one after another, first, while the others share the
-# rest of the suite
-LAB_GROUP = "lab"
+# tests run in parallel worker processes (pytest -n, the README's command). The lab's swarms measure stalls
+# and steps/s on separate hosts, so they are never two to a worker: the fault table's rows run one after
+# another on one worker, the other lab tests on a second (each lab is its own set of namespaces), both sent
+# first, while the other workers share the rest of the suite
+LAB_GROUPS = {"test_fault_scenarios.py": "lab-table"}  # file → its group; the lab's other files: "lab-net"
 FRESH_S = 60.0  # a shared-memory folder this young may be another worker's, its manager not yet listening
 
 
 def pytest_collection_modifyitems(config, items):
     lab = [item for item in items if LAB in item.path.parents]
     for item in lab:
-        item.add_marker(pytest.mark.xdist_group(LAB_GROUP))
+        item.add_marker(pytest.mark.xdist_group(LAB_GROUPS.get(item.path.name, "lab-net")))
     items[:] = lab + [item for item in items if LAB not in item.path.parents]
 
 
