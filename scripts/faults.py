@@ -21,8 +21,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository: its tests package
 
-from tests.faults.fault_lab import missing_requirements, sweep_stale  # noqa: E402
-from tests.faults.fault_swarm import PEER_DEBUG_ENV  # noqa: E402
+from phalanx.tools.lab.hosts import missing_requirements, sweep_stale  # noqa: E402
+from phalanx.tools.lab.swarm import PEER_DEBUG_ENV  # noqa: E402
 from tests.faults.fault_table import BY_KEY, CHECKS, SCENARIOS, failed_checks, format_rows, rows_json, run_scenario  # noqa: E402
 
 

@@ -15,10 +15,12 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
+
+from phalanx.tools.lab.procs import alive, descendants, processes  # noqa: F401 (helpers of the tests too)
 
 REPO = Path(__file__).resolve().parents[1]
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"
@@ -43,52 +45,21 @@ def signal_group(pgid: int, sig: int) -> None:
 # ---- the process table --------------------------------------------------------------------------
 
 
-def _processes() -> Iterator[tuple[int, str, int, int]]:
-    """(pid, state, parent pid, process group) of every process, from /proc."""
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            state, ppid, pgrp = stat.read_text().rpartition(")")[2].split()[:3]
-        except (OSError, ValueError):
-            continue  # exited meanwhile
-        yield int(stat.parent.name), state, int(ppid), int(pgrp)
-
-
-def alive(pid: int) -> bool:
-    """`pid` runs (a zombie is gone, only not yet reaped)."""
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
-    except (OSError, IndexError):
-        return False
-    return state != "Z"
-
-
 def children(pid: int) -> list[int]:
     """The process IDs whose parent is `pid`."""
-    return [p for p, _, ppid, _ in _processes() if ppid == pid]
-
-
-def descendants(pid: int) -> list[int]:
-    """Every live process below `pid` (not `pid` itself), whatever its session (torch's shared-memory
-    manager has its own)."""
-    table = [(p, state, ppid) for p, state, ppid, _ in _processes()]
-    found, frontier = [], [pid]
-    while frontier:
-        below = [p for p, state, ppid in table if ppid in frontier and state != "Z"]
-        found += below
-        frontier = below
-    return found
+    return [p for p, _, ppid, _ in processes() if ppid == pid]
 
 
 def group_members(pgid: int) -> list[int]:
     """The live processes of process group `pgid` (a zombie is gone, only not yet reaped)."""
-    return [p for p, state, _, pgrp in _processes() if pgrp == pgid and state != "Z"]
+    return [p for p, state, _, pgrp in processes() if pgrp == pgid and state != "Z"]
 
 
 def wait_gone(pids: list[int], timeout: float) -> list[int]:
     """Poll until none of `pids` is alive (zombies count as gone); returns those still alive at `timeout`."""
     deadline = time.monotonic() + timeout
     while True:
-        running = {p for p, state, _, _ in _processes() if state != "Z"}
+        running = {p for p, state, _, _ in processes() if state != "Z"}
         left = [p for p in pids if p in running]
         if not left or time.monotonic() > deadline:
             return left

@@ -4,7 +4,7 @@ import warnings
 
 import pytest
 
-from tests.faults.fault_lab import missing_requirements, sweep_stale
+from phalanx.tools.lab.hosts import missing_requirements, sweep_stale
 
 
 @pytest.fixture(scope="session")

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from tests.faults.fault_swarm import FaultSwarm, Peer
+from phalanx.tools.lab.swarm import LabSwarm, Peer
 from tests.faults.fault_table import Row, last_error
 
 
@@ -23,7 +23,7 @@ def run_checkpoint_kills(workdir: Path, kills: int = 20, seed: int = 16, log: Ca
     from phalanx.peer.checkpoint import load_latest
 
     rng = random.Random(seed)
-    swarm = FaultSwarm(workdir, trainers=1, tag="g")
+    swarm = LabSwarm(workdir, trainers=1, tag="g")
     row = Row("g", f"kill -9 x{kills}, --checkpoint-every 1", kills=0, kills_mid_write=0, corrupt=0, missing=0)
     folder = workdir / "t1.ckpt"
     try:

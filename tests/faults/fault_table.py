@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from phalanx.peer.health.record import TTL_S
-from tests.faults.fault_swarm import FaultSwarm, Sample
+from phalanx.tools.lab.swarm import LabSwarm, Sample
 
 REF_S = 10.0  # clean reference window before the first fault
 # A peer notices a cut once the others' records in its own DHT storage expire (TTL_S after their
@@ -187,7 +187,7 @@ class Runner:
     def __init__(self, scenario: Scenario, workdir: Path, log: Callable[[str], None] = print) -> None:
         self.scenario, self.workdir, self.log = scenario, workdir, log
         spare = 2 if any(f.kind == "cut_boot" for f in scenario.faults) else 0
-        self.swarm = FaultSwarm(workdir, trainers=4, spare=spare, join_args=scenario.join_args(), tag=scenario.key)
+        self.swarm = LabSwarm(workdir, trainers=4, spare=spare, join_args=scenario.join_args(), tag=scenario.key)
         self.throughput_attr = "step" if scenario.mode == "sync" else "rounds_done"
         # a full group: every trainer, or K of them under --sync-policy k:<K>
         self.full_group = int(scenario.sync_policy[2:]) if scenario.sync_policy.startswith("k:") else 0

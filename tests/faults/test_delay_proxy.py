@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 
-from tests.faults.fault_lab import Lab
+from phalanx.tools.lab.hosts import Lab
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from phalanx.security.identity import Identity
-from tests.faults.fault_lab import Lab
+from phalanx.tools.lab.hosts import Lab
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from tests.faults.fault_lab import Lab, sh
+from phalanx.tools.lab.hosts import Lab, sh
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 

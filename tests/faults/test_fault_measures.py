@@ -2,7 +2,7 @@
 
 import pytest
 
-from tests.faults.fault_swarm import Sample
+from phalanx.tools.lab.swarm import Sample
 from tests.faults.fault_table import (
     BY_KEY,
     SCENARIOS,

@@ -24,7 +24,7 @@ from multiaddr import Multiaddr
 from phalanx.peer.config import NetworkSettings
 from phalanx.peer.node import relay_flags
 from phalanx.security.identity import Identity
-from tests.faults.fault_lab import PUBLIC_LOOKING_SUBNET, Lab
+from phalanx.tools.lab.hosts import PUBLIC_LOOKING_SUBNET, Lab
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 

@@ -1,4 +1,4 @@
-"""Home routers in the lab (fault_lab.py `add_home`): a home dials out and nobody dials in, its
+"""Home routers in the lab (`phalanx.tools.lab.hosts`, `add_home`): a home dials out and nobody dials in, its
 connections come from its router's address (with the home's own port, or a fresh random one per
 connection behind a symmetric NAT), homes behind one router meet on their LAN, a home's link can be
 capped per direction, delayed, cut, split and made lossy, and a hivemind DHT node in a home joins
@@ -25,7 +25,7 @@ from typing import Any, Optional
 
 import pytest
 
-from tests.faults.fault_lab import Lab, sh
+from phalanx.tools.lab.hosts import Lab, sh
 from tests.procs import alive, script_env
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
@@ -598,7 +598,7 @@ def test_a_dht_node_at_home_joins_through_a_public_one_which_cannot_dial_it(labs
 
 DOOMED_SESSION = """
 import time
-from tests.faults.fault_lab import Lab
+from phalanx.tools.lab.hosts import Lab
 
 lab = Lab(["pub"], tag="doomed")
 home = lab.add_home("home")
@@ -610,7 +610,7 @@ time.sleep(600)  # killed before its cleanup
 
 
 def test_sweep_stale_removes_a_dead_session_s_routers_homes_and_their_processes(lab_machine):
-    from tests.faults.fault_lab import sweep_stale
+    from phalanx.tools.lab.hosts import sweep_stale
 
     session = subprocess.Popen(
         [sys.executable, "-c", DOOMED_SESSION], stdout=subprocess.PIPE, text=True, env=script_env()

@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from tests.faults.fault_swarm import FaultSwarm
+from phalanx.tools.lab.swarm import LabSwarm
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 
@@ -35,7 +35,7 @@ def _run(
     """Start the swarm, wait for one group of all, watch WINDOW_S; the numbers. `delay_s`: one-way delay
     added on every host; `home_mbit`: (up, down) caps of each home's link; `then(swarm)` runs last."""
     workdir.mkdir(parents=True)
-    swarm = FaultSwarm(workdir, trainers=4, homes=homes, symmetric=symmetric, join_args=join_args, tag=tag)
+    swarm = LabSwarm(workdir, trainers=4, homes=homes, symmetric=symmetric, join_args=join_args, tag=tag)
     try:
         for name in swarm.lab.hosts if delay_s else ():
             swarm.lab.delay(name, delay_s)
@@ -98,7 +98,7 @@ def test_one_public_and_three_home_trainers_train_as_one_swarm(lab_machine, tmp_
 
 
 
-def _said_no_relay(swarm: FaultSwarm, name: str) -> bool:
+def _said_no_relay(swarm: LabSwarm, name: str) -> bool:
     last = swarm.peers[name].last()
     return last is not None and not last.ready and any(r.startswith("unreachable: no relay") for r in last.reasons)
 
@@ -115,7 +115,7 @@ def test_homes_whose_relay_is_gone_say_so_and_are_not_ready(lab_machine, tmp_pat
     relay" and is not ready, rather than train alone silently."""
     workdir = tmp_path / "norelay"
     workdir.mkdir()
-    swarm = FaultSwarm(workdir, trainers=2, homes=("t1", "t2"), tag="n")
+    swarm = LabSwarm(workdir, trainers=2, homes=("t1", "t2"), tag="n")
     try:
         swarm.start()
 
@@ -145,7 +145,7 @@ def test_verified_rounds_with_home_members_ban_a_home_and_a_public_attacker(lab_
     honest = ["t1", "t2", "t3", "t4"]
     workdir = tmp_path / "verified"
     workdir.mkdir()
-    swarm = FaultSwarm(workdir, trainers=6, homes=("t2", "t3", "t4", "t5"), join_args=verified, tag="v")
+    swarm = LabSwarm(workdir, trainers=6, homes=("t2", "t3", "t4", "t5"), join_args=verified, tag="v")
     try:
         swarm.start_bootstrap()
         swarm.wait(lambda: swarm.answering("boot"), 120, "the bootstrap never answered its status")

@@ -32,10 +32,10 @@ import subprocess
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Optional
+from typing import Callable, Optional
 
-if TYPE_CHECKING:
-    from tests.faults.delay_proxy import DelayProxies
+from phalanx.tools.lab.delay_proxy import DelayProxies
+from phalanx.tools.lab.procs import alive
 
 PREFIX = "phxlab"
 SUBNET = "10.77.0"  # private; reachable only inside this lab's namespaces
@@ -71,23 +71,13 @@ def sh(*args: str, check: bool = True) -> subprocess.CompletedProcess:
     return result
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def sweep_stale() -> list[str]:
     """Delete lab namespaces whose creating process is gone (a session killed before its cleanup),
     and the processes left inside them."""
     removed = []
     for name in sh("ip", "netns", "list", check=False).stdout.split():
         parts = name.split("-")
-        if len(parts) >= 3 and parts[0] == PREFIX and parts[1].isdigit() and not _alive(int(parts[1])):
+        if len(parts) >= 3 and parts[0] == PREFIX and parts[1].isdigit() and not alive(int(parts[1])):
             for pid in sh("ip", "netns", "pids", name, check=False).stdout.split():  # peers it left running
                 try:
                     os.kill(int(pid), signal.SIGKILL)
@@ -439,8 +429,6 @@ class Lab:
         sees d_A + d_B each way, the connect included); 0 keeps the proxy in the path without delay,
         None removes it. Transparent to the host's processes; see delay_proxy.py. A router's delay
         is its own connections' (what it forwards for its homes takes theirs, not its own)."""
-        from tests.faults.delay_proxy import DelayProxies
-
         if self.delay_proxies is None:
             self.delay_proxies = DelayProxies(self)
         self.delay_proxies.set(name, one_way_s)

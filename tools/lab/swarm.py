@@ -21,10 +21,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-from tests.faults.fault_lab import Lab
-from tests.procs import alive, descendants
+from phalanx.tools.lab.hosts import Lab
+from phalanx.tools.lab.procs import alive, descendants
 
-REPO = Path(__file__).resolve().parents[2]
 P2P_PORT, DIRECT_PORT, HTTP_PORT = 31337, 31338, 9100
 POLL_S = 1.0
 PEER_DEBUG_ENV = "FAULT_TABLE_DEBUG"  # set: the swarm's peers run with --debug (scripts/faults.py --debug)
@@ -99,7 +98,7 @@ class Peer:
         return answered[-1] if answered else None
 
 
-class FaultSwarm:
+class LabSwarm:
     """Bootstrap host "boot", trainers "t1".."tN", spare hosts for newcomers; `close()` ends all."""
 
     def __init__(
@@ -111,10 +110,13 @@ class FaultSwarm:
         tag: str = "s",
         homes: tuple[str, ...] = (),
         symmetric: tuple[str, ...] = (),
+        checkpoints: bool = True,
     ) -> None:
         """`homes`: trainers (by name) each behind a home router of its own, nobody able to dial them;
-        `symmetric`: those of them whose router's NAT is symmetric."""
+        `symmetric`: those of them whose router's NAT is symmetric; `checkpoints`: every 10 steps, each
+        kept (the fault tests' "same model"), or none (benchmarks)."""
         self.workdir = workdir
+        self.checkpoints = checkpoints
         self.trainer_names = [f"t{i}" for i in range(1, trainers + 1)]
         self.spare_names = [f"n{i}" for i in range(1, spare + 1)]
         self.join_args = list(join_args)
@@ -147,7 +149,7 @@ class FaultSwarm:
         host = self.lab[peer.name]
         out = open(peer.log, "ab")
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "PHALANX_TORCH_THREADS": "1"}
-        peer.proc = host.popen([sys.executable, "-m", "phalanx", *peer.args], stdout=out, stderr=subprocess.STDOUT, env=env, cwd=REPO)
+        peer.proc = host.popen([sys.executable, "-m", "phalanx", *peer.args], stdout=out, stderr=subprocess.STDOUT, env=env, cwd=self.workdir)
         out.close()
         peer.started_at = time.monotonic()
         if not any(t.name == f"{host.name}-poll" for t in self._pollers):
@@ -174,8 +176,9 @@ class FaultSwarm:
         return [
             *(["--debug"] if os.environ.get(PEER_DEBUG_ENV) else []), "join", "--initial-peers", ",".join(initial_peers), "--host-maddrs", f"/ip4/{host.ip}/tcp/{P2P_PORT}",
             "--direct-port", str(DIRECT_PORT), "--identity-path", str(identity), "--http-port", str(HTTP_PORT),
-            "--task", "digits-mlp", "--checkpoint-dir", str(self.workdir / f"{name}.ckpt"), "--checkpoint-every", "10",
-            "--checkpoint-keep", "100000",
+            "--task", "digits-mlp",
+            *(("--checkpoint-dir", str(self.workdir / f"{name}.ckpt"), "--checkpoint-every", "10", "--checkpoint-keep", "100000")
+              if self.checkpoints else ()),
             # started beside each other, as the launcher and compose start theirs: a first dial that fails on a
             # loaded machine (a home's through its router, in a CI run) is tried again, not the trainer's end
             "--initial-peers-wait-s", "60", *self.join_args, *extra,
