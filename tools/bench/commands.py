@@ -3,6 +3,7 @@ Only typer loads here; a benchmark's own module loads when its command runs."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Optional
 
 import typer
@@ -342,3 +343,31 @@ def bench_cli(
     from phalanx.tools.bench.cli import run_cli_bench
 
     run_cli_bench(repeats)
+
+
+@bench_app.command("wan")
+def bench_wan(
+    cases: str = typer.Option(
+        "mean,centered-clip,verified,diloco-int8,verified-diloco", "--cases", help="Comma-separated cases to run."
+    ),
+    rtt_ms: str = typer.Option(
+        "0,100,300", "--rtt-ms", help="Comma-separated round-trip times between hosts, in ms (0 is always run)."
+    ),
+    window_s: float = typer.Option(30.0, "--window-s", min=5.0, help="Seconds measured once all train in one group."),
+    json_path: Optional[Path] = typer.Option(None, "--json", help="Also write the numbers to this file."),
+) -> None:
+    """Rounds at added latency (root; a lab of network namespaces): a bootstrap and 4 digits-mlp trainers per
+    case and RTT; seconds per round, in RTT units, round trips beyond RTT 0, and steps/s against RTT 0.
+
+    [bold]Examples[/bold]
+
+      sudo phalanx bench wan
+
+      sudo phalanx bench wan --cases mean,verified --rtt-ms 100 --window-s 20
+    """
+    from phalanx.tools.bench.wan import run_wan_bench
+
+    rtts = float_list(rtt_ms, "--rtt-ms")
+    if any(r < 0 or r > 2000 for r in rtts):
+        raise ConfigError("--rtt-ms: use round-trip times from 0 to 2000 ms")
+    run_wan_bench(str_list(cases), rtts, window_s, json_path)
