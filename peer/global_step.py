@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any, Optional, Union
 
@@ -32,6 +33,10 @@ from phalanx.protocol.engine import Averaged, Resync, RoundRequest, Verification
 logger = logging.getLogger(__name__)
 
 InThread = Callable[..., Awaitable[Any]]  # (fn, *args) -> awaitable of fn(*args) on the loop's executor (off the loop)
+# the next round is joined while this one runs (RoundRequest.next_follows) when the last one landed at most this
+# long before this one began: the next group then waits for our part no longer than our step takes, well
+# inside the members' idle limit (--part-idle-timeout-s) for a part that does not come
+NEXT_FOLLOWS_S = 1.0
 
 
 class GlobalStep:
@@ -53,6 +58,7 @@ class GlobalStep:
         self.share = self.next_share()
         self._sum: Optional[torch.Tensor] = None  # (numel,) Σ gradient × local steps, when more than one
         self._single: Optional[torch.Tensor] = None  # the one gradient of a single local step (no copy)
+        self._landed_at: Optional[float] = None  # when the last round's outcome came back (monotonic)
 
     @property
     def step(self) -> int:
@@ -105,8 +111,14 @@ class GlobalStep:
         cancelled. Round failures raise (ROUND_FAILURES) and keep the gradient for another try."""
         steps = self.samples // self.batch_size_per_step
         vector = self._single if self._single is not None else self._sum / steps
-        request = RoundRequest(vector.to("cpu", torch.float32), self.weight, verification=Verification(recompute=self.recompute))
-        return await self.engine.run_round(request)
+        follows = self._landed_at is not None and time.monotonic() - self._landed_at <= NEXT_FOLLOWS_S
+        request = RoundRequest(
+            vector.to("cpu", torch.float32), self.weight, verification=Verification(recompute=self.recompute), next_follows=follows
+        )
+        try:
+            return await self.engine.run_round(request)
+        finally:
+            self._landed_at = time.monotonic()
 
     @property
     def weight(self) -> float:

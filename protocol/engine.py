@@ -31,7 +31,7 @@ from phalanx.protocol.codec import encode
 from phalanx.protocol.config import Codec, RoundConfig
 from phalanx.protocol.exchange import ExchangeService
 from phalanx.protocol.link_quality import LinkQuality
-from phalanx.protocol.matchmaking import GroupSpec, Matchmaker
+from phalanx.protocol.matchmaking import GroupSpec, JoinReply, Matchmaker
 from phalanx.protocol.membership import Membership
 from phalanx.protocol.quarantine import Quarantine
 from phalanx.protocol.round_counts import RoundCounts
@@ -116,6 +116,21 @@ class RoundRequest:
     weight: float = 1.0  # verified rounds count every member once: 1 only
     prepare: Optional[Prepare] = None
     verification: Verification = Verification()
+    # the caller asks for the next round as soon as this one lands (sync): join it while this one runs, so
+    # the next group is formed by then (unverified rounds; see RoundEngine._join_next)
+    next_follows: bool = False
+
+
+@dataclass(frozen=True)
+class _NextJoin:
+    task: asyncio.Task  # of Matchmaker.join
+    version: bytes  # the state it joined with: the one a whole round leads to
+    step: int
+
+
+async def _cancel(task: asyncio.Task) -> None:
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
 
 
 @dataclass
@@ -196,6 +211,7 @@ class RoundEngine:
         self.together = False
         self.stats = EngineStats()
         self._groups = 0  # rounds past matchmaking: their other members count on our part
+        self._next: Optional[_NextJoin] = None  # the join of the next round, sent while this one runs
 
     @property
     def in_group(self) -> bool:
@@ -220,6 +236,7 @@ class RoundEngine:
         if task is not None:
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
+        await self._drop_next()
         await self.matchmaker.aclose()
 
     async def run_round(self, request: RoundRequest) -> Union[Averaged, Resync]:
@@ -236,7 +253,9 @@ class RoundEngine:
 
     async def _run_round(self, request: RoundRequest) -> Union[Averaged, Resync]:
         started = time.monotonic()
-        reply = await self.matchmaker.join(version=self.version, step=self.step, together=self.together)
+        reply = await self._joined_early()
+        if reply is None:
+            reply = await self.matchmaker.join(version=self.version, step=self.step, together=self.together)
         if reply.kind == "resync":
             self.stats.resyncs += 1
             if reply.group.step == self.step:  # a partial round left members at one step with different parameters
@@ -251,14 +270,57 @@ class RoundEngine:
             logger.info(f"the leader's group includes peers we banned ({known}): they take part in this round")
         self.state.joined(group.round_id)
         self._groups += 1
+        if request.next_follows and self.btard is None:
+            self._join_next(group)
         with self.transport.round_with(group.members):
             try:
                 return await self._run_group(group, started, request)
             except BaseException:  # failed or cancelled: peers told to resync from us must not wait for it
                 self.state.abandon(group.round_id)
+                await self._drop_next()  # nor a next group for our part
                 raise
             finally:
                 self._groups -= 1
+
+    def _join_next(self, group: GroupSpec) -> None:
+        """Join the next round now, with the state this round leads to if every part comes back, so the
+        leader forms the next group while this round's parts travel: a sync round then waits one round
+        trip (scatter, gather) instead of two (join, then scatter and gather). See docs/algorithms.md.
+
+        Unverified rounds only: a verified group is signed and stamped for the round it starts."""
+        version = next_version(self.version, group.round_id, ())
+        step = self.step + 1
+        task = asyncio.create_task(
+            self.matchmaker.join(version=version, step=step, together=len(group.members) > 1), name="join-next"
+        )
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())  # (a failure is read, or dropped, later)
+        self._next = _NextJoin(task, version, step)
+
+    async def _joined_early(self) -> Optional[JoinReply]:
+        """The next group, joined during the last round, if this peer's state is the one it joined with (the
+        last round came back whole) and none of its members was found dead since; else None: join anew."""
+        early, self._next = self._next, None
+        if early is None:
+            return None
+        if (self.version, self.step) != (early.version, early.step):
+            await _cancel(early.task)
+            return None
+        try:
+            reply = await early.task
+        except ROUND_FAILURES + (CallFailed,):
+            return None
+        if reply.kind != "group" or (reply.group.version, reply.group.step) != (self.version, self.step):
+            return None
+        gone = [p for p in reply.group.members if p != self.peer_id and self.membership.is_suspect(p)]
+        if gone:
+            logger.info(f"the next group, joined early, holds peers found dead since ({sorted(p[-8:] for p in gone)}); joining anew")
+            return None
+        return reply
+
+    async def _drop_next(self) -> None:
+        early, self._next = self._next, None
+        if early is not None:
+            await _cancel(early.task)
 
     async def _run_group(self, group: GroupSpec, started: float, request: RoundRequest):
         vector, weight = request.vector, request.weight

@@ -1,0 +1,84 @@
+"""A sync round joins the next one while it runs (RoundRequest.next_follows): the next group is formed
+by the time the round lands, and taken only when the state it was joined with is the one this peer
+holds. Real peers on loopback."""
+
+import asyncio
+
+import pytest
+import torch
+
+from phalanx.protocol.config import RoundConfig
+from phalanx.protocol.engine import Averaged, RoundRequest, next_version
+from tests.protocol.swarm_fixture import open_swarm
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+N = 3
+
+
+def _record_joins(peer, joins: list[tuple[int, bool]]) -> None:
+    """Note each join's step, and whether the peer was inside a round when it sent it."""
+    join = peer.engine.matchmaker.join
+
+    async def recorded(**kwargs):
+        joins.append((kwargs["step"], peer.engine.in_group))
+        return await join(**kwargs)
+
+    peer.engine.matchmaker.join = recorded
+
+
+async def _rounds(peers, count: int, *, follows: bool = True, complete: bool = True) -> list[list[Averaged]]:
+    out = []
+    for r in range(count):
+        xs = [torch.full((100,), float(i + r)) for i in range(len(peers))]
+        outcomes = await asyncio.gather(*[p.engine.run_round(RoundRequest(x, next_follows=follows)) for p, x in zip(peers, xs)])
+        assert all(isinstance(o, Averaged) and not o.result.missing_parts for o in outcomes), outcomes
+        if complete:
+            for peer, outcome in zip(peers, outcomes):
+                await peer.engine.completed(outcome, dict)
+        out.append(outcomes)
+    return out
+
+
+def test_each_round_after_the_first_was_joined_during_the_one_before():
+    async def main():
+        async with open_swarm(N, RoundConfig()) as peers:
+            joins = {p.peer_id: [] for p in peers}
+            for p in peers:
+                _record_joins(p, joins[p.peer_id])
+            rounds = await _rounds(peers, 4)
+            for outcomes in rounds:
+                assert len({o.group.round_id for o in outcomes}) == 1 and len(outcomes[0].group.members) == N
+                assert all((o.result.vector == outcomes[0].result.vector).all() for o in outcomes)
+            assert len({p.engine.version for p in peers}) == 1
+            for peer_joins in joins.values():
+                # the first join before any round; every later one sent from inside the round before it
+                assert peer_joins[0] == (0, False), peer_joins
+                assert peer_joins[1:] == [(s, True) for s in range(1, 5)], peer_joins
+            # a caller that does not follow at once: its next round takes the group joined during the last one,
+            # and the round after joins only once it is asked for
+            for p in peers:
+                joins[p.peer_id].clear()
+            await _rounds(peers, 2, follows=False)
+            for peer_joins in joins.values():
+                assert peer_joins == [(5, False)], peer_joins
+
+    asyncio.run(main())
+
+
+def test_a_state_other_than_the_one_joined_with_joins_anew_and_the_rounds_go_on():
+    """Every member ends the round with another state than a whole round gives (as when a reducer's part
+    did not come back): the group joined early is not taken, a new one forms, and everyone agrees."""
+
+    async def main():
+        async with open_swarm(N, RoundConfig()) as peers:
+            (first,) = await _rounds(peers, 1, complete=False)
+            for peer, outcome in zip(peers, first):
+                peer.engine.set_state(next_version(peer.engine.version, outcome.group.round_id, (0,)), peer.engine.step + 1)
+            early = [peer.engine._next.task for peer in peers]
+            (second,) = await _rounds(peers, 1, follows=False)
+            early_ids = {t.result().group.round_id for t in early if t.done() and not t.cancelled() and t.exception() is None}
+            assert second[0].group.round_id not in early_ids
+            assert len({o.group.round_id for o in second}) == 1 and len(second[0].group.members) == N
+            assert len({p.engine.version for p in peers}) == 1
+
+    asyncio.run(main())
