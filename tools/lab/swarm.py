@@ -116,6 +116,7 @@ class LabSwarm:
         `symmetric`: those of them whose router's NAT is symmetric; `checkpoints`: every 10 steps, each
         kept (the fault tests' "same model"), or none (benchmarks)."""
         self.workdir = workdir
+        workdir.mkdir(parents=True, exist_ok=True)
         self.checkpoints = checkpoints
         self.trainer_names = [f"t{i}" for i in range(1, trainers + 1)]
         self.spare_names = [f"n{i}" for i in range(1, spare + 1)]
