@@ -13,10 +13,9 @@ import pytest
 TORCH_SHM_DIRS = "torch-shm-dir-*"
 ROOT = Path(__file__).parent.parent
 LAB = ROOT / "tests" / "faults"
-# tests run in parallel worker processes (pytest -n, the README's command). The lab's swarms measure stalls
-# and steps/s on separate hosts, so they are never two to a worker: the fault table's rows run one after
-# another on one worker, the other lab tests on a second (each lab is its own set of namespaces), both sent
-# first, while the other workers share the rest of the suite
+# with `pytest -n N` (parallel worker processes): the lab's swarms measure stalls and steps/s on separate hosts,
+# so no worker runs two at once: the fault table's rows run one after another on one worker, the other lab
+# tests on a second (each lab is its own set of namespaces), both sent first, while the others share the rest
 LAB_GROUPS = {"test_fault_scenarios.py": "lab-table"}  # file → its group; the lab's other files: "lab-net"
 FRESH_S = 60.0  # a shared-memory folder this young may be another worker's, its manager not yet listening
 

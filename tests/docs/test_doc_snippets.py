@@ -84,6 +84,6 @@ def test_skip_categories_are_documented() -> None:
 def test_readme_keeps_the_line_ci_runs() -> None:
     """CI (.ci/run) runs the README's test command: the two must stay the same line."""
     line = ("python3 -m venv .venv && .venv/bin/pip install torch==2.13.0 -e '.[test,hf,lightning]' "
-            "&& .venv/bin/python -m pytest -n 4")
+            "&& .venv/bin/python -m pytest")
     assert line in (ROOT / "README.md").read_text().splitlines()
     assert line in (ROOT / ".ci" / "run").read_text().splitlines()

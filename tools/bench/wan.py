@@ -116,4 +116,4 @@ def print_table(cells: list[Cell]) -> None:
             c.case, f"{c.rtt_ms:g}", per_round, in_rtt, "-" if extra is None else f"{extra:.2f}",
             f"{c.steps_per_s:.2f}", ratio, str(c.partial_or_failed),
         )  # fmt: skip
-    Console().print(table)
+    Console(width=max(Console().width, 100)).print(table)
