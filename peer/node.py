@@ -50,6 +50,7 @@ logger = logging.getLogger(__name__)
 RELAY_TIME_LIMIT_S = 7 * 24 * 3600  # a relayed connection may last a week-long run
 RELAY_TIME_LIMIT = f"{RELAY_TIME_LIMIT_S // 3600}h"
 RELAY_MAX_CIRCUITS = 128  # relayed connections per peer: each home keeps one to every other relayed trainer
+LEAVE_ROUND_S = 10.0  # bound on a closing peer's last round, the one it joined early (RoundEngine.leave)
 
 
 class _DHT(hivemind.DHT):
@@ -511,6 +512,11 @@ class Node:
 
     async def aclose(self) -> None:
         alive = self.dht.is_alive()  # a Ctrl-C or killpg may have taken the DHT and p2pd down already
+        if alive:
+            try:  # a round joined early: our part and reduction, so its members do not wait for them
+                await asyncio.wait_for(self.engine.leave(), timeout=LEAVE_ROUND_S)
+            except Exception as e:
+                logger.debug(f"leaving the round joined early failed: {e!r}")
         steps = (
             self.relays.aclose(),
             *([self.hop.aclose()] if self.hop is not None else []),

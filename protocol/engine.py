@@ -256,6 +256,25 @@ class RoundEngine:
         reply = await self._joined_early()
         if reply is None:
             reply = await self.matchmaker.join(version=self.version, step=self.step, together=self.together)
+        return await self._run_reply(reply, request, started)
+
+    async def leave(self) -> None:
+        """Before this peer closes: a round it joined early counts on its part (and on its reduction of the
+        others'), so it runs that round with nothing to contribute (weight 0) instead of leaving its members
+        to wait out their idle limit."""
+        if self._next is None or self._output is None:
+            return
+        numel = self._output.numel()
+        reply = await self._joined_early()
+        if reply is None:
+            return
+        logger.info("leaving: taking part in the round joined early, contributing nothing")
+        try:
+            await self._run_reply(reply, RoundRequest(torch.zeros(numel), weight=0.0), time.monotonic())
+        except ROUND_FAILURES + (CallFailed,) as e:
+            logger.info(f"leaving: the round joined early failed ({e})")
+
+    async def _run_reply(self, reply: JoinReply, request: RoundRequest, started: float) -> Union[Averaged, Resync]:
         if reply.kind == "resync":
             self.stats.resyncs += 1
             if reply.group.step == self.step:  # a partial round left members at one step with different parameters

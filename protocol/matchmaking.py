@@ -256,6 +256,7 @@ class Matchmaker:
             self.transport.call(leader, JOIN_METHOD, pack(request), max_reply_payload=0, timeout_s=timeout_s),
             name="join-call",
         )
+        probe: Optional[asyncio.Task] = None
         try:
             while True:
                 done, _ = await asyncio.wait({call}, timeout=LEADER_PROBE_S)
@@ -285,10 +286,11 @@ class Matchmaker:
                         continue  # the reply landed while the probe failed: take it
                     self.stats.leaders_unresponsive += 1
                     raise CallFailed(f"leader {leader[-8:]} does not answer probes ({e})") from None
-        finally:
-            if not call.done():
-                call.cancel()
-            await asyncio.gather(call, return_exceptions=True)
+        finally:  # (also when this join is cancelled: a join sent during a round may be dropped)
+            for task in (call, probe):
+                if task is not None and not task.done():
+                    task.cancel()
+            await asyncio.gather(*(t for t in (call, probe) if t is not None), return_exceptions=True)
 
     async def _probe(self, peer: str) -> tuple[bytes, bytearray | memoryview]:
         request = pack(LeaderProbe(run=self.run_hash))

@@ -82,3 +82,23 @@ def test_a_state_other_than_the_one_joined_with_joins_anew_and_the_rounds_go_on(
             assert len({p.engine.version for p in peers}) == 1
 
     asyncio.run(main())
+
+
+def test_a_peer_leaving_after_joining_early_takes_part_with_nothing_and_the_round_is_whole():
+    """A peer that closes while in a group it joined early runs that round at weight 0 (RoundEngine.leave):
+    the others get every part, their own mean, and wait for no one."""
+
+    async def main():
+        async with open_swarm(N, RoundConfig()) as peers:
+            await _rounds(peers, 1)
+            staying, leaving = peers[:-1], peers[-1]
+            xs = [torch.full((100,), float(i + 1)) for i in range(len(staying))]
+            outcomes, _ = await asyncio.gather(
+                asyncio.gather(*[p.engine.run_round(RoundRequest(x)) for p, x in zip(staying, xs)]), leaving.engine.leave()
+            )
+            for outcome in outcomes:
+                assert isinstance(outcome, Averaged) and len(outcome.group.members) == N
+                assert outcome.result.missing_parts == () and outcome.result.dropped_senders == (), outcome.result
+                assert torch.allclose(outcome.result.vector, torch.stack(xs).mean(0))
+
+    asyncio.run(main())
