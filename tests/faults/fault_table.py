@@ -145,8 +145,12 @@ SHORT = Scenario(
 )  # fmt: skip
 # rows a, e and f again with 50 ms one-way on every host (200 ms RTT between any two): deadlines a LAN's
 # rounds never get near (issue: rounds at 100-300 ms RTT)
+# open in (a-50ms): at 200 ms RTT the others stalled 15 s on the cut and the healed trainer was not back in one
+# swarm within 30 s, in 3 of 3 runs (docs/reliability.md)
+DELAYED_OPEN = {"a": ("stall", "one_swarm")}
 DELAYED = tuple(
-    replace(base, key=f"{base.key}-50ms", title=f"{base.title}; 50 ms one-way on every host", delay_s=0.05)
+    replace(base, key=f"{base.key}-50ms", title=f"{base.title}; 50 ms one-way on every host", delay_s=0.05,
+            open_goals=DELAYED_OPEN.get(base.key, ()))
     for base in SCENARIOS if base.key in ("a", "e", "f")
 )  # fmt: skip
 SCENARIOS = (*SCENARIOS, *DELAYED)
