@@ -30,7 +30,7 @@ def test_fault_scenario(scenario, lab_machine, tmp_path):
         pytest.skip(f"{FULL_ENV} is set: rows a, c, d, e and h run whole instead of the short row")
     if not full and scenario.key not in IN_CI:
         why = (
-            "its row without delay runs in CI" if scenario.delay_s
+            "its faults run in CI without the delay" if scenario.delay_s
             else "the short row holds its fault in CI" if scenario.checks else "it measures, asserting no check"
         )  # fmt: skip
         pytest.skip(f"row ({scenario.key}) runs with {FULL_ENV}=1 ({why})")
