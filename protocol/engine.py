@@ -234,8 +234,7 @@ class RoundEngine:
     async def aclose(self) -> None:
         task = getattr(self, "_ban_refresh", None)
         if task is not None:
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
+            await _cancel(task)
         await self._drop_next()
         await self.matchmaker.aclose()
 
@@ -262,15 +261,12 @@ class RoundEngine:
         """Before this peer closes: a round it joined early counts on its part (and on its reduction of the
         others'), so it runs that round with nothing to contribute (weight 0) instead of leaving its members
         to wait out their idle limit."""
-        if self._next is None or self._output is None:
-            return
-        numel = self._output.numel()
         reply = await self._joined_early()
-        if reply is None:
+        if reply is None:  # (a round joined early implies one before it, so _output is set)
             return
         logger.info("leaving: taking part in the round joined early, contributing nothing")
         try:
-            await self._run_reply(reply, RoundRequest(torch.zeros(numel), weight=0.0), time.monotonic())
+            await self._run_reply(reply, RoundRequest(torch.zeros(self._output.numel()), weight=0.0), time.monotonic())
         except ROUND_FAILURES + (CallFailed,) as e:
             logger.info(f"leaving: the round joined early failed ({e})")
 
