@@ -39,6 +39,7 @@ def run(
     attack_from: int = typer.Option(0, "--attack-from", min=0, help="First update at which the Byzantine workers attack."),
     local_steps: int = typer.Option(8, "--local-steps", min=1, help="H of lasgd."),
     gossip_tau: float = typer.Option(math.inf, "--gossip-tau", help="ClippedGossip radius for gossip (inf: plain averaging)."),
+    group_size: Optional[int] = typer.Option(None, "--group-size", help="G of grouped: groups of at most G, redrawn every round (default: one group of all N)."),
     eval_points: int = typer.Option(20, "--eval-points", min=1, help="Test evaluations spread over the budget."),
     engine: str = typer.Option("auto", "--engine", help="Gradient engine: auto, mlp, vmap, loop."),
     out: Optional[Path] = typer.Option(None, "--out", help="Also write the run as JSON, its curve as CSV and a PNG plot here."),
@@ -52,6 +53,8 @@ def run(
       phalanx sim run --method ssgd --workers 16 --byzantine 7 --attack alie --aggregator centered_clip:tau=1
 
       phalanx sim run --method k_async --sync hybrid:exp:50 --time 200 --delay volunteer --out runs/hybrid
+
+      phalanx sim run --method grouped --workers 512 --group-size 16 --byzantine 102 --attack alie --aggregator centered_clip:tau=1 --updates 150
     """
     from phalanx.sim.config import ByzantineConfig, SimConfig
 
@@ -60,7 +63,7 @@ def run(
         method=method, workers=workers, delay=delay, budget=_budget(updates, gradients, time_budget), seed=seed,
         task=task, lr=lr, momentum=momentum, batch_size=batch_size, sync=sync, aggregator=aggregator,
         byzantine=ByzantineConfig(count=byzantine, attack=attack, start=attack_from), local_steps=local_steps,
-        gossip_tau=gossip_tau, eval_points=eval_points, engine=engine,
+        gossip_tau=gossip_tau, group_size=group_size, eval_points=eval_points, engine=engine,
     )  # fmt: skip
     from phalanx.sim.runner import describe, run_sim
 
@@ -74,7 +77,7 @@ def run(
 
 @sim_app.command("grid")
 def grid(
-    preset: list[str] = typer.Option(..., "--preset", help="staleness or byzantine; repeat to run both."),
+    preset: list[str] = typer.Option(..., "--preset", help="staleness, byzantine or groups; repeat to run several."),
     out: Path = typer.Option(Path("sim-results"), "--out", help="Folder for CSV, JSON and PNG files."),
     seeds: Optional[int] = typer.Option(None, "--seeds", min=1, help="Seeds per cell (default: 2)."),
     jobs: Optional[int] = typer.Option(None, "--jobs", min=1, help="Parallel processes (default: cores, at most 2)."),
@@ -86,13 +89,15 @@ def grid(
 
     [bold]byzantine[/bold]: SSGD, N = 16, b ∈ {0, 3, 7}, attacks × aggregators.
 
+    [bold]groups[/bold]: grouped rounds, N = 512, one group of all against random groups of 32, 16 and 8, with 10 % and 20 % attackers.
+
     [bold]Examples[/bold]
 
       phalanx sim grid --preset staleness --out sim-results
 
       phalanx sim grid --preset byzantine --seeds 3 --jobs 2
 
-      phalanx sim grid --preset staleness --preset byzantine --out docs --report docs/results.md
+      phalanx sim grid --preset staleness --preset byzantine --preset groups --out docs --report docs/results.md
     """
     import time
 
@@ -210,19 +215,28 @@ def _print_run(console: Any, result: Any, settings: dict[str, Any]) -> None:
         ("updates / gradients", f"{result.updates} / {result.gradients}"),
         ("virtual time", f"{result.time_s:.1f}"),
         ("diverged", "yes" if result.diverged else "no"),
+    ]
+    if result.final_spread is not None:
+        rows += [
+            ("spread: max ‖θ_i − θ̄‖/‖θ̄‖, honest", f"{result.final_spread:.2e}"),
+            ("worst honest peer's accuracy", f"{result.worst_peer_accuracy:.4f}"),
+            ("groups with a Byzantine majority", str(result.captured_groups)),
+        ]
+    rows += [
         ("settings", ", ".join(f"{k}={v}" for k, v in settings.items() if k != "method")),
         ("wall time", f"{result.wall_s:.1f} s"),
     ]
     for name, value in rows:
         summary.add_row(name, value)
     console.print(summary)
+    grouped = result.final_spread is not None
     curve = Table(title="accuracy curve")
-    for name in ("updates", "gradients", "virtual time", "test accuracy", "test loss", "K"):
+    for name in ("updates", "gradients", "virtual time", "test accuracy", "test loss", "spread" if grouped else "K"):
         curve.add_column(name, justify="right")
     for p in result.curve:
+        last = f"{p.spread:.2e}" if grouped and p.spread is not None else "" if p.k is None else str(p.k)
         curve.add_row(
-            str(p.updates), str(p.gradients), f"{p.time_s:.1f}", f"{p.accuracy:.4f}", f"{p.loss:.4f}",
-            "" if p.k is None else str(p.k),
+            str(p.updates), str(p.gradients), f"{p.time_s:.1f}", f"{p.accuracy:.4f}", f"{p.loss:.4f}", last
         )  # fmt: skip
     console.print(curve)
 

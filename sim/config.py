@@ -77,6 +77,8 @@ class SimConfig:
     """H of LASGD: local steps between model all-reduces."""
     gossip_tau: float = math.inf
     """ClippedGossip radius for gossip (inf: plain pairwise averaging)."""
+    group_size: int | None = None
+    """G of the grouped method: groups of at most G peers, redrawn every round; None: one group of all N."""
     eval_points: int = 20
     """Test evaluations spread evenly over the budget (plus one at the start)."""
     engine: str = "auto"
@@ -93,5 +95,9 @@ class SimConfig:
             raise ConfigError(f"lr must be > 0, got {self.lr!r}")
         if self.momentum is not None and not 0 <= self.momentum < 1:
             raise ConfigError(f"momentum must be in [0, 1), got {self.momentum!r}")
+        if self.group_size is not None and (
+            isinstance(self.group_size, bool) or not isinstance(self.group_size, int) or self.group_size < 2
+        ):
+            raise ConfigError(f"group size must be an integer >= 2, got {self.group_size!r}")
         if self.local_steps < 1 or self.eval_points < 1:
             raise ConfigError("local_steps and eval_points must be >= 1")

@@ -25,12 +25,14 @@ from phalanx.sim.config import SimConfig
 SUMMARY_FIELDS = (
     "table", "row", "column", "seeds", "final_accuracy", "final_accuracy_std", "best_accuracy",
     "mean_staleness", "max_staleness", "updates", "gradients", "time_s", "diverged",
+    "final_spread", "worst_peer_accuracy", "captured_groups",
 )  # fmt: skip
 RUN_FIELDS = (
     "table", "row", "column", "seed", "method", "workers", "delay", "budget", "aggregator", "byzantine", "attack",
     "final_accuracy", "best_accuracy", "final_loss", "mean_staleness", "max_staleness", "updates", "gradients",
-    "time_s", "diverged", "wall_s",
+    "time_s", "diverged", "wall_s", "group_size", "final_spread", "worst_peer_accuracy", "captured_groups",
 )  # fmt: skip
+GROUPED_FIELDS = ("final_spread", "worst_peer_accuracy", "captured_groups")  # None for other methods
 
 
 @dataclass(frozen=True)
@@ -116,8 +118,14 @@ def summarize(records: Iterable[dict[str, Any]]) -> dict[tuple[str, str, str], d
             "gradients": statistics.fmean(r["gradients"] for r in rs),
             "time_s": statistics.fmean(r["time_s"] for r in rs),
             "diverged": sum(bool(r["diverged"]) for r in rs),
+            **{k: _mean_or_none([r.get(k) for r in rs]) for k in GROUPED_FIELDS},
         }
     return out
+
+
+def _mean_or_none(values: list[Any]) -> float | None:
+    known = [v for v in values if v is not None]
+    return statistics.fmean(known) if known else None
 
 
 def run_row(record: dict[str, Any]) -> dict[str, Any]:
@@ -133,6 +141,7 @@ def run_row(record: dict[str, Any]) -> dict[str, Any]:
         "aggregator": c["aggregator"],
         "byzantine": c["byzantine"]["count"],
         "attack": c["byzantine"]["attack"] if c["byzantine"]["count"] else "",
+        "group_size": c.get("group_size") or "",
     }
 
 

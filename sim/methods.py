@@ -15,7 +15,8 @@ and a server rule (rules.py). Engines (Dutta et al.), given K:
 Methods without momentum step with plain SGD; ``nag_asgd`` and ``ga_momentum`` use
 Nesterov momentum at the server; DANA and Multi-ASGD keep one momentum per worker
 (aggregation/dana.py). ``lasgd`` and ``gossip`` are decentralized (decentral.py): N local
-models, each stepping with heavy-ball momentum.
+models, each stepping with heavy-ball momentum. ``grouped`` (groups.py): N local models in
+synchronous rounds, aggregated in random groups of at most G.
 """
 
 from __future__ import annotations
@@ -107,6 +108,14 @@ _k_family(
 )
 _register(MethodSpec("lasgd", "local SGD, non-blocking model all-reduce every H steps", "lasgd", uses_momentum=True))
 _register(MethodSpec("gossip", "AD-PSGD: average with one random peer, then step", "gossip", uses_momentum=True))
+_register(
+    MethodSpec(
+        "grouped",
+        "synchronous rounds: every peer steps, then random groups of at most G aggregate their models",
+        "grouped",
+        uses_momentum=True,
+    )
+)
 
 
 def get_method(name: str) -> MethodSpec:

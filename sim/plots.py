@@ -83,6 +83,8 @@ def plot_preset(
     out.mkdir(parents=True, exist_ok=True)
     if preset.name == "staleness":
         return _staleness(preset, records, summary, out)
+    if preset.name == "groups":
+        return _groups(preset, records, summary, out)
     return _byzantine(preset, records, summary, out)
 
 
@@ -151,6 +153,40 @@ def _byzantine(preset: Preset, records: list[dict[str, Any]], summary: dict, out
     axes[0][0].set_ylabel("test accuracy", fontsize=8)
     axes[0][-1].legend(fontsize=6, loc="lower right")
     figures.append((f"Accuracy vs updates, {last.key}", _save(fig, out / "sim_byzantine_curves.png")))
+    return figures
+
+
+def _groups(preset: Preset, records: list[dict[str, Any]], summary: dict, out: Path) -> list[tuple[str, Path]]:
+    figures = []
+    fig, axes = plt.subplots(len(preset.tables), 1, figsize=(7, 2.6 * len(preset.tables)), squeeze=False)
+    for ax, table in zip(axes[:, 0], preset.tables, strict=True):
+        heatmap(ax, table, summary)
+    fig.tight_layout()
+    figures.append(("Final accuracy per group size and attack", _save(fig, out / "sim_groups.png")))
+
+    first = preset.tables[0]
+    panels = [(first.key, "ALIE"), (first.key, "sign flip"), ("b=0", NO_ATTACK)]
+    fig, axes = plt.subplots(2, len(panels), figsize=(3.8 * len(panels), 6), sharex=True, squeeze=False)
+    for j, (key, column) in enumerate(panels):
+        title = column if key == "b=0" else f"{key}, {column}"
+        curves(axes[0][j], records, table=key, column=column, rows=first.rows, x="updates", title=title)
+        ax = axes[1][j]
+        for row in first.rows:
+            runs = [r for r in records if (r["table"], r["row"], r["column"]) == (key, row, column)]
+            if runs and runs[0]["curve"][-1].get("spread") is not None:
+                curve = runs[0]["curve"]
+                ax.plot([c["updates"] for c in curve[1:]], [max(c["spread"] or 0, 1e-8) for c in curve[1:]], label=row)
+        ax.set_yscale("log")
+        ax.set_xlabel("rounds", fontsize=8)
+        ax.grid(alpha=0.3)
+        ax.tick_params(labelsize=7)
+    axes[0][0].set_ylabel("test accuracy", fontsize=8)
+    axes[1][0].set_ylabel("spread max ‖θ_i − θ̄‖/‖θ̄‖", fontsize=8)
+    axes[0][-1].legend(fontsize=6, loc="lower right")
+    fig.tight_layout()
+    figures.append(
+        ("Accuracy and spread of the honest peers' models vs rounds", _save(fig, out / "sim_groups_curves.png"))
+    )
     return figures
 
 

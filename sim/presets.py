@@ -6,6 +6,8 @@ virtual time (T = 4000/N, i.e. equal compute: N·T worker-time units), and one w
 (Nesterov SGD) with the same 2000 gradients as the reference.
 byzantine: SSGD with Nesterov momentum, N = 16, b ∈ {0, 3, 7}, every attack × aggregator,
 150 updates each. Both use 2 seeds per cell unless told otherwise.
+groups: grouped rounds of N = 512 peers with CenteredClip τ = 1, one group of all against
+random groups of 32, 16 and 8, with 10 % and 20 % attackers; 150 rounds, 1 seed per cell.
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ STALENESS_WORKERS = (8, 16, 32)
 STALENESS_DELAYS = ("exp", "const", "volunteer")
 STALENESS_GRADIENTS = 2000
 EQUAL_TIME_COMPUTE = 4000.0  # worker-time units: T = 4000 / N
+# every method of one shared model or of N local models on a virtual clock: grouped rounds have their own grid
+STALENESS_METHODS = tuple(name for name, spec in METHODS.items() if spec.family != "grouped")
 EQUAL_TIME_METHODS = ("ssgd", "k_sync", "k_async", "k_batch_async", "asgd", "adasync", "hybrid")
 
 BYZANTINE_WORKERS = 16
@@ -49,6 +53,21 @@ BYZANTINE_AGGREGATORS = {
     "CenteredClip tau=10": "centered_clip:tau=10",
 }
 NO_ATTACK = "no attack"
+
+GROUPS_WORKERS = 512
+GROUPS_SIZES = (512, 32, 16, 8)
+GROUPS_SHARES = (0.2, 0.1)
+GROUPS_UPDATES = 150
+GROUPS_AGGREGATOR = "centered_clip:tau=1"
+GROUPS_ATTACKS = {"sign flip": "sign_flip", "ALIE": "alie", "IPM eps=0.5": "ipm:eps=0.5", "label flip": "label_flip"}
+
+
+def group_label(size: int) -> str:
+    return "one group" if size >= GROUPS_WORKERS else f"G={size}"
+
+
+def share_key(share: float) -> str:
+    return f"{round(share * 100)}%"
 
 
 @dataclass(frozen=True)
@@ -81,7 +100,7 @@ def staleness_preset(seeds: int = 2) -> Preset:
             ))
         )  # fmt: skip
         for n, delay in cells:
-            for method in METHODS:
+            for method in STALENESS_METHODS:
                 budget = Budget(kind="gradients", amount=STALENESS_GRADIENTS)
                 runs.append(GridRun("gradients", method, f"N={n} {delay}", _config(method, n, delay, budget, seed)))
             for method in EQUAL_TIME_METHODS:
@@ -93,7 +112,7 @@ def staleness_preset(seeds: int = 2) -> Preset:
             "gradients",
             "Final test accuracy at equal gradients",
             f"{STALENESS_GRADIENTS} minibatch gradients per run (equal data); mean over {seeds} seed(s).",
-            tuple(METHODS),
+            STALENESS_METHODS,
             tuple((c, "gradients", c) for c in labels),
         ),
         TableSpec(
@@ -157,8 +176,48 @@ def _byz_config(aggregator: str, byzantine: ByzantineConfig, budget: Budget, see
     )
 
 
-PRESETS = {"staleness": staleness_preset, "byzantine": byzantine_preset}
-DEFAULT_SEEDS = {"staleness": 2, "byzantine": 2}
+def groups_preset(seeds: int = 1) -> Preset:
+    runs: list[GridRun] = []
+    budget = Budget(kind="updates", amount=GROUPS_UPDATES)
+    for seed in range(seeds):
+        for size in GROUPS_SIZES:
+            row = group_label(size)
+            runs.append(GridRun("b=0", row, NO_ATTACK, _groups_config(size, ByzantineConfig(), budget, seed)))
+            for share in GROUPS_SHARES:
+                for column, attack in GROUPS_ATTACKS.items():
+                    byz = ByzantineConfig(count=round(share * GROUPS_WORKERS), attack=attack)
+                    runs.append(GridRun(share_key(share), row, column, _groups_config(size, byz, budget, seed)))
+    rows = tuple(group_label(size) for size in GROUPS_SIZES)
+    tables = [
+        TableSpec(
+            share_key(share),
+            f"Final test accuracy, N = {GROUPS_WORKERS}, {share_key(share)} Byzantine "
+            f"(b = {round(share * GROUPS_WORKERS)})",
+            f"grouped rounds with Nesterov momentum 0.9 and CenteredClip τ = 1 in every group, {GROUPS_UPDATES} "
+            f"rounds, attacks from the first; accuracy of the honest peers' mean model; '{NO_ATTACK}' is b = 0 "
+            f"with the same groups; mean over {seeds} seed(s).",
+            rows,
+            ((NO_ATTACK, "b=0", NO_ATTACK), *((c, share_key(share), c) for c in GROUPS_ATTACKS)),
+        )
+        for share in GROUPS_SHARES
+    ]
+    return Preset("groups", "Grouped rounds: random groups against one group of all", runs, tables)
+
+
+def _groups_config(size: int, byzantine: ByzantineConfig, budget: Budget, seed: int) -> SimConfig:
+    return SimConfig(
+        method="grouped",
+        workers=GROUPS_WORKERS,
+        group_size=None if size >= GROUPS_WORKERS else size,
+        budget=budget,
+        seed=seed,
+        aggregator=GROUPS_AGGREGATOR,
+        byzantine=byzantine,
+    )
+
+
+PRESETS = {"staleness": staleness_preset, "byzantine": byzantine_preset, "groups": groups_preset}
+DEFAULT_SEEDS = {"staleness": 2, "byzantine": 2, "groups": 1}
 
 
 def build_preset(name: str, seeds: int | None = None) -> Preset:

@@ -33,6 +33,12 @@ class Progress:
     k: int | None = None
     """K of the last update (K-family methods)."""
     diverged: bool = False
+    spread: float | None = None
+    """Grouped rounds: max over honest peers of ‖θ_i − θ̄‖ / ‖θ̄‖ after the last round."""
+    captured_groups: int | None = None
+    """Grouped rounds: groups so far in which Byzantine members were a majority."""
+    worst_accuracy: float | None = None
+    """Grouped rounds: the lowest test accuracy of one honest peer's own model, at the end."""
 
     def value(self, kind: str) -> float:
         return {"updates": self.updates, "gradients": self.gradients, "time": self.time_s}[kind]
@@ -50,6 +56,7 @@ class CurvePoint:
     accuracy: float
     loss: float
     k: int | None = None
+    spread: float | None = None
 
 
 class Recorder:
@@ -80,7 +87,9 @@ class Recorder:
             return
         self.final = theta.detach().clone()
         metrics = self.oracle.evaluate(theta)
-        self.curve.append(CurvePoint(p.updates, p.gradients, p.time_s, metrics["accuracy"], metrics["loss"], p.k))
+        self.curve.append(
+            CurvePoint(p.updates, p.gradients, p.time_s, metrics["accuracy"], metrics["loss"], p.k, p.spread)
+        )
 
 
 @dataclass
@@ -106,6 +115,10 @@ class SimResult:
     grad_rows: int = 0
     params: Tensor | None = field(default=None, repr=False)
     """(d,) the final model (not serialized)."""
+    final_spread: float | None = None
+    """Grouped rounds: see Progress.spread; None for other methods."""
+    captured_groups: int | None = None
+    worst_peer_accuracy: float | None = None
 
     @classmethod
     def from_run(cls, config: SimConfig, p: Progress, recorder: Recorder, wall_s: float) -> SimResult:
@@ -127,6 +140,9 @@ class SimResult:
             grad_calls=oracle.calls,
             grad_rows=oracle.rows,
             params=recorder.final,
+            final_spread=p.spread,
+            captured_groups=p.captured_groups,
+            worst_peer_accuracy=p.worst_accuracy,
         )
 
     def to_dict(self, *, staleness_trace: bool = False) -> dict[str, Any]:

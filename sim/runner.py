@@ -21,6 +21,7 @@ from phalanx.sim.clock import make_clocks
 from phalanx.sim.config import SimConfig
 from phalanx.sim.decentral import run_gossip, run_lasgd
 from phalanx.sim.gradients import GradientOracle
+from phalanx.sim.groups import run_grouped
 from phalanx.sim.methods import build_rule, get_method, momentum_for, time_horizon
 from phalanx.sim.record import Recorder, SimResult
 from phalanx.sim.server import ParameterServerSim
@@ -63,7 +64,17 @@ def run_sim(config: SimConfig) -> SimResult:
     workers = Workers(oracle, make_clocks(delay_name, n, config.seed, **delay_params))
     aggregator = make_sim_aggregator(config.aggregator, n, config.byzantine.count)
     recorder = Recorder(oracle, config.budget, config.eval_points)
-    if spec.family != "ps":
+    if config.group_size is not None and spec.family != "grouped":
+        raise ConfigError(f"method {spec.name!r} has no groups; drop --group-size, or use --method grouped")
+    if spec.family == "grouped":
+        if config.sync is not None:
+            raise ConfigError("method 'grouped' is synchronous by definition; drop --sync")
+        progress = run_grouped(
+            oracle, n, group_size=config.group_size or n, lr=lr, momentum=momentum, aggregator=aggregator,
+            adversary=Adversary(config.byzantine, n, config.seed), seed=config.seed, budget=config.budget,
+            recorder=recorder,
+        )  # fmt: skip
+    elif spec.family != "ps":
         if config.byzantine.count:
             raise ConfigError(
                 f"method {spec.name!r}: Byzantine workers are simulated for parameter-server methods only; "
@@ -124,4 +135,6 @@ def describe(config: SimConfig) -> dict[str, Any]:
     }
     if spec.family == "ps":
         out["sync"] = policy_spec(config)
+    if spec.family == "grouped":
+        out["group_size"] = config.group_size or config.workers
     return out

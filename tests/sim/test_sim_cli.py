@@ -50,7 +50,9 @@ def test_run_prints_and_writes(tmp_path):
         (["sim", "run", "--updates", "5", "--gradients", "5"], "error: give one budget, not --updates and --gradients"),
         (["sim", "run", "--method", "asgd", "--sync", "k:2"], "error: method 'asgd' is asynchronous with K = 1"),
         (["sim", "run", "--method", "k_async", "--sync", "k:"], "error: sync policy 'k:' is not valid"),
-        (["sim", "grid", "--preset", "speed"], "error: --preset 'speed' is unknown; use one of staleness, byzantine"),
+        (["sim", "grid", "--preset", "speed"], "error: --preset 'speed' is unknown; use one of staleness, byzantine, groups"),
+        (["sim", "run", "--method", "ssgd", "--group-size", "4"], "error: method 'ssgd' has no groups; drop --group-size"),
+        (["sim", "run", "--method", "grouped", "--group-size", "1"], "error: group size must be an integer >= 2"),
     ],
 )
 def test_user_errors_are_one_line(argv, message, capsys):

@@ -12,7 +12,7 @@ from phalanx.sim.runner import load_task, run_sim
 from phalanx.tasks import compute_gradient, flat_params
 
 STEPS = 24
-NESTEROV = {"nag_asgd", "ga_momentum", "dana_zero", "dana_slim", "dana_ga"}  # DANA with one worker is Nesterov
+NESTEROV = {"nag_asgd", "ga_momentum", "dana_zero", "dana_slim", "dana_ga", "grouped"}  # DANA with one worker too
 HEAVY_BALL = {"multi_asgd", "lasgd", "gossip"}
 
 
