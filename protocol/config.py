@@ -123,6 +123,9 @@ class RoundConfig:
     cut-off member costs one short partial round. Likewise a reducer that moved no byte for twice this
     long after our own part was reduced (unverified rounds). None: wait until the deadline."""
     state_timeout_s: float = 120.0
+    state_donors: int = 4
+    """A peer that resyncs downloads disjoint chunks of the state from this many of the round's members at
+    once, the designated donor first (each chunk checked against the donor's digests); 1: the donor alone."""
     verify: Optional[VerifyConfig] = None
     """BTARD verification of every round (commitments, MPRNG, projections, validators, bans)."""
 
@@ -153,6 +156,7 @@ LOCAL_FIELDS = frozenset(
     {
         "matchmaking.join_timeout_s",  # how long this peer keeps trying to get into a group
         "state_timeout_s",  # how long this peer waits for a state download when it resyncs
+        "state_donors",  # how many members this peer downloads a state from at once
     }
 )
 

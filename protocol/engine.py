@@ -484,21 +484,28 @@ class RoundEngine:
             together=contributors > 1,
         )
         self.membership.state = "online"
-        donations = averaged.group.donations
-        # verified runs: every member keeps the state as a witness, to check the donor's for the recipients
-        if any(d.donor == self.peer_id for d in donations) or (donations and self.btard is not None):
+        # every member serves the state after a round with recipients: they download chunks of it from
+        # several members at once; in verified runs each member's copy is also a witness of the donor's
+        if averaged.group.donations:
             tensors = self.behavior.served_state(snapshot_fn())
             await self.state.publish(StateSnapshot(step=self.step, version=self.version, tensors=tensors), averaged.group.round_id)
 
     async def fetch_state(self, resync: Resync, template: dict[str, torch.Tensor]) -> StateSnapshot:
-        snapshot = await self.state.fetch(
-            resync.donor, resync.group.round_id, template, timeout_s=self.config.state_timeout_s
+        snapshot = await self.state.fetch_from(
+            self._donors(resync), resync.group.round_id, template, timeout_s=self.config.state_timeout_s
         )
         if snapshot.step != resync.group.step + 1:
             raise PeerProtocolError(f"donor sent step {snapshot.step}, expected {resync.group.step + 1}", peer=resync.donor)
         if self.btard is not None:
             await self._check_state(resync, snapshot)
         return snapshot
+
+    def _donors(self, resync: Resync) -> list[str]:
+        """The designated donor, then other members of its round in an order of this peer's own, so that
+        recipients of one round spread over its members."""
+        others = [p for p in resync.group.members if p not in (resync.donor, self.peer_id)]
+        others.sort(key=lambda p: hashlib.sha256(f"{self.peer_id} {p}".encode()).digest())
+        return [resync.donor, *others][: max(1, self.config.state_donors)]
 
     async def fetch_swarm_state(self, template: dict[str, torch.Tensor]) -> Optional[StateSnapshot]:
         """A newcomer's download of the swarm's state: join as a peer holding no state (an empty

@@ -371,3 +371,37 @@ def bench_wan(
     if any(r < 0 or r > 2000 for r in rtts):
         raise ConfigError("--rtt-ms: use round-trip times from 0 to 2000 ms")
     run_wan_bench(str_list(cases), rtts, window_s, json_path)
+
+
+@bench_app.command("state-sync")
+def bench_state_sync(
+    params: str = typer.Option("100M", "--params", help="float32 values in the state: a count, or with K, M or G."),
+    donors: str = typer.Option("1,4", "--donors", help="Comma-separated donor counts; 1 (the reference) is always run."),
+    upload_mbit: float = typer.Option(100.0, "--upload-mbit", min=1.0, help="Each donor's upload cap, in Mbit/s."),
+    repeats: int = typer.Option(1, "--repeats", min=1, help="Downloads per donor count; the fastest counts."),
+    json_path: Optional[Path] = typer.Option(None, "--json", help="Also write the numbers to this file."),
+) -> None:
+    """A state download from one donor against disjoint chunks from several at once, on loopback, each
+    donor its own process with its upload capped; every byte is checked.
+
+    [bold]Examples[/bold]
+
+      phalanx bench state-sync
+
+      phalanx bench state-sync --params 20M --donors 1,2,4 --upload-mbit 50
+    """
+    from phalanx.tools.bench.state_sync import run_state_sync_bench
+
+    run_state_sync_bench(_count(params, "--params"), int_list(donors, "--donors"), upload_mbit, repeats, json_path)
+
+
+def _count(text: str, flag: str) -> int:
+    scale = {"K": 10**3, "M": 10**6, "G": 10**9}.get(text[-1:].upper(), 1)
+    digits = text[:-1] if scale > 1 else text
+    try:
+        value = int(float(digits) * scale)
+    except ValueError:
+        raise ConfigError(f"{flag} {text!r}: use a count such as 100M, 2.5M or 500000") from None
+    if not 2 <= value <= 4 * 10**9:
+        raise ConfigError(f"{flag} {text!r}: use from 2 to 4G values")
+    return value

@@ -233,12 +233,19 @@ def test_a_leader_reusing_a_round_id_cannot_make_members_sign_twice_for_one_roun
     asyncio.run(main())
 
 
-def test_a_poisoned_state_download_is_refused_by_the_rounds_majority():
+@pytest.mark.parametrize("chunk_bytes", [None, 4096], ids=["one-donor", "chunks-from-every-member"])
+def test_a_poisoned_state_download_is_refused_by_the_rounds_majority(chunk_bytes, monkeypatch):
     """A peer that must catch up downloads the state its donor kept after a round. In verified runs every
     member of that round keeps its own as a witness, and the recipient compares fingerprints along
-    directions it draws after the download: an honest donor's state is taken, a poisoned one refused."""
+    directions it draws after the download: an honest donor's state is taken, a poisoned one refused.
+    With small chunks the state comes from every member at once, the attacker's chunks included: they
+    fail the honest donor's digests and come again from it."""
+    from phalanx.protocol import state_sync
     from phalanx.protocol.engine import Resync
     from phalanx.protocol.matchmaking import Donation
+
+    if chunk_bytes is not None:
+        monkeypatch.setattr(state_sync, "CHUNK_BYTES", chunk_bytes)
 
     async def main():
         async with open_swarm(4, CONFIG, behaviors=[None, None, None, PROTOCOL_ATTACKS["poison_state"]()]) as peers:
@@ -262,6 +269,8 @@ def test_a_poisoned_state_download_is_refused_by_the_rounds_majority():
                     if donor is peers[1]:
                         snapshot = await newcomer.engine.fetch_state(resync, template)
                         assert all(torch.equal(snapshot.tensors[k], v) for k, v in state.items())
+                        if chunk_bytes is not None:  # the attacker's share came again from the donor
+                            assert newcomer.engine.state.refetched_chunks > 0
                     else:
                         others = len(group.members) - 1
                         with pytest.raises(
