@@ -117,7 +117,7 @@ class RoundRequest:
     prepare: Optional[Prepare] = None
     verification: Verification = Verification()
     # the caller asks for the next round as soon as this one lands (sync): join it while this one runs, so
-    # the next group is formed by then (unverified rounds; see RoundEngine._join_next)
+    # the next group is formed by then (see RoundEngine._join_next)
     next_follows: bool = False
 
 
@@ -259,14 +259,19 @@ class RoundEngine:
 
     async def leave(self) -> None:
         """Before this peer closes: a round it joined early counts on its part (and on its reduction of the
-        others'), so it runs that round with nothing to contribute (weight 0) instead of leaving its members
-        to wait out their idle limit."""
+        others'), so it runs that round with nothing to contribute (weight 0; in verified rounds, which count
+        every member once, it sits the round out) instead of leaving its members to wait out their deadlines."""
         reply = await self._joined_early()
         if reply is None:  # (a round joined early implies one before it, so _output is set)
             return
         logger.info("leaving: taking part in the round joined early, contributing nothing")
+        zeros = torch.zeros(self._output.numel())
+        if self.btard is None:
+            request = RoundRequest(zeros, weight=0.0)
+        else:
+            request = RoundRequest(zeros, verification=Verification(sit_out=True))
         try:
-            await self._run_reply(reply, RoundRequest(torch.zeros(self._output.numel()), weight=0.0), time.monotonic())
+            await self._run_reply(reply, request, time.monotonic())
         except ROUND_FAILURES + (CallFailed,) as e:
             logger.info(f"leaving: the round joined early failed ({e})")
 
@@ -285,7 +290,7 @@ class RoundEngine:
             logger.info(f"the leader's group includes peers we banned ({known}): they take part in this round")
         self.state.joined(group.round_id)
         self._groups += 1
-        if request.next_follows and self.btard is None:
+        if request.next_follows:
             self._join_next(group)
         with self.transport.round_with(group.members):
             try:
@@ -300,9 +305,9 @@ class RoundEngine:
     def _join_next(self, group: GroupSpec) -> None:
         """Join the next round now, with the state this round leads to if every part comes back, so the
         leader forms the next group while this round's parts travel: a sync round then waits one round
-        trip (scatter, gather) instead of two (join, then scatter and gather). See docs/algorithms.md.
-
-        Unverified rounds only: a verified group is signed and stamped for the round it starts."""
+        trip (scatter, gather) instead of two (join, then scatter and gather). A verified group joined so is
+        signed for the round it opens like any other: its members check it when they run it. See
+        docs/algorithms.md §10."""
         version = next_version(self.version, group.round_id, ())
         step = self.step + 1
         task = asyncio.create_task(

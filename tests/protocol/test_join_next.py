@@ -1,6 +1,6 @@
 """A sync round joins the next one while it runs (RoundRequest.next_follows): the next group is formed
 by the time the round lands, and taken only when the state it was joined with is the one this peer
-holds. Real peers on loopback."""
+holds. Plain and verified rounds alike; real peers on loopback."""
 
 import asyncio
 
@@ -9,10 +9,12 @@ import torch
 
 from phalanx.protocol.config import RoundConfig
 from phalanx.protocol.engine import Averaged, RoundRequest, next_version
+from tests.protocol.btard.btard_rounds import CONFIG as VERIFIED
 from tests.protocol.swarm_fixture import open_swarm
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 N = 3
+configs = pytest.mark.parametrize("config", [RoundConfig(), VERIFIED], ids=["plain", "verified"])
 
 
 def _record_joins(peer, joins: list[tuple[int, bool]]) -> None:
@@ -39,9 +41,10 @@ async def _rounds(peers, count: int, *, follows: bool = True, complete: bool = T
     return out
 
 
-def test_each_round_after_the_first_was_joined_during_the_one_before():
+@configs
+def test_each_round_after_the_first_was_joined_during_the_one_before(config):
     async def main():
-        async with open_swarm(N, RoundConfig()) as peers:
+        async with open_swarm(N, config) as peers:
             joins = {p.peer_id: [] for p in peers}
             for p in peers:
                 _record_joins(p, joins[p.peer_id])
@@ -65,12 +68,13 @@ def test_each_round_after_the_first_was_joined_during_the_one_before():
     asyncio.run(main())
 
 
-def test_a_state_other_than_the_one_joined_with_joins_anew_and_the_rounds_go_on():
+@configs
+def test_a_state_other_than_the_one_joined_with_joins_anew_and_the_rounds_go_on(config):
     """Every member ends the round with another state than a whole round gives (as when a reducer's part
     did not come back): the group joined early is not taken, a new one forms, and everyone agrees."""
 
     async def main():
-        async with open_swarm(N, RoundConfig()) as peers:
+        async with open_swarm(N, config) as peers:
             (first,) = await _rounds(peers, 1, complete=False)
             for peer, outcome in zip(peers, first):
                 peer.engine.set_state(next_version(peer.engine.version, outcome.group.round_id, (0,)), peer.engine.step + 1)
@@ -84,12 +88,13 @@ def test_a_state_other_than_the_one_joined_with_joins_anew_and_the_rounds_go_on(
     asyncio.run(main())
 
 
-def test_a_peer_leaving_after_joining_early_takes_part_with_nothing_and_the_round_is_whole():
-    """A peer that closes while in a group it joined early runs that round at weight 0 (RoundEngine.leave):
-    the others get every part, their own mean, and wait for no one."""
+@configs
+def test_a_peer_leaving_after_joining_early_takes_part_with_nothing_and_the_round_is_whole(config):
+    """A peer that closes while in a group it joined early runs that round at weight 0, or sits a verified
+    round out (RoundEngine.leave): the others get every part, their own aggregate, and wait for no one."""
 
     async def main():
-        async with open_swarm(N, RoundConfig()) as peers:
+        async with open_swarm(N, config) as peers:
             await _rounds(peers, 1)
             staying, leaving = peers[:-1], peers[-1]
             xs = [torch.full((100,), float(i + 1)) for i in range(len(staying))]
@@ -99,6 +104,11 @@ def test_a_peer_leaving_after_joining_early_takes_part_with_nothing_and_the_roun
             for outcome in outcomes:
                 assert isinstance(outcome, Averaged) and len(outcome.group.members) == N
                 assert outcome.result.missing_parts == () and outcome.result.dropped_senders == (), outcome.result
-                assert torch.allclose(outcome.result.vector, torch.stack(xs).mean(0))
+                if config.verify is None:
+                    assert torch.allclose(outcome.result.vector, torch.stack(xs).mean(0))
+                else:  # the leaver's zeros count nowhere: CenteredClip of the two others, around their mean
+                    assert not outcome.verdict.banned
+                    assert torch.equal(outcome.result.vector, outcomes[0].result.vector)
+                    assert (outcome.result.vector > 0.5).all()
 
     asyncio.run(main())
