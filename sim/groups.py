@@ -109,10 +109,11 @@ def run_grouped(
         rows = models / lr - steps  # (n, d)
         for group in draw_groups(n, group_size, seed, r):
             good = [w for w in group if not adversary.is_byzantine(w)]
-            if 2 * len(good) >= len(group) or not good or r < adversary.start:
+            captured = 2 * len(good) < len(group) and r >= adversary.start
+            p.captured_groups += captured  # type: ignore[operator]
+            if not captured or not good:  # (a group of attackers alone harms no honest model)
                 sent = torch.stack(adversary.forge(group, [rows[w] for w in group], r))
-            else:  # a Byzantine majority
-                p.captured_groups += 1  # type: ignore[operator]
+            else:
                 bad = _CAPTURE(rows[good], len(group) - len(good), generator=adversary.generator)
                 sent = torch.cat([rows[good], bad])
             models[group] = lr * aggregator(sent).value

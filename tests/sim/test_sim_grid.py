@@ -130,4 +130,5 @@ def test_the_groups_section_renders_from_a_tiny_grid(tmp_path):
     path = write_report(tmp_path / "results.md", [Section(tiny, records, summary, figures, 1.0, 1.0, 1)], "cmd")
     text = path.read_text()
     assert "Byzantine-majority groups: seen / expected per run" in text
+    assert "<!-- doc-test: skip long: 4 simulated runs" in text  # the docs tests never run the grid
     assert "20% attackers, groups of 16: within 0.01 of one group of all under every attack" in text
