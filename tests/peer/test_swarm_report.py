@@ -116,9 +116,13 @@ def test_report_counts_attackers_that_never_started_and_says_why_and_where(tmp_p
 def test_startup_line_gives_time_to_first_step_and_each_stage():
     result = SwarmResult(
         reached_target=True, wall_s=9.0, time_to_target_s=8.0, peers=[], best=0.95,
-        startup={"bootstrap up": 2.0, "all on the DHT": 5.25, "all see their peers": 5.5, "first step": 6.0},
+        startup={
+            "bootstrap up": 2.0, "all on the DHT": 5.25, "all see their peers": 5.5, "first step": 6.0, "all training": 7.0
+        },
     )  # fmt: skip
-    assert startup_line(result) == "time to first step 6.0 s (bootstrap up 2.0 s, all on the DHT 5.2 s, all see their peers 5.5 s)"
+    assert startup_line(result) == (
+        "time to first step 6.0 s (bootstrap up 2.0 s, all on the DHT 5.2 s, all see their peers 5.5 s, all training 7.0 s)"
+    )
 
 
 def test_startup_stages_count_trainers_and_take_the_last_one_to_get_there(tmp_path):
@@ -135,10 +139,16 @@ def test_startup_stages_count_trainers_and_take_the_last_one_to_get_there(tmp_pa
     a.connected_s, b.connected_s = 2.0, 3.0
     a.ready_s = 3.5
     assert swarm._stage() == "bootstrap up · 3/3 started · 2/3 on the DHT · 1/3 see peers · 0/3 training"
-    assert swarm.startup() == {"bootstrap up": 1.0, "all on the DHT": None, "all see their peers": None, "first step": None}
+    assert swarm.startup() == {
+        "bootstrap up": 1.0, "all on the DHT": None, "all see their peers": None, "first step": None, "all training": None
+    }  # fmt: skip
     c.connected_s, b.ready_s, c.ready_s = 4.0, 4.5, 4.25
     a.first_step_s, b.first_step_s = 5.0, 4.75
     c.exit_code = 1
     assert swarm._stage().endswith("· 2/3 training · 1 exited")
-    assert swarm.startup() == {"bootstrap up": 1.0, "all on the DHT": 4.0, "all see their peers": 4.5, "first step": 4.75}
+    assert swarm.startup() == {
+        "bootstrap up": 1.0, "all on the DHT": 4.0, "all see their peers": 4.5, "first step": 4.75, "all training": None
+    }  # fmt: skip
+    c.first_step_s = 6.5  # (a trainer that stepped, then exited, stepped)
+    assert swarm.startup()["all training"] == 6.5
     assert not swarm._starting()  # every trainer trains or has exited

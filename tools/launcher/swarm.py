@@ -228,6 +228,7 @@ class Swarm:
             "all on the DHT": every([v.connected_s for v in self.views]),
             "all see their peers": every([v.ready_s for v in self.views]),
             "first step": min(first) if first else None,
+            "all training": every([v.first_step_s for v in self.views]),
         }
 
     def _stage(self) -> str:
