@@ -21,6 +21,7 @@ CHANGES = {
     "allreduce_timeout_s": 40.0,
     "part_idle_timeout_s": 9.0,
     "state_timeout_s": 300.0,
+    "state_donors": 1,
     "verify.tau": 2.0,
     "verify.eps": 1e-7,
     "verify.phase_timeout_s": 20.0,
