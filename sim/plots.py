@@ -137,13 +137,17 @@ def _staleness(preset: Preset, records: list[dict[str, Any]], summary: dict, out
     return figures
 
 
-def _byzantine(preset: Preset, records: list[dict[str, Any]], summary: dict, out: Path) -> list[tuple[str, Path]]:
-    figures = []
-    fig, axes = plt.subplots(len(preset.tables), 1, figsize=(8, 4 * len(preset.tables)), squeeze=False)
+def _heatmaps(preset: Preset, summary: dict, caption: str, path: Path, width: float, height: float) -> tuple[str, Path]:
+    """One figure with a heatmap per table of the preset, stacked (each `height` inches tall)."""
+    fig, axes = plt.subplots(len(preset.tables), 1, figsize=(width, height * len(preset.tables)), squeeze=False)
     for ax, table in zip(axes[:, 0], preset.tables, strict=True):
         heatmap(ax, table, summary)
     fig.tight_layout()
-    figures.append(("Final accuracy per aggregator and attack", _save(fig, out / "sim_byzantine.png")))
+    return caption, _save(fig, path)
+
+
+def _byzantine(preset: Preset, records: list[dict[str, Any]], summary: dict, out: Path) -> list[tuple[str, Path]]:
+    figures = [_heatmaps(preset, summary, "Final accuracy per aggregator and attack", out / "sim_byzantine.png", 8, 4)]
 
     last = preset.tables[-1]
     attacks = [c for c in last.columns if c[0] != NO_ATTACK][:4]
@@ -157,12 +161,7 @@ def _byzantine(preset: Preset, records: list[dict[str, Any]], summary: dict, out
 
 
 def _groups(preset: Preset, records: list[dict[str, Any]], summary: dict, out: Path) -> list[tuple[str, Path]]:
-    figures = []
-    fig, axes = plt.subplots(len(preset.tables), 1, figsize=(7, 2.6 * len(preset.tables)), squeeze=False)
-    for ax, table in zip(axes[:, 0], preset.tables, strict=True):
-        heatmap(ax, table, summary)
-    fig.tight_layout()
-    figures.append(("Final accuracy per group size and attack", _save(fig, out / "sim_groups.png")))
+    figures = [_heatmaps(preset, summary, "Final accuracy per group size and attack", out / "sim_groups.png", 7, 2.6)]
 
     first = preset.tables[0]
     panels = [(first.key, "ALIE"), (first.key, "sign flip"), ("b=0", NO_ATTACK)]
