@@ -283,6 +283,10 @@ class RoundEngine:
             else:
                 why = f"state {self.step} is {'behind' if reply.group.step > self.step else 'ahead of'} the swarm's {reply.group.step}"
             logger.info(f"{why}: resyncing from {reply.donor[-8:]}")
+            if request.next_follows:
+                # the round's members join the next one while it runs; so does its recipient, with the state it
+                # downloads, or under a sync policy of K it would arrive after every next group had formed
+                self._join_next(reply.group, reply.group.version, reply.group.step)
             return Resync(reply.group, reply.donor)
         group = reply.group
         known = sorted(p[-8:] for p in group.members if p in self.membership.banned)
@@ -291,7 +295,7 @@ class RoundEngine:
         self.state.joined(group.round_id)
         self._groups += 1
         if request.next_follows:
-            self._join_next(group)
+            self._join_next(group, self.version, self.step)
         with self.transport.round_with(group.members):
             try:
                 return await self._run_group(group, started, request)
@@ -302,14 +306,14 @@ class RoundEngine:
             finally:
                 self._groups -= 1
 
-    def _join_next(self, group: GroupSpec) -> None:
+    def _join_next(self, group: GroupSpec, version: bytes, step: int) -> None:
         """Join the next round now, with the state this round leads to if every part comes back, so the
         leader forms the next group while this round's parts travel: a sync round then waits one round
         trip (scatter, gather) instead of two (join, then scatter and gather). A verified group joined so is
         signed for the round it opens like any other: its members check it when they run it. See
-        docs/algorithms.md §10."""
-        version = next_version(self.version, group.round_id, ())
-        step = self.step + 1
+        docs/algorithms.md §10. `version` and `step` are the state `group` starts from."""
+        version = next_version(version, group.round_id, ())
+        step = step + 1
         task = asyncio.create_task(
             self.matchmaker.join(version=version, step=step, together=len(group.members) > 1), name="join-next"
         )

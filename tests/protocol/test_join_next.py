@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from phalanx.protocol.config import RoundConfig
-from phalanx.protocol.engine import Averaged, RoundRequest, next_version
+from phalanx.protocol.engine import Averaged, Resync, RoundRequest, next_version
 from tests.protocol.btard.btard_rounds import CONFIG as VERIFIED
 from tests.protocol.swarm_fixture import open_swarm
 
@@ -110,5 +110,36 @@ def test_a_peer_leaving_after_joining_early_takes_part_with_nothing_and_the_roun
                     assert not outcome.verdict.banned
                     assert torch.equal(outcome.result.vector, outcomes[0].result.vector)
                     assert (outcome.result.vector > 0.5).all()
+
+    asyncio.run(main())
+
+
+@configs
+def test_a_peer_told_to_resync_joins_the_next_round_with_the_state_it_downloads(config):
+    """The round's recipient joins the next round as its members do, with the state a whole round leads
+    to: under a sync policy of K the members' early joins fill the next group at once, and a recipient
+    joining only after its download was told to resync again, round after round."""
+
+    async def main():
+        async with open_swarm(N + 1, config) as peers:
+            members, late = peers[:N], peers[N]
+            await _rounds(peers, 1, follows=False)
+            late.engine.set_state(b"fell behind", 0)
+            joins: list[tuple[int, bool]] = []
+            _record_joins(late, joins)
+            xs = [torch.full((100,), float(i)) for i in range(N + 1)]
+            outcomes = await asyncio.gather(*[p.engine.run_round(RoundRequest(x, next_follows=True)) for p, x in zip(peers, xs)])
+            *averaged, resync = outcomes
+            assert isinstance(resync, Resync) and all(isinstance(o, Averaged) for o in averaged), outcomes
+            for peer, outcome in zip(members, averaged):
+                await peer.engine.completed(outcome, lambda p=peer: {"w": torch.full((3,), float(p.engine.step))})
+            # joined the next round on the reply, before the download: at the step the donor's state has
+            assert resync.group.step == 1 and joins == [(0, False), (2, False)], joins
+            snapshot = await late.engine.fetch_state(resync, {"w": torch.zeros(3)})
+            late.engine.set_state(snapshot.version, snapshot.step, together=resync.together)
+            assert (late.engine.version, late.engine.step) == (members[0].engine.version, members[0].engine.step)
+            (together,) = await _rounds(peers, 1, follows=False)
+            assert len(together[0].group.members) == N + 1 and len({o.group.round_id for o in together}) == 1
+            assert joins == [(0, False), (2, False)], joins  # the round was the one joined early
 
     asyncio.run(main())
