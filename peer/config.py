@@ -143,7 +143,7 @@ class PeerConfig(NetworkSettings):
     target_group_size: Optional[int] = Field(None, ge=2, description="Most peers per group (default: everyone ready).")
     matchmaking_timeout_s: float = Field(5.0, gt=0, description="How long a leader waits for expected peers.")
     allreduce_timeout_s: float = Field(30.0, gt=0, description="Reducers drop members whose part has not arrived by then.")
-    part_idle_timeout_s: float = Field(5.0, ge=0, description="Drop a member (or reducer) from a round once none of its part's bytes moved for this long, or its connection broke, instead of waiting out --allreduce-timeout-s; 0 turns this off.")
+    part_idle_timeout_s: float = Field(5.0, ge=0, description="Drop a member (or reducer) from a round once none of its part's bytes moved for this long at most, or its connection broke, instead of waiting out --allreduce-timeout-s. Each member's own limit is learned from its last rounds, at least 2 s (docs/algorithms.md §10); 0 turns this off.")
     checkpoint_dir: Optional[Path] = Field(None, description="Save model + optimizer + step here (atomically).")
     checkpoint_every: int = Field(100, ge=1, description="Checkpoint every N steps (and on clean shutdown).")
     checkpoint_keep: int = Field(3, ge=1, description="How many of the newest checkpoints to keep.")

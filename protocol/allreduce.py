@@ -25,6 +25,7 @@ import torch
 from phalanx.errors import AggregationInputError, PeerProtocolError, RoundAbortedError
 from phalanx.protocol.channel import Activity, Hasher
 from phalanx.protocol.codec import MAX_PART_NUMEL, Codec, check_payload_size, decode, encode, encoded_size_bound
+from phalanx.protocol.patience import Patience
 from phalanx.protocol.quarantine import Quarantine
 from phalanx.protocol.reduction import Reduction
 from phalanx.protocol.round_spec import (
@@ -47,6 +48,7 @@ PART_METHOD = "part"
 ALIVE_METHOD = "alive"
 REDUCER_PROBE_S = 1.0  # once our part is reduced, a reducer whose reply has not come is probed this often ...
 REDUCER_ALIVE_S = 4.0  # ... and given up on when a probe is not answered within this (cut off, frozen)
+LOOP_HELD_UP_S = 0.5  # a wait for parts that ended this much past its time: this process was held up
 MAX_WAITING_CALLS = 256  # calls for rounds we have not registered yet, held at most this many (see WaitingCalls)
 # The transport's limit on a part, checked before its round is known (the sink then holds it to the round's
 # exact bound): the largest codec's bytes for the most values a part can hold.
@@ -73,7 +75,10 @@ class AllReduceService:
         engine shares it with its matchmaker, which keeps them out of the next groups)."""
         self.transport = transport
         self.registration_wait_s = registration_wait_s
-        self.part_idle_timeout_s = part_idle_timeout_s  # None: wait for every part until the deadline
+        # None: wait for every part until the deadline; else the upper bound of each sender's own limit, and
+        # what a sender waits for a reducer (which it cannot know the patience of)
+        self.part_idle_timeout_s = part_idle_timeout_s
+        self.patience = Patience(part_idle_timeout_s)
         self.quarantine = quarantine if quarantine is not None else Quarantine()
         self._rounds: dict[bytes, Reduction] = {}
         self._registered: dict[bytes, asyncio.Event] = {}
@@ -296,31 +301,48 @@ class AllReduceService:
             guard.landed(j, out)
 
     async def _wait_for_parts(self, reduction: Reduction) -> None:
-        """Until every part is in or given up on: a sender whose bytes stopped for part_idle_timeout_s
-        (none came, or they stopped mid-part) is dropped then; the rest at the deadline."""
-        idle_s = self.part_idle_timeout_s
+        """Until every part is in or given up on: a sender whose bytes stopped for its idle limit (none
+        came, or they stopped mid-part; see protocol/patience.py) is dropped then; the rest at the deadline."""
+        members = reduction.spec.members
+        woke, due = time.monotonic(), None
         while not reduction.complete.is_set():
-            wait = reduction.spec.deadline - time.monotonic()
+            wait = reduction.spec.deadline - woke
             if wait <= 0:
                 reduction.late.update(reduction.pending())
                 return
-            if idle_s is not None:
-                for i in reduction.pending():
-                    idle = reduction.activity[i].idle_s() if i in reduction.activity else 0.0
-                    if idle >= idle_s:
-                        reduction.drop_idle(i, f"no bytes for {idle:.1f} s")
-                    else:
-                        wait = min(wait, idle_s - idle)
+            # this process itself was held up (descheduled, stopped): the bytes that came meanwhile are
+            # still unread, so every sender looks idle; read them before judging anyone
+            held_up = due is not None and woke - due > LOOP_HELD_UP_S
+            for i in reduction.pending():
+                limit = self.patience.limit(members[i])
+                if limit is None:
+                    continue
+                idle = reduction.activity[i].idle_s() if i in reduction.activity else 0.0
+                if idle >= limit and not held_up:
+                    reduction.drop_idle(i, f"no bytes for {idle:.1f} s; its limit {limit:.1f} s")
+                else:
+                    wait = min(wait, max(limit - idle, 0.0))
             if reduction.complete.is_set():
                 return
+            wait = max(wait, 0.01 if not held_up else 0.05)
+            due = time.monotonic() + wait
             try:
-                await asyncio.wait_for(reduction.complete.wait(), timeout=max(wait, 0.01))
+                await asyncio.wait_for(reduction.complete.wait(), timeout=wait)
             except TimeoutError:
                 pass
+            woke = time.monotonic()
+
+    def _note_patience(self, reduction: Reduction) -> None:
+        """What each sender whose part came in whole kept us waiting this round, for its next limits."""
+        for i in reduction.received - {reduction.my_index}:
+            activity = reduction.activity.get(i)
+            if activity is not None:
+                self.patience.note(reduction.spec.members[i], activity.longest)
 
     async def _reduce(self, reduction: Reduction) -> torch.Tensor:
         await self._wait_for_parts(reduction)
         reduction.closed = True
+        self._note_patience(reduction)
         reduction.complete_at = time.monotonic()
         got = sorted(reduction.received)
         if reduction.guard is not None:

@@ -76,9 +76,12 @@ class Activity:
         self.at = time.monotonic()
         self.on_broken = on_broken
         self.pacing = 0  # sends held back by our own upload limiter: not the other side's stall
+        self.longest = 0.0  # the longest stretch without movement so far (what a reducer learns patience from)
 
     def moved(self) -> None:
-        self.at = time.monotonic()
+        now = time.monotonic()
+        self.longest = max(self.longest, now - self.at)
+        self.at = now
 
     def idle_s(self, since: float = 0.0) -> float:
         """Seconds without movement, counting from `since` at the earliest (0 while we pace ourselves)."""

@@ -373,6 +373,29 @@ def bench_wan(
     run_wan_bench(str_list(cases), rtts, window_s, json_path)
 
 
+@bench_app.command("far-member")
+def bench_far_member(
+    near_ms: float = typer.Option(25.0, "--near-ms", min=0.0, max=1000.0, help="One-way delay of every other host, ms."),
+    far_ms: float = typer.Option(150.0, "--far-ms", min=0.0, max=1000.0, help="One-way delay of the far trainer's host, ms."),
+    window_s: float = typer.Option(30.0, "--window-s", min=5.0, help="Seconds of rounds counted before the kills."),
+    kills: int = typer.Option(3, "--kills", min=1, max=20, help="SIGKILLs of a near trainer (each restarted)."),
+    json_path: Optional[Path] = typer.Option(None, "--json", help="Also write the numbers to this file."),
+) -> None:
+    """Deadlines at mixed latency (root; a lab of network namespaces): one trainer far from the others,
+    default flags. Counts the rounds that were not whole, then SIGKILLs a near trainer and measures how
+    long the others stalled, against 3 s plus 3 times the far trainer's RTT.
+
+    [bold]Examples[/bold]
+
+      sudo phalanx bench far-member
+
+      sudo phalanx bench far-member --near-ms 25 --far-ms 150 --kills 5
+    """
+    from phalanx.tools.bench.wan import run_far_member_bench
+
+    run_far_member_bench(near_ms, far_ms, window_s, kills, json_path)
+
+
 @bench_app.command("state-sync")
 def bench_state_sync(
     params: str = typer.Option("100M", "--params", help="float32 values in the state: a count, or with K, M or G."),

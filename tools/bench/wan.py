@@ -117,3 +117,88 @@ def print_table(cells: list[Cell]) -> None:
             f"{c.steps_per_s:.2f}", ratio, str(c.partial_or_failed),
         )  # fmt: skip
     Console(width=max(Console().width, 100)).print(table)
+
+
+# ---- one far member among near ones: deadlines that adapt ----------------------------------
+
+
+@dataclass
+class FarMember:
+    near_ms: float  # every host's one-way delay but the far trainer's
+    far_ms: float
+    window_s: float
+    rounds: int  # the far trainer's rounds in the window
+    not_whole: int  # rounds of the window that were not whole, every trainer together
+    stalls_s: list[float]  # per SIGKILL: the longest time a survivor's step did not move
+    bound_s: float  # 3 s plus 3 times the swarm's longest RTT
+
+    @property
+    def met(self) -> bool:
+        return self.not_whole == 0 and bool(self.stalls_s) and max(self.stalls_s) <= self.bound_s
+
+
+def longest_stall(samples, t0: float, t1: float) -> float:
+    """Longest stretch in [t0, t1] over which the polled step did not move (to the poll's resolution)."""
+    moved = [t0] + [b.t for a, b in zip(samples, samples[1:]) if b.ok and a.ok and b.step > a.step and t0 <= b.t <= t1]
+    return max(b - a for a, b in zip(moved, [*moved, t1][1:]))
+
+
+def measure_far_member(near_ms: float, far_ms: float, window_s: float, kills: int, workdir: Path, log=print) -> FarMember:
+    """Bootstrap and trainers at `near_ms` one-way delay, trainer t4 at `far_ms`, default flags (mean, sync):
+    the rounds of a window, then `kills` SIGKILLs of a near trainer's main process (each restarted, and
+    waited for, before the next) and how long the others' steps stalled."""
+    from phalanx.tools.lab.swarm import LabSwarm
+
+    swarm = LabSwarm(workdir, trainers=TRAINERS, join_args=CASES["mean"], tag="far")  # (restarts --resume)
+    far, victim = swarm.trainer_names[-1], swarm.trainer_names[0]
+    try:
+        for name in swarm.lab.hosts:
+            swarm.lab.delay(name, (far_ms if name == far else near_ms) / 1000.0)
+        swarm.start()
+        swarm.wait(lambda: swarm.training_together(min_step=1), FORM_S, "one group of all trainers")
+        first = {n: swarm.peers[n].last() for n in swarm.trainer_names}
+        time.sleep(window_s)
+        last = {n: swarm.peers[n].last() for n in swarm.trainer_names}
+        bad = sum(
+            (last[n].rounds_partial + last[n].rounds_failed) - (first[n].rounds_partial + first[n].rounds_failed)
+            for n in first
+        )
+        rounds = last[far].rounds_done - first[far].rounds_done
+        log(f"window of {window_s:g} s: the far trainer took part in {rounds} rounds; {bad} rounds not whole")
+        stalls = []
+        survivors = [n for n in swarm.trainer_names if n != victim]
+        for kill in range(kills):
+            t0 = time.monotonic()
+            swarm.signal_main(victim, 9)
+            time.sleep(15.0)
+            t1 = time.monotonic()
+            stall = max(longest_stall(swarm.peers[n].samples, t0, t1) for n in survivors)
+            stalls.append(stall)
+            log(f"SIGKILL {kill + 1} of {victim}: the survivors' longest stall {stall:.1f} s")
+            swarm.reap(victim)
+            swarm.restart(victim)
+            swarm.wait(lambda: swarm.training_together(min_step=1), FORM_S, f"{victim} back in one group of all")
+    finally:
+        swarm.close()
+    rtt_s = 2 * (near_ms + far_ms) / 1000.0  # the swarm's longest: the far trainer's to the others
+    return FarMember(near_ms, far_ms, window_s, rounds, bad, stalls, 3.0 + 3 * rtt_s)
+
+
+def run_far_member_bench(near_ms: float, far_ms: float, window_s: float, kills: int, json_path: Optional[Path] = None) -> FarMember:
+    from phalanx.tools.lab.hosts import missing_requirements, sweep_stale
+
+    why = missing_requirements()
+    if why:
+        raise ConfigError(f"phalanx bench wan: {why}; run it as root on Linux")
+    sweep_stale()
+    with tempfile.TemporaryDirectory(prefix="phalanx-far-") as tmp:
+        result = measure_far_member(near_ms, far_ms, window_s, kills, Path(tmp))
+    table = Table(title=f"One trainer at {far_ms:g} ms one-way among hosts at {near_ms:g} ms (default flags, mean)")
+    for column in ("far trainer's rounds", "rounds not whole", "stall per SIGKILL (s)", "goal (s)", "met"):
+        table.add_column(column, justify="right")
+    stalls = ", ".join(f"{s:.1f}" for s in result.stalls_s) or "-"
+    table.add_row(str(result.rounds), str(result.not_whole), stalls, f"≤ {result.bound_s:.2f}", "yes" if result.met else "no")
+    Console(width=max(Console().width, 100)).print(table)
+    if json_path is not None:
+        json_path.write_text(json.dumps({**asdict(result), "met": result.met}, indent=1))
+    return result
