@@ -126,6 +126,7 @@ class _NextJoin:
     task: asyncio.Task  # of Matchmaker.join
     version: bytes  # the state it joined with: the one a whole round leads to
     step: int
+    sent_at: float  # time.monotonic()
 
 
 async def _cancel(task: asyncio.Task) -> None:
@@ -318,7 +319,7 @@ class RoundEngine:
             self.matchmaker.join(version=version, step=step, together=len(group.members) > 1), name="join-next"
         )
         task.add_done_callback(lambda t: t.cancelled() or t.exception())  # (a failure is read, or dropped, later)
-        self._next = _NextJoin(task, version, step)
+        self._next = _NextJoin(task, version, step, time.monotonic())
 
     async def _joined_early(self) -> Optional[JoinReply]:
         """The next group, joined during the last round, if this peer's state is the one it joined with (the
@@ -335,7 +336,10 @@ class RoundEngine:
             return None
         if reply.kind != "group" or (reply.group.version, reply.group.step) != (self.version, self.step):
             return None
-        gone = [p for p in reply.group.members if p != self.peer_id and self.membership.is_suspect(p)]
+        # only what we learned after joining: a peer we suspected before, which the leader put in the group
+        # on its own join since (a restarted peer), is alive; dropping the group on our older evidence
+        # alone left its other members waiting for our part, round after round
+        gone = [p for p in reply.group.members if p != self.peer_id and self.membership.suspected_since(p, early.sent_at)]
         if gone:
             logger.info(f"the next group, joined early, holds peers found dead since ({sorted(p[-8:] for p in gone)}); joining anew")
             return None

@@ -104,6 +104,7 @@ class Membership:
     _view: dict[str, tuple[PeerRecord, float]] = field(default_factory=dict)
     _suspects: dict[str, float] = field(default_factory=dict)
     _strikes: dict[str, tuple[int, float]] = field(default_factory=dict)  # peer -> (doublings, its last suspicion's length)
+    _suspected_at: dict[str, float] = field(default_factory=dict)  # peer -> time.monotonic() it was last suspected
     _dialable_seen: dict[str, float] = field(default_factory=dict)  # peers others can dial -> when last in view
     _task: Optional[asyncio.Task] = None
     _refreshed: Optional[asyncio.Event] = None
@@ -215,17 +216,24 @@ class Membership:
         length = for_s * 2**doublings
         self._suspects[peer] = max(until or now, now + length)
         self._strikes[peer] = (doublings, length)
+        self._suspected_at[peer] = now
         if len(self._suspects) > MAX_SUSPECTS_KEPT:  # made-up peers come and go: forget those long let back
             for other in [p for p, t in self._suspects.items() if now - t > self._strikes[p][1]]:
                 del self._suspects[other], self._strikes[other]
+                self._suspected_at.pop(other, None)
 
     def clear_suspicion(self, peer: str) -> None:
         self._suspects.pop(peer, None)
         self._strikes.pop(peer, None)
+        self._suspected_at.pop(peer, None)
 
     def is_suspect(self, peer: str) -> bool:
         until = self._suspects.get(peer)
         return until is not None and until >= time.monotonic()  # an expired entry stays: `suspect` counts from it
+
+    def suspected_since(self, peer: str, since: float) -> bool:
+        """Whether `peer` is a suspect on evidence from `since` (time.monotonic()) or later."""
+        return self.is_suspect(peer) and self._suspected_at.get(peer, float("-inf")) >= since
 
     def note_stepping_down(self, peer: str, for_s: float) -> None:
         """`peer` told us itself (a join it redirected) that it steps down: as if its record named it, until then."""

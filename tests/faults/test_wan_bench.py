@@ -5,7 +5,7 @@ measured rounds of the whole swarm."""
 import pytest
 
 from phalanx.errors import ConfigError
-from phalanx.tools.bench.wan import TRAINERS, run_wan_bench
+from phalanx.tools.bench.wan import TRAINERS, run_far_member_bench, run_wan_bench
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 
@@ -21,3 +21,12 @@ def test_the_wan_bench_measures_whole_rounds_at_each_round_trip_time(lab_machine
 def test_an_unknown_case_is_refused_before_any_lab_is_built():
     with pytest.raises(ConfigError, match="--cases: unknown nope"):
         run_wan_bench(["mean", "nope"], [100.0], window_s=8.0)
+
+
+def test_the_far_member_bench_counts_rounds_and_measures_a_kill(lab_machine, tmp_path):
+    """`phalanx bench far-member`, smallest: a short window and one SIGKILL (restarted). Its goal is
+    printed, not asserted."""
+    result = run_far_member_bench(25.0, 150.0, window_s=5.0, kills=1, json_path=tmp_path / "far.json")
+    assert result.rounds > 0 and result.not_whole >= 0 and len(result.stalls_s) == 1, result
+    assert result.bound_s == pytest.approx(3.0 + 3 * 0.35)
+    assert '"met"' in (tmp_path / "far.json").read_text()

@@ -143,3 +143,22 @@ def test_a_peer_told_to_resync_joins_the_next_round_with_the_state_it_downloads(
             assert joins == [(0, False), (2, False)], joins  # the round was the one joined early
 
     asyncio.run(main())
+
+
+@configs
+def test_a_member_suspected_before_the_early_join_does_not_make_a_peer_drop_the_group(config):
+    """A peer that suspected a member before it joined the next round early (a restarted peer, which the
+    leader put in the group on its own join since) takes the group: only evidence from round s counts."""
+
+    async def main():
+        async with open_swarm(N, config) as peers:
+            by_id = sorted(peers, key=lambda p: p.peer_id)
+            doubter, suspected = by_id[-1], by_id[1]  # (neither the lowest ID, which leads unverified rounds)
+            doubter.engine.membership.suspect(suspected.peer_id, for_s=120.0)
+            joins: list[tuple[int, bool]] = []
+            _record_joins(doubter, joins)
+            rounds = await _rounds(peers, 2)
+            assert joins == [(0, False), (1, True), (2, True)], joins  # round 2: the group joined during round 1
+            assert all(len(o.group.members) == N for outcomes in rounds for o in outcomes)
+
+    asyncio.run(main())

@@ -62,3 +62,18 @@ def test_a_suspicion_under_way_is_extended_not_doubled(clock):
     clock.t += 4
     m.suspect(PEER, for_s=8)
     assert _suspected_for(m, clock) == 8.5
+
+
+def test_suspected_since_counts_only_evidence_from_then_on(clock):
+    """A round's member drops the next group it joined early only on evidence newer than its join: a peer
+    it suspected before, which the leader put in that group on its own join since, is alive."""
+    m = Membership(None, "k.peers", "QmMe")
+    m.suspect(PEER, for_s=8)
+    joined_early = clock.t + 1
+    clock.t = joined_early
+    assert m.is_suspect(PEER) and not m.suspected_since(PEER, joined_early)
+    clock.t += 1
+    m.suspect(PEER, for_s=8)  # found dead again during the round
+    assert m.suspected_since(PEER, joined_early)
+    m.clear_suspicion(PEER)
+    assert not m.suspected_since(PEER, joined_early) and not m.suspected_since(PEER, float("-inf"))
