@@ -328,13 +328,16 @@ class RoundEngine:
         if early is None:
             return None
         if (self.version, self.step) != (early.version, early.step):
-            await _cancel(early.task)
+            await self._drop(early)
             return None
         try:
             reply = await early.task
         except ROUND_FAILURES + (CallFailed,):
             return None
-        if reply.kind != "group" or (reply.group.version, reply.group.step) != (self.version, self.step):
+        if reply.kind != "group":
+            return None
+        if (reply.group.version, reply.group.step) != (self.version, self.step):
+            self.state.abandon(reply.group.round_id)
             return None
         # only what we learned after joining: a peer we suspected before, which the leader put in the group
         # on its own join since (a restarted peer), is alive; dropping the group on our older evidence
@@ -342,13 +345,23 @@ class RoundEngine:
         gone = [p for p in reply.group.members if p != self.peer_id and self.membership.suspected_since(p, early.sent_at)]
         if gone:
             logger.info(f"the next group, joined early, holds peers found dead since ({sorted(p[-8:] for p in gone)}); joining anew")
+            self.state.abandon(reply.group.round_id)
             return None
         return reply
 
     async def _drop_next(self) -> None:
         early, self._next = self._next, None
         if early is not None:
-            await _cancel(early.task)
+            await self._drop(early)
+
+    async def _drop(self, early: _NextJoin) -> None:
+        """Drop a join of the next round; a group it got will not have us: peers told to resync from us
+        after that round hear so at once, instead of waiting for us to join it."""
+        if early.task.done() and not early.task.cancelled() and early.task.exception() is None:
+            reply = early.task.result()
+            if reply.kind == "group":
+                self.state.abandon(reply.group.round_id)
+        await _cancel(early.task)
 
     async def _run_group(self, group: GroupSpec, started: float, request: RoundRequest):
         vector, weight = request.vector, request.weight

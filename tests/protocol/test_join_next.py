@@ -84,6 +84,10 @@ def test_a_state_other_than_the_one_joined_with_joins_anew_and_the_rounds_go_on(
             assert second[0].group.round_id not in early_ids
             assert len({o.group.round_id for o in second}) == 1 and len(second[0].group.members) == N
             assert len({p.engine.version for p in peers}) == 1
+            # a group dropped will have no state after it: peers told to resync from us hear so at once
+            for peer, task in zip(peers, early):
+                if task.done() and not task.cancelled() and task.exception() is None:
+                    assert task.result().group.round_id in peer.engine.state._abandoned
 
     asyncio.run(main())
 
