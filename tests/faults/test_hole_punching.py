@@ -65,8 +65,20 @@ async def _addresses_of(p2p: P2P, peer) -> list[str]:
     return [str(a) for info in await p2p.list_peers() if info.peer_id == peer for a in info.addrs]
 
 
+async def _connected_to(p2p: P2P, relay_id: str, within_s: float = 60.0) -> None:
+    deadline = time.monotonic() + within_s
+    while not any(info.peer_id.to_base58() == relay_id for info in await p2p.list_peers()):
+        assert time.monotonic() < deadline, f"{p2p.peer_id} never connected to the relay"
+        await asyncio.sleep(0.5)
+
+
 async def _relayed_call(a: P2P, b: P2P, circuit: Multiaddr, number: int) -> None:
-    deadline = time.monotonic() + 30
+    # both homes on the relay before B's first dial: a dial that fails (A had no slot yet) puts the
+    # circuit in libp2p's dial backoff (6 s, then 9, 14, 21, ...), and CI once ran out of its 30 s so
+    relay_id = str(circuit).split("/p2p/")[1].split("/")[0]
+    await _connected_to(a, relay_id)
+    await _connected_to(b, relay_id)
+    deadline = time.monotonic() + 60
     while True:  # until A holds its slot on the relay
         try:
             await b._client.connect(a.peer_id, [circuit])
