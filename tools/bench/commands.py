@@ -380,6 +380,7 @@ def bench_far_member(
     window_s: float = typer.Option(30.0, "--window-s", min=5.0, help="Seconds of rounds counted before the kills."),
     kills: int = typer.Option(3, "--kills", min=1, max=20, help="SIGKILLs of a near trainer (each restarted)."),
     json_path: Optional[Path] = typer.Option(None, "--json", help="Also write the numbers to this file."),
+    logs: Optional[Path] = typer.Option(None, "--logs", help="Keep the peers' logs in this new or empty folder."),
 ) -> None:
     """Deadlines at mixed latency (root; a lab of network namespaces): one trainer far from the others,
     default flags. Counts the rounds that were not whole, then SIGKILLs a near trainer and measures how
@@ -393,7 +394,7 @@ def bench_far_member(
     """
     from phalanx.tools.bench.wan import run_far_member_bench
 
-    run_far_member_bench(near_ms, far_ms, window_s, kills, json_path)
+    run_far_member_bench(near_ms, far_ms, window_s, kills, json_path, logs)
 
 
 @bench_app.command("state-sync")

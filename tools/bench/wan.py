@@ -184,15 +184,24 @@ def measure_far_member(near_ms: float, far_ms: float, window_s: float, kills: in
     return FarMember(near_ms, far_ms, window_s, rounds, bad, stalls, 3.0 + 3 * rtt_s)
 
 
-def run_far_member_bench(near_ms: float, far_ms: float, window_s: float, kills: int, json_path: Optional[Path] = None) -> FarMember:
+def run_far_member_bench(
+    near_ms: float, far_ms: float, window_s: float, kills: int, json_path: Optional[Path] = None, logs: Optional[Path] = None
+) -> FarMember:
+    """`logs`: a folder to keep the peers' logs in (else a temporary one, removed after)."""
     from phalanx.tools.lab.hosts import missing_requirements, sweep_stale
 
     why = missing_requirements()
     if why:
-        raise ConfigError(f"phalanx bench wan: {why}; run it as root on Linux")
+        raise ConfigError(f"phalanx bench far-member: {why}; run it as root on Linux")
+    if logs is not None and logs.exists() and any(logs.iterdir()):
+        raise ConfigError(f"--logs: {logs} is not empty; name a new or empty folder")
     sweep_stale()
-    with tempfile.TemporaryDirectory(prefix="phalanx-far-") as tmp:
-        result = measure_far_member(near_ms, far_ms, window_s, kills, Path(tmp))
+    if logs is not None:
+        logs.mkdir(parents=True, exist_ok=True)
+        result = measure_far_member(near_ms, far_ms, window_s, kills, logs)
+    else:
+        with tempfile.TemporaryDirectory(prefix="phalanx-far-") as tmp:
+            result = measure_far_member(near_ms, far_ms, window_s, kills, Path(tmp))
     table = Table(title=f"One trainer at {far_ms:g} ms one-way among hosts at {near_ms:g} ms (default flags, mean)")
     for column in ("far trainer's rounds", "rounds not whole", "stall per SIGKILL (s)", "goal (s)", "met"):
         table.add_column(column, justify="right")
