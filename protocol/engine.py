@@ -337,7 +337,7 @@ class RoundEngine:
         if reply.kind != "group":
             return None
         if (reply.group.version, reply.group.step) != (self.version, self.step):
-            self.state.abandon(reply.group.round_id)
+            await self._drop(early)
             return None
         # only what we learned after joining: a peer we suspected before, which the leader put in the group
         # on its own join since (a restarted peer), is alive; dropping the group on our older evidence
@@ -345,7 +345,7 @@ class RoundEngine:
         gone = [p for p in reply.group.members if p != self.peer_id and self.membership.suspected_since(p, early.sent_at)]
         if gone:
             logger.info(f"the next group, joined early, holds peers found dead since ({sorted(p[-8:] for p in gone)}); joining anew")
-            self.state.abandon(reply.group.round_id)
+            await self._drop(early)
             return None
         return reply
 

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from phalanx.peer.health.record import TTL_S
-from phalanx.tools.lab.swarm import LabSwarm, Sample
+from phalanx.tools.lab.swarm import LabSwarm, Sample, longest_stall
 
 REF_S = 10.0  # clean reference window before the first fault
 # A peer notices a cut once the others' records in its own DHT storage expire (TTL_S after their
@@ -159,18 +159,6 @@ BY_KEY = {s.key: s for s in (*SCENARIOS, SHORT)}
 
 
 # ---- measures from the polls ---------------------------------------------------------------
-
-
-def longest_stall(samples: list[Sample], t0: float, t1: float) -> float:
-    """Longest interval in [t0, t1] in which the polled step did not increase."""
-    times, last = [t0], None
-    for s in samples:
-        if s.ok and t0 <= s.t <= t1:
-            if last is not None and s.step > last:
-                times.append(s.t)
-            last = s.step
-    times.append(t1)
-    return max(b - a for a, b in zip(times, times[1:]))
 
 
 def value_at(samples: list[Sample], t: float, attr: str) -> Optional[float]:

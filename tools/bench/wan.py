@@ -63,12 +63,15 @@ def measure(case: str, rtt_ms: float, window_s: float, workdir: Path, log=print)
         swarm.close()
     rounds = min(last[n].rounds_done - first[n].rounds_done for n in first)
     steps = min(last[n].step - first[n].step for n in first)
-    bad = sum(
-        (last[n].rounds_partial + last[n].rounds_failed) - (first[n].rounds_partial + first[n].rounds_failed) for n in first
-    )
+    bad = not_whole(first, last)
     cell = Cell(case, rtt_ms, window_s / rounds if rounds else None, steps / window_s, rounds, bad, min(s.group for s in last.values()))
     log(f"{case} at RTT {rtt_ms:g} ms: {cell}")
     return cell
+
+
+def not_whole(first: dict, last: dict) -> int:
+    """Rounds between two polls of every trainer that were partial or failed, all trainers together."""
+    return sum((last[n].rounds_partial + last[n].rounds_failed) - (first[n].rounds_partial + first[n].rounds_failed) for n in first)
 
 
 def run_wan_bench(cases: list[str], rtts_ms: list[float], window_s: float, json_path: Optional[Path] = None) -> list[Cell]:
@@ -137,17 +140,11 @@ class FarMember:
         return self.not_whole == 0 and bool(self.stalls_s) and max(self.stalls_s) <= self.bound_s
 
 
-def longest_stall(samples, t0: float, t1: float) -> float:
-    """Longest stretch in [t0, t1] over which the polled step did not move (to the poll's resolution)."""
-    moved = [t0] + [b.t for a, b in zip(samples, samples[1:]) if b.ok and a.ok and b.step > a.step and t0 <= b.t <= t1]
-    return max(b - a for a, b in zip(moved, [*moved, t1][1:]))
-
-
 def measure_far_member(near_ms: float, far_ms: float, window_s: float, kills: int, workdir: Path, log=print) -> FarMember:
     """Bootstrap and trainers at `near_ms` one-way delay, trainer t4 at `far_ms`, default flags (mean, sync):
     the rounds of a window, then `kills` SIGKILLs of a near trainer's main process (each restarted, and
     waited for, before the next) and how long the others' steps stalled."""
-    from phalanx.tools.lab.swarm import LabSwarm
+    from phalanx.tools.lab.swarm import LabSwarm, longest_stall
 
     swarm = LabSwarm(workdir, trainers=TRAINERS, join_args=CASES["mean"], tag="far")  # (restarts --resume)
     far, victim = swarm.trainer_names[-1], swarm.trainer_names[0]
@@ -159,10 +156,7 @@ def measure_far_member(near_ms: float, far_ms: float, window_s: float, kills: in
         first = {n: swarm.peers[n].last() for n in swarm.trainer_names}
         time.sleep(window_s)
         last = {n: swarm.peers[n].last() for n in swarm.trainer_names}
-        bad = sum(
-            (last[n].rounds_partial + last[n].rounds_failed) - (first[n].rounds_partial + first[n].rounds_failed)
-            for n in first
-        )
+        bad = not_whole(first, last)
         rounds = last[far].rounds_done - first[far].rounds_done
         log(f"window of {window_s:g} s: the far trainer took part in {rounds} rounds; {bad} rounds not whole")
         stalls = []

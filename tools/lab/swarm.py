@@ -52,6 +52,18 @@ class Sample:
         return self.rounds_ok + self.rounds_partial
 
 
+def longest_stall(samples: list[Sample], t0: float, t1: float) -> float:
+    """Longest interval in [t0, t1] in which the polled step did not increase."""
+    times, last = [t0], None
+    for s in samples:
+        if s.ok and t0 <= s.t <= t1:
+            if last is not None and s.step > last:
+                times.append(s.t)
+            last = s.step
+    times.append(t1)
+    return max(b - a for a, b in zip(times, times[1:]))
+
+
 def read_status(timeout_s: float = 2.0) -> Optional[dict[str, Any]]:
     conn = http.client.HTTPConnection("127.0.0.1", HTTP_PORT, timeout=timeout_s)
     try:
