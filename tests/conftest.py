@@ -1,5 +1,5 @@
-"""Session-wide hooks: the network-namespace tests kept together, and cleanup of what SIGKILLed peers
-leave in the temporary folder."""
+"""Session-wide hooks: the network-namespace tests kept together, the long tier (`--long`), and cleanup of
+what SIGKILLed peers leave in the temporary folder."""
 
 from __future__ import annotations
 
@@ -24,9 +24,37 @@ def lab_group(path: Path) -> str | None:
     return LAB_GROUPS.get(path.name, "lab-net") if LAB in path.parents else None
 
 
+def pytest_addoption(parser):
+    parser.addoption(
+        "--long", action="store_true",
+        help="also run the tests marked long (whole lab scenarios, big swarms); without it each skips, naming its small variant",
+    )  # fmt: skip
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "long(variant): a long lab scenario or big swarm; `variant` names the test CI runs instead")
+
+
 def pytest_collection_modifyitems(config, items):
-    """The lab's tests first, so that its groups start at once on workers of their own."""
+    """The lab's tests first, so that its groups start at once on workers of their own; without `--long`,
+    long tests skip with the name of the small variant that runs in their place."""
     items[:] = sorted(items, key=lambda item: lab_group(item.path) is None)  # (a stable sort)
+    if config.getoption("--long"):
+        return
+    for item in items:
+        mark = item.get_closest_marker("long")
+        if mark is not None:
+            variant = mark.args[0] if mark.args else mark.kwargs["variant"]
+            item.add_marker(pytest.mark.skip(reason=f"LONG, runs with --long; in its place: {variant}"))
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    skipped = terminalreporter.stats.get("skipped", [])
+    long = sum(1 for report in skipped if "LONG, runs with --long" in str(report.longrepr))
+    if long:
+        terminalreporter.write_line(
+            f"{long} long tests skipped: `pytest --long` runs them too (docs/getting-started.md, the tests)", yellow=True, bold=True
+        )
 
 
 def pytest_xdist_make_scheduler(config, log):

@@ -1,9 +1,14 @@
 """Every user mistake in docs/errors.md, run through the real `phalanx` command: the exit code, exactly
 one line on stderr (the documented one, naming the flag and the fix) and no traceback. The table in
-the doc is the test's data, so the two cannot drift apart."""
+the doc is the test's data, so the two cannot drift apart.
+
+Rows that need a peer, a held port or a dead address run `python -m phalanx` in a process of its own;
+the others call the command's entry point (`phalanx.cli.main`) in this process, with the environment
+and logging it changes put back after each."""
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import shlex
@@ -13,6 +18,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -108,25 +114,53 @@ def _pattern(message: str) -> re.Pattern:
     return re.compile("".join(".*" if part == "…" else re.escape(part) for part in re.split("(…)", message)) + r"\Z")
 
 
-def run_row(row: dict[str, str], values: dict[str, str]) -> subprocess.CompletedProcess:
+NEEDS_A_PROCESS = ("{boot", "{dead}", "{busy}")  # rows that start a node, hold a port or wait on a dead peer
+
+
+def run_row(row: dict[str, str], values: dict[str, str], monkeypatch, capsys) -> SimpleNamespace:
     words = shlex.split(_fill(row["command"], values))
     env = {}
     while "=" in words[0]:
         name, _, value = words.pop(0).partition("=")
         env[name] = value
     assert words[0] == "phalanx", row
-    return subprocess.run(
-        [sys.executable, "-m", "phalanx", *words[1:]], capture_output=True, text=True, timeout=240,
-        env=_env(env), start_new_session=True,
-    )  # fmt: skip
+    if any(p in row["command"] for p in NEEDS_A_PROCESS):
+        done = subprocess.run(
+            [sys.executable, "-m", "phalanx", *words[1:]], capture_output=True, text=True, timeout=240,
+            env=_env(env), start_new_session=True,
+        )  # fmt: skip
+        return SimpleNamespace(returncode=done.returncode, stderr=done.stderr)
+    return _in_process(words[1:], env, monkeypatch, capsys)
+
+
+def _in_process(args: list[str], env: dict[str, str], monkeypatch, capsys) -> SimpleNamespace:
+    from phalanx import cli
+
+    for name in [n for n in os.environ if n.upper().startswith("PHALANX_")]:
+        monkeypatch.delenv(name)
+    for name, value in {"COLUMNS": "200", **env}.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setitem(cli._state, "debug", False)
+    root, hivemind_log = logging.getLogger(), logging.getLogger("hivemind")
+    saved = (root.handlers[:], root.level, hivemind_log.handlers[:], hivemind_log.propagate, hivemind_log.level, sys.meta_path[:])
+    capsys.readouterr()
+    try:
+        cli.main(args)
+        code = 0
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else 1
+    finally:
+        root.handlers[:], root.level, hivemind_log.handlers[:], hivemind_log.propagate, hivemind_log.level = saved[:5]
+        sys.meta_path[:] = saved[5]
+    return SimpleNamespace(returncode=code, stderr=capsys.readouterr().err)
 
 
 @pytest.mark.parametrize("row", ROWS, ids=[row["input"] for row in ROWS])
-def test_each_mistake_gets_its_documented_line(row, places, request):
+def test_each_mistake_gets_its_documented_line(row, places, request, monkeypatch, capsys):
     values = dict(places)
     if "{boot" in row["command"]:
         values |= request.getfixturevalue("bootstrap")
-    done = run_row(row, values)
+    done = run_row(row, values, monkeypatch, capsys)
     lines = [line for line in done.stderr.splitlines() if line.strip()]
     expected = _fill(row["message"], values)
     assert "Traceback" not in done.stderr, done.stderr
