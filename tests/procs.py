@@ -3,16 +3,22 @@ in a session of its own and stopped with its whole process group (its DHT proces
 and the process table read from /proc.
 
 Two kinds of peer process: an `EventProc` prints JSON events (`--events`) that a thread reads from its
-stdout into a queue; a `FileProc` writes stdout and stderr to files and may serve HTTP on a port."""
+stdout into a queue; a `FileProc` writes stdout and stderr to files and may serve HTTP on a port. Both
+are forks of one zygote per test session (the launcher's, phalanx.tools.launcher.zygote), which has
+imported torch and hivemind once: a fresh `python -m phalanx` spends about 5 CPU-seconds on that, and
+most tests start several peers on 2 cores. A fork runs the same CLI `main` in a session of its own."""
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import queue
 import signal
+import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Sequence
@@ -85,12 +91,121 @@ def unix_socket_files(pgid: int) -> set[Path]:
     return files
 
 
+# ---- peers forked from a zygote ------------------------------------------------------------------
+
+
+class ForkedPopen:
+    """A `phalanx` peer forked by the zygote, with what the tests use of `subprocess.Popen`."""
+
+    def __init__(self, pid: int, zygote: "_Zygote", stdout=None) -> None:
+        self.pid, self.stdout, self._zygote = pid, stdout, zygote
+
+    @property
+    def returncode(self) -> Optional[int]:
+        return self._zygote.exit_code(self.pid)
+
+    def poll(self) -> Optional[int]:
+        return self.returncode
+
+    def wait(self, timeout: Optional[float] = None) -> int:
+        code = self._zygote.wait_exit(self.pid, timeout)
+        if code is None:
+            raise subprocess.TimeoutExpired(["phalanx"], timeout)
+        return code
+
+    def send_signal(self, sig: int) -> None:
+        if self.returncode is None:
+            os.kill(self.pid, sig)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+class _Zygote:
+    """The zygote process of this test session (one per xdist worker), started at the first spawn and
+    closed at exit: closing its control socket makes it stop every child still running."""
+
+    def __init__(self) -> None:
+        self._control, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self.log = Path(tempfile.gettempdir()) / f"phalanx-test-zygote-{os.getpid()}.log"
+        with open(self.log, "wb") as log:
+            self._process = subprocess.Popen(
+                [sys.executable, "-m", "phalanx.tools.launcher.zygote", str(theirs.fileno())],
+                stdout=subprocess.PIPE, stderr=log, pass_fds=(theirs.fileno(),),
+            )  # fmt: skip
+        theirs.close()
+        self._ready = threading.Event()
+        self._pids: queue.Queue[int] = queue.Queue()
+        self._exits: dict[int, int] = {}
+        self._changed = threading.Condition()
+        self._lock = threading.Lock()  # one request at a time: pids come back in request order
+        threading.Thread(target=self._read, name="zygote-reader", daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self._process.stdout:
+            message = json.loads(line)
+            if "ready" in message:
+                self._ready.set()
+            elif "pid" in message:
+                self._pids.put(message["pid"])
+            elif "exited" in message:
+                with self._changed:
+                    self._exits[message["exited"]] = message["code"]
+                    self._changed.notify_all()
+        self._ready.set()  # gone: spawn says so instead of waiting, and so do the waits
+        self._process.wait()
+        with self._changed:
+            self._changed.notify_all()
+
+    def exit_code(self, pid: int) -> Optional[int]:
+        with self._changed:
+            return self._exits.get(pid)
+
+    def wait_exit(self, pid: int, timeout: Optional[float]) -> Optional[int]:
+        with self._changed:
+            self._changed.wait_for(lambda: pid in self._exits or self._process.poll() is not None, timeout)
+            return self._exits.get(pid)
+
+    def spawn(self, argv: list[str], env: dict[str, str], stdout_fd: int, log: Path, stdout=None) -> ForkedPopen:
+        """Fork `phalanx *argv` with `env` as its whole environment, stdout on `stdout_fd`, stderr into `log`."""
+        assert self._ready.wait(120) and self._process.poll() is None, f"the test zygote is gone: {self.log.read_text()[-2000:]}"
+        request = json.dumps({"argv": argv, "env": env, "log": str(log)}).encode()
+        with self._lock:
+            socket.send_fds(self._control, [request], [stdout_fd])
+            pid = self._pids.get(timeout=60)
+        return ForkedPopen(pid, self, stdout)
+
+    def close(self) -> None:
+        self._control.close()
+        try:
+            self._process.wait(60)
+        except subprocess.TimeoutExpired:
+            self._process.kill()
+        self.log.unlink(missing_ok=True)
+
+
+_zygote: Optional[_Zygote] = None
+_zygote_lock = threading.Lock()
+
+
+def zygote() -> _Zygote:
+    global _zygote
+    with _zygote_lock:
+        if _zygote is None or _zygote._process.poll() is not None:
+            _zygote = _Zygote()
+            atexit.register(_zygote.close)
+        return _zygote
+
+
 # ---- a peer whose stdout is JSON events ---------------------------------------------------------
 
 
 @dataclass
 class EventProc:
-    popen: subprocess.Popen
+    popen: subprocess.Popen | ForkedPopen
     log: Path
     events: queue.Queue[dict] = field(default_factory=queue.Queue)
     seen: list = field(default_factory=list)
@@ -139,24 +254,21 @@ class EventProc:
 
 def spawn_events(args: list[str], log: Path) -> EventProc:
     """`phalanx *args` (pass `--events`): its JSON events into `.events`, its stderr into `log`."""
-    out = open(log, "wb")
-    popen = subprocess.Popen(
-        [sys.executable, "-m", "phalanx", *args],
-        stdout=subprocess.PIPE,
-        stderr=out,
-        env={**os.environ, **PEER_ENV},
-        start_new_session=True,
-    )
+    read_end, write_end = os.pipe()
+    try:
+        popen = zygote().spawn(list(args), {**os.environ, **PEER_ENV}, write_end, log, os.fdopen(read_end, "rb"))
+    finally:
+        os.close(write_end)  # the fork holds its own copy: EOF once it and its helpers exit
     proc = EventProc(popen, log)
 
     def pump() -> None:
-        for line in popen.stdout:
-            try:
-                proc.events.put(json.loads(line))
-            except ValueError:
-                pass
+        with popen.stdout:
+            for line in popen.stdout:
+                try:
+                    proc.events.put(json.loads(line))
+                except ValueError:
+                    pass
         proc.events.put({"event": "exit"})
-        out.close()
 
     threading.Thread(target=pump, daemon=True).start()
     return proc
@@ -168,7 +280,7 @@ def spawn_events(args: list[str], log: Path) -> EventProc:
 @dataclass
 class FileProc:
     name: str
-    popen: subprocess.Popen
+    popen: subprocess.Popen | ForkedPopen
     stdout: Path
     stderr: Path
     http_port: Optional[int] = None
@@ -205,14 +317,15 @@ def spawn_to_files(
     """`python *command *args`: `phalanx` unless `command` names a script (and its own arguments) that runs
     it its own way; output in workdir/NAME.out and workdir/NAME.err."""
     out, err = workdir / f"{name}.out", workdir / f"{name}.err"
-    with open(out, "wb") as stdout, open(err, "wb") as stderr:  # the child keeps its own descriptors
-        popen = subprocess.Popen(
-            [sys.executable, *command, *args],
-            stdout=stdout,
-            stderr=stderr,
-            env={**os.environ, **PEER_ENV},
-            start_new_session=True,
-        )
+    with open(out, "wb") as stdout:  # the child keeps its own descriptor
+        if tuple(command) == ("-m", "phalanx"):
+            popen = zygote().spawn(list(args), {**os.environ, **PEER_ENV}, stdout.fileno(), err)
+        else:
+            with open(err, "wb") as stderr:
+                popen = subprocess.Popen(
+                    [sys.executable, *command, *args], stdout=stdout, stderr=stderr, env={**os.environ, **PEER_ENV},
+                    start_new_session=True,
+                )  # fmt: skip
     return FileProc(name, popen, out, err, http_port)
 
 

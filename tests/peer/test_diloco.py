@@ -8,12 +8,13 @@ import math
 from pathlib import Path
 from typing import Optional
 
+import hivemind
 import pytest
 import torch
 import torch.nn.functional as F
-from tests.peer.trainer_procs import join_args, spawn, start_script, wait_scripts
 
 from phalanx.peer.outer_step import nesterov_outer_step
+from tests.peer.trainer_procs import LOOPBACK, join_args, spawn, start_script, wait_scripts
 
 ROOT = Path(__file__).parents[2]
 spec = importlib.util.spec_from_file_location("plain_loop", ROOT / "examples" / "plain_loop.py")
@@ -276,9 +277,9 @@ def test_the_trainer_computes_its_gradient_as_validators_recompute_it():
 def test_resumed_diloco_peers_hold_theta_and_momentum_and_train_on_together(bootstrap, tmp_path):
     common = ("--mode", "diloco", "--inner-steps", "10", "--eval-every", "50", "--wait-for-peers", "2")
 
-    def run(steps: int, *extra: str) -> list[dict]:
+    def run(steps: int, *extra: str, initial_peers=bootstrap) -> list[dict]:
         procs = [
-            spawn(join_args(bootstrap, tmp_path, n, *common, "--steps", str(steps), "--checkpoint-dir",
+            spawn(join_args(initial_peers, tmp_path, n, *common, "--steps", str(steps), "--checkpoint-dir",
                             str(tmp_path / f"ckpt-{n}"), *extra), tmp_path / f"{n}-{steps}.log")  # fmt: skip
             for n in "ab"
         ]
@@ -299,7 +300,14 @@ def test_resumed_diloco_peers_hold_theta_and_momentum_and_train_on_together(boot
     assert torch.equal(swarm[0]["outer_momentum"], swarm[1]["outer_momentum"])
     assert swarm[0]["outer_momentum"].abs().sum() > 0
     assert len({r["param_hash"] for r in first}) == 1
-    again = run(120, "--resume")
+    # the swarm restarts whole, on a fresh DHT: on the old one both peers' records of the first run are still
+    # live, so --wait-for-peers 2 passes at once and each may probe the other before it serves (then each
+    # trains its first outer steps alone; digits' steps are so short that all six are over within a second)
+    fresh = hivemind.DHT(host_maddrs=[LOOPBACK], start=True)
+    try:
+        again = run(120, "--resume", initial_peers=[str(m) for m in fresh.get_visible_maddrs()])
+    finally:
+        fresh.shutdown()
     for report in again:  # the same θ, v and step: the same version, so no one resyncs
         assert report["step"] == 120 and report["rounds"]["resyncs"] == 0 and report["rounds"]["ok"] >= 5, report
     assert len({r["param_hash"] for r in again}) == 1
