@@ -357,6 +357,7 @@ class AllReduceService:
             value = await asyncio.get_running_loop().run_in_executor(None, reduction.reducer, rows, weights)
         except AggregationInputError as e:
             reduction.result.set_exception(RoundAbortedError(f"aggregation failed: {e}"))
+            reduction.result.exception()  # reported by the raise below; a member that asked for the aggregate gets it too
             raise RoundAbortedError(f"aggregation failed: {e}") from e
         reduction.reduced_at = time.monotonic()
         if value.dim() == 2:  # a per-member rule (ClippedGossip): row r is the result for member got[r]

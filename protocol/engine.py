@@ -265,6 +265,9 @@ class RoundEngine:
         reply = await self._joined_early()
         if reply is None:  # (a round joined early implies one before it, so _output is set)
             return
+        if reply.group.members == [self.peer_id]:  # no member waits for our parts; a recipient hears "no state"
+            self.state.abandon(reply.group.round_id)
+            return
         logger.info("leaving: taking part in the round joined early, contributing nothing")
         zeros = torch.zeros(self._output.numel())
         if self.btard is None:

@@ -166,3 +166,20 @@ def test_a_member_suspected_before_the_early_join_does_not_make_a_peer_drop_the_
             assert all(len(o.group.members) == N for outcomes in rounds for o in outcomes)
 
     asyncio.run(main())
+
+
+def test_a_peer_alone_in_the_group_it_joined_early_leaves_without_running_it(caplog):
+    """Nobody waits for the parts of a peer alone in its next group: leaving, it runs no round (at weight 0
+    it had only zeros to aggregate, which failed) and marks the round abandoned for would-be recipients."""
+
+    async def main():
+        async with open_swarm(1, RoundConfig()) as (peer,):
+            await _rounds([peer], 1)
+            early = peer.engine._next.task
+            await peer.engine.leave()
+            assert early.result().group.members == [peer.peer_id]
+            assert early.result().group.round_id in peer.engine.state._abandoned
+
+    with caplog.at_level("INFO", logger="phalanx"):
+        asyncio.run(main())
+    assert not [r for r in caplog.records if "failed" in r.getMessage() or "contributing nothing" in r.getMessage()]
