@@ -1,7 +1,8 @@
 """Who is in the swarm: each trainer announces itself in the DHT; everyone keeps a view.
 
 Records live under one DHT key per run (subkey = peer ID) and expire unless refreshed,
-so a crashed peer disappears from every view within `ttl_s`. Each is signed by the peer it
+so a crashed peer disappears from every view within `ttl_s` (longer only while this peer's refreshes
+take longer: a record outlives CYCLES_PER_TTL of them, see `Membership.record_ttl_s`). Each is signed by the peer it
 names, for this key and its expiration (security.records), so nobody else can add, change or
 evict a peer. The view feeds leader choice and the set of peers a group waits for. Banned
 peers are never in the view.
@@ -37,6 +38,10 @@ MAX_RELAYS = 4  # relay addresses one record may name
 MAX_RELAY_ADDRESS = 400  # characters of one
 REREAD_S = 0.5  # the least time between two early re-reads of the view (see Membership.reread)
 MAX_TTL_S = 60.0  # DHT nodes refuse records that live longer: a peer gone silent leaves every view within this
+# A record lives through at least this many of its peer's refreshes (announce, then read) as last measured: on a
+# starved machine (32 trainers starting on 2 cores) one took over 8 s, so every record, this peer's own included,
+# had expired by the time the read that followed it came back, and every view was empty for a minute
+CYCLES_PER_TTL = 3.0
 # A peer suspected again soon after its last suspicion ended is suspected twice as long each time, up to 2**this
 # times: a record whose peer never answers (made up by a key holder, docs/threat-model.md) stops costing rounds
 MAX_SUSPICION_DOUBLINGS = 4
@@ -110,6 +115,7 @@ class Membership:
     _refreshed: Optional[asyncio.Event] = None
     _soon: Optional[asyncio.Event] = None  # wakes the refresh loop early (see announce_soon)
     _reread_at: float = float("-inf")
+    _cycle_s: float = 0.0  # how long the last refresh took, announce and read
     _stepping_down: dict[str, float] = field(default_factory=dict)  # peer -> time.monotonic() it leads again
     admitted: Optional[Callable[[str], bool]] = None  # private swarms: peers without a certificate are invisible
     # verified runs: the leader is drawn anew each period (see `leader`); None: the lowest peer ID leads
@@ -156,10 +162,17 @@ class Membership:
                 self.stats.failed_refreshes += 1
                 logger.debug(f"membership refresh failed: {e!r}")
 
+    @property
+    def record_ttl_s(self) -> float:
+        """How long this peer's record lives: `ttl_s`, or CYCLES_PER_TTL of its refreshes where those are slower."""
+        return min(max(self.ttl_s, CYCLES_PER_TTL * self._cycle_s), MAX_TTL_S)
+
     async def refresh(self) -> None:
         """Announce ourselves and re-read everyone's records."""
-        await self._announce(expire_in_s=self.ttl_s)
+        began = time.monotonic()
+        await self._announce(expire_in_s=self.record_ttl_s)
         await self._read()
+        self._cycle_s = time.monotonic() - began
 
     async def reread(self, *, timeout_s: float = 1.0) -> None:
         """Re-read everyone's records now, at most every REREAD_S (a join this peer would redirect says its view
