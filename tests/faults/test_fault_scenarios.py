@@ -44,7 +44,7 @@ def _param(scenario):
 @pytest.mark.parametrize("scenario", [_param(s) for s in (*SCENARIOS, SHORT)])
 def test_fault_scenario(scenario, lab_machine, tmp_path, request):
     if scenario is SHORT and request.config.getoption("--long"):
-        pytest.skip("--long: rows a, c, d, e, f and h run whole instead of the short row")
+        pytest.skip("--long: rows a to h run whole instead of the short row")
     rows = run_scenario(scenario, tmp_path / "run-1")
     failed = failed_checks(scenario, rows, scenario.held)
     for run in range(2, RUNS + 1):
