@@ -17,6 +17,7 @@ LAB = ROOT / "tests" / "faults"
 # so no worker runs two at once: the fault table's rows run one after another on one worker, the other lab
 # tests on a second (each lab is its own set of namespaces), both sent first, while the others share the rest
 LAB_GROUPS = {"test_fault_scenarios.py": "lab-table"}  # file → its group; the lab's other files: "lab-net"
+LONG_SKIP = "LONG, runs with --long"  # how a long test's skip reason starts (counted at the end)
 FRESH_S = 60.0  # a shared-memory folder this young may be another worker's, its manager not yet listening
 
 
@@ -45,12 +46,12 @@ def pytest_collection_modifyitems(config, items):
         mark = item.get_closest_marker("long")
         if mark is not None:
             variant = mark.args[0] if mark.args else mark.kwargs["variant"]
-            item.add_marker(pytest.mark.skip(reason=f"LONG, runs with --long; in its place: {variant}"))
+            item.add_marker(pytest.mark.skip(reason=f"{LONG_SKIP}; in its place: {variant}"))
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
     skipped = terminalreporter.stats.get("skipped", [])
-    long = sum(1 for report in skipped if "LONG, runs with --long" in str(report.longrepr))
+    long = sum(1 for report in skipped if LONG_SKIP in str(report.longrepr))
     if long:
         terminalreporter.write_line(
             f"{long} long tests skipped: `pytest --long` runs them too (docs/getting-started.md, the tests)", yellow=True, bold=True

@@ -27,6 +27,8 @@ from pathlib import Path
 from typing import Optional
 
 from phalanx.tools.lab.procs import alive, descendants, processes  # noqa: F401 (helpers of the tests too)
+from phalanx.tools.launcher.zygote import command as zygote_command
+from phalanx.tools.launcher.zygote import control_pair
 
 REPO = Path(__file__).resolve().parents[1]
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"
@@ -117,25 +119,16 @@ class ForkedPopen:
         if self.returncode is None:
             os.kill(self.pid, sig)
 
-    def terminate(self) -> None:
-        self.send_signal(signal.SIGTERM)
-
-    def kill(self) -> None:
-        self.send_signal(signal.SIGKILL)
-
 
 class _Zygote:
     """The zygote process of this test session (one per xdist worker), started at the first spawn and
     closed at exit: closing its control socket makes it stop every child still running."""
 
     def __init__(self) -> None:
-        self._control, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self._control, theirs = control_pair()
         self.log = Path(tempfile.gettempdir()) / f"phalanx-test-zygote-{os.getpid()}.log"
         with open(self.log, "wb") as log:
-            self._process = subprocess.Popen(
-                [sys.executable, "-m", "phalanx.tools.launcher.zygote", str(theirs.fileno())],
-                stdout=subprocess.PIPE, stderr=log, pass_fds=(theirs.fileno(),),
-            )  # fmt: skip
+            self._process = subprocess.Popen(zygote_command(theirs.fileno()), stdout=subprocess.PIPE, stderr=log, pass_fds=(theirs.fileno(),))
         theirs.close()
         self._ready = threading.Event()
         self._pids: queue.Queue[int] = queue.Queue()

@@ -158,6 +158,17 @@ def _reseed() -> None:
 # ---- the launcher's side -------------------------------------------------------------------------
 
 
+def control_pair() -> tuple[socket.socket, socket.socket]:
+    """(ours, the zygote's) ends of its control socket. SEQPACKET keeps each request one message, its file
+    descriptor with it."""
+    return socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+
+
+def command(control_fd: int) -> list[str]:
+    """The zygote's command line, given the descriptor of its end of the control socket (pass it on)."""
+    return [sys.executable, "-m", "phalanx.tools.launcher.zygote", str(control_fd)]
+
+
 class ForkedProcess:
     """A peer forked by the zygote, with what the launcher uses of `asyncio.subprocess.Process`."""
 
@@ -197,13 +208,11 @@ class Zygote:
         return self._ready.is_set()
 
     async def start(self) -> None:
-        # SEQPACKET keeps each request one message, its file descriptor with it
-        self._control, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self._control, theirs = control_pair()
         with open(self.log_path, "wb") as log:
             self._process = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "phalanx.tools.launcher.zygote", str(theirs.fileno()),
-                stdout=asyncio.subprocess.PIPE, stderr=log, pass_fds=(theirs.fileno(),),
-            )  # fmt: skip
+                *command(theirs.fileno()), stdout=asyncio.subprocess.PIPE, stderr=log, pass_fds=(theirs.fileno(),)
+            )
         theirs.close()
         self._reader = asyncio.create_task(self._read(), name="zygote-reader")
 
