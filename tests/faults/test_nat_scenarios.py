@@ -10,6 +10,7 @@ can dial, such swarms split into groups of 1, 1 and 2 (three models), or a home 
 from __future__ import annotations
 
 import time
+from collections import Counter
 
 import pytest
 
@@ -20,6 +21,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 FORM_S = 120.0  # bound on the first group of all trainers (the goal, 30 s from the last start, is printed)
 WINDOW_S = 20.0  # measured after it formed
 MIN_THROUGHPUT = 0.7  # the homes' swarm against the same swarm with every host public
+SAT_OUT = 0.25  # share of a trainer's polls whose last round had 3 of the 4 (a member dropped, then resynced)
 
 
 def _run(
@@ -51,7 +53,7 @@ def _run(
         ended_at = time.monotonic()
         rate = min((swarm.peers[n].last().step - steps0[n]) / WINDOW_S for n in swarm.trainer_names)
         split = {
-            n: sorted({s.group for s in swarm.peers[n].between(formed_at + 2.0, ended_at) if s.ok})
+            n: dict(sorted(Counter(s.group for s in swarm.peers[n].between(formed_at + 2.0, ended_at) if s.ok).items()))
             for n in swarm.trainer_names
         }  # (a poll taken as the group formed may still show the round before)
         common, differing = swarm.same_model(swarm.trainer_names, since_wall)
@@ -72,13 +74,21 @@ def _run(
 
 
 def _check_one_swarm(result: dict, label: str, every: int = 1) -> None:
-    """One group of all 4 at every poll, and one model at every common checkpoint of a step that is a
-    multiple of `every` (diloco: its inner steps, H; between outer steps each peer's model is its own)."""
+    """One group of all 4 at nearly every poll, and one model at every common checkpoint of a step that is
+    a multiple of `every` (diloco: its inner steps, H; between outer steps each peer's model is its own).
+
+    A round drops a member whose parts stall past its idle limit rather than wait for it, and the member
+    downloads the state; on a loaded machine a relayed member can be dropped now and then. A split swarm
+    shows groups of 2 or 1, or groups of 3 in most polls."""
     print(
         f"{label}: one group {result['formed_after_last_start_s']:.1f} s after the last start (goal 30 s), "
-        f"{result['steps_per_s']:.1f} steps/s, {len(result['common_checkpoints'])} common checkpoints"
+        f"{result['steps_per_s']:.1f} steps/s, {len(result['common_checkpoints'])} common checkpoints, "
+        f"group sizes polled {result['groups_seen']}"
     )
-    assert all(groups == [4] for groups in result["groups_seen"].values()), f"{label}: groups of {result['groups_seen']}"
+    for name, sizes in result["groups_seen"].items():
+        assert sizes.get(4), f"{label}: {name} never polled a group of all 4: {result['groups_seen']}"
+        assert set(sizes) <= {3, 4}, f"{label}: {name} in smaller groups (a split swarm): {result['groups_seen']}"
+        assert sizes.get(3, 0) <= SAT_OUT * sum(sizes.values()), f"{label}: {name} often in groups of 3: {result['groups_seen']}"
     common = [step for step in result["common_checkpoints"] if step % every == 0]
     assert common, f"{label}: no step that every trainer checkpointed"
     differing = [step for step in result["differing"] if step % every == 0]
