@@ -25,11 +25,13 @@ TAG_BYTES = 16
 
 
 class CallFailed(RoundAbortedError):
-    """A call did not produce a reply; `status` says why (None: the connection failed)."""
+    """A call did not produce a reply; `status` says why (None: the connection failed). `not_serving`: the
+    peer is up but does not serve the method or this swarm's protocol (yet: a peer still starting)."""
 
-    def __init__(self, message: str, status=None) -> None:
+    def __init__(self, message: str, status=None, *, not_serving: bool = False) -> None:
         super().__init__(message)
         self.status = status
+        self.not_serving = not_serving
 
 
 class ChannelAuthError(PeerProtocolError):

@@ -49,6 +49,10 @@ PROBE_METHOD = "join_probe"
 LEADER_PROBE_S = 1.0  # a joiner probes the leader holding its join this often ...
 LEADER_ALIVE_S = 4.0  # ... and gives up on it when a probe is not answered within this (a live one answers in ms)
 MAX_REDIRECTS = 3
+# A leader whose host answers but serves no joins yet is starting (a swarm restarted whole finds its peers'
+# records from before): it is asked again rather than suspected, or each peer would train its first rounds alone
+LEADER_STARTING_S = 10.0
+LEADER_STARTING_RETRY_S = 0.5
 LEADER_RECHECK_S = 1.0  # a forming group checks this often that its former still leads
 # A joiner held by a forming group probes its leader every LEADER_PROBE_S; one not heard from for this long
 # (a join that arrived just before a cut) is left out of the group: its members would wait out the
@@ -208,6 +212,7 @@ class Matchmaker:
         deadline = time.monotonic() + self.config.join_timeout_s
         target: Optional[str] = None
         redirects = 0
+        starting_since: dict[str, float] = {}  # leaders found up but not serving joins yet: since when
         while time.monotonic() < deadline:
             self._recheck_leader()
             leader = target or self._leader()
@@ -218,6 +223,13 @@ class Matchmaker:
                 try:
                     reply = await self._join_remote(leader, request)
                 except (CallFailed, PeerProtocolError) as e:
+                    if isinstance(e, CallFailed) and e.not_serving:
+                        starting = starting_since.setdefault(leader, time.monotonic())
+                        if time.monotonic() - starting < LEADER_STARTING_S:
+                            logger.info(f"leader {leader[-8:]} does not serve joins yet (starting); asking it again")
+                            target = leader
+                            await asyncio.sleep(LEADER_STARTING_RETRY_S)
+                            continue
                     self.stats.leader_failures += 1
                     logger.info(f"leader {leader[-8:]} failed ({e}); choosing another")
                     self.membership.suspect(leader, for_s=self.membership.ttl_s * 2)

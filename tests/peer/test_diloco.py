@@ -301,8 +301,9 @@ def test_resumed_diloco_peers_hold_theta_and_momentum_and_train_on_together(boot
     assert swarm[0]["outer_momentum"].abs().sum() > 0
     assert len({r["param_hash"] for r in first}) == 1
     # the swarm restarts whole, on a fresh DHT: on the old one both peers' records of the first run are still
-    # live, so --wait-for-peers 2 passes at once and each may probe the other before it serves (then each
-    # trains its first outer steps alone; digits' steps are so short that all six are over within a second)
+    # live, so --wait-for-peers 2 passes at once. A join reaching the other before it serves joins is sent
+    # again (protocol/matchmaking.py), but one sent to its old address before its host is up fails, and the
+    # joiner trains alone meanwhile; digits' steps are so short that all six outer steps are over in a second
     fresh = hivemind.DHT(host_maddrs=[LOOPBACK], start=True)
     try:
         again = run(120, "--resume", initial_peers=[str(m) for m in fresh.get_visible_maddrs()])

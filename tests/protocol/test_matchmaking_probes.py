@@ -267,3 +267,61 @@ def test_a_joiner_silent_since_its_join_is_left_out_of_the_group(monkeypatch):
         await leader.aclose()
 
     asyncio.run(main())
+
+
+def test_a_joiner_asks_a_leader_that_is_still_starting_again_instead_of_leading_alone(monkeypatch):
+    """A swarm restarted whole: B finds A's record from before and joins A while A's host is up but serves
+    no joins yet. B asks A again rather than suspect it, and both train in one group from the first round;
+    suspecting A, B led a group of its own and each trained its first rounds alone."""
+    monkeypatch.setattr(matchmaking, "LEADER_STARTING_RETRY_S", 0.05)
+
+    async def main():
+        swarm = _Swarm()
+        serving = asyncio.Event()
+        for me in PEERS[:2]:
+            mm = _matchmaker(me, silent=set())
+            mm.membership._view = {p: v for p, v in mm.membership._view.items() if p in PEERS[:2]}
+            swarm.by_peer[me] = mm
+            routed = swarm.transport(me)
+
+            async def call(peer, method, header, payload=b"", *, _routed=routed, **kwargs):
+                if not serving.is_set():
+                    raise CallFailed(f"{method} to {peer[-8:]}: protocols not supported", not_serving=True)
+                return await type(_routed).call(_routed, peer, method, header, payload, **kwargs)
+
+            routed.call = call
+            mm.transport = routed
+        a, b = swarm.by_peer[PEERS[0]], swarm.by_peer[PEERS[1]]
+        b_joins = asyncio.create_task(b.join(version=bytes([5]) * 32, step=5))
+        await asyncio.sleep(0.5)  # B has been refused several times meanwhile
+        assert not b_joins.done() and not b.membership.is_suspect(PEERS[0])
+        serving.set()
+        replies = await asyncio.wait_for(asyncio.gather(a.join(version=bytes([5]) * 32, step=5), b_joins), 30)
+        assert [sorted(r.group.members) for r in replies] == [PEERS[:2], PEERS[:2]]
+        assert b.stats.leader_failures == 0
+        for mm in swarm.by_peer.values():
+            await mm.aclose()
+
+    asyncio.run(main())
+
+
+def test_a_leader_that_keeps_not_serving_is_suspected_after_a_while(monkeypatch):
+    """A peer that never serves joins (not this swarm's, or stuck starting) is given up on after
+    LEADER_STARTING_S and the joiner leads."""
+    monkeypatch.setattr(matchmaking, "LEADER_STARTING_RETRY_S", 0.05)
+    monkeypatch.setattr(matchmaking, "LEADER_STARTING_S", 0.3)
+
+    async def main():
+        b = _matchmaker(PEERS[1], silent=set())
+        b.membership._view = {p: v for p, v in b.membership._view.items() if p in PEERS[:2]}
+
+        async def call(peer, method, header, payload=b"", **kwargs):
+            raise CallFailed(f"{method} to {peer[-8:]}: protocols not supported", not_serving=True)
+
+        b.transport.call = call
+        reply = await asyncio.wait_for(b.join(version=bytes([5]) * 32, step=5), 30)
+        assert reply.group.members == [PEERS[1]] and b.membership.is_suspect(PEERS[0])
+        assert b.stats.leader_failures == 1
+        await b.aclose()
+
+    asyncio.run(main())

@@ -538,3 +538,29 @@ def test_a_peer_that_refused_our_call_gets_no_direct_channel_from_it():
             await _close(a, b, ta, tb)
 
     asyncio.run(main())
+
+
+def test_a_peer_up_but_not_serving_is_told_apart_from_one_that_failed():
+    """A host whose transport is not open yet (a peer still starting) answers "protocols not supported",
+    and a transport without the method answers UNKNOWN_METHOD: both are `not_serving`, which a joiner
+    waits out rather than suspect the peer. A refusal is not."""
+
+    async def main():
+        a, b, ta, tb = await _pair()
+        bare = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=await b.get_visible_maddrs())
+        try:
+            for large in (False, True):
+                with pytest.raises(CallFailed, match="protocols not supported") as info:
+                    await tb.call(bare.peer_id.to_base58(), "echo", b"", b"x", max_reply_payload=10, timeout_s=30, expect_large_reply=large)
+                assert info.value.not_serving and info.value.status is None
+                with pytest.raises(CallFailed) as info:
+                    await tb.call(ta.peer_id, "nope", b"", b"", max_reply_payload=10, timeout_s=30, expect_large_reply=large)
+                assert info.value.not_serving and info.value.status == Status.UNKNOWN_METHOD
+                with pytest.raises(CallFailed) as info:
+                    await tb.call(ta.peer_id, "abort", b"", b"", max_reply_payload=10, timeout_s=30, expect_large_reply=large)
+                assert not info.value.not_serving
+        finally:
+            await bare.shutdown()
+            await _close(a, b, ta, tb)
+
+    asyncio.run(main())
