@@ -537,14 +537,29 @@ class Node:
         remove_if_stale(socket_file(self.transport.p2p.daemon_listen_maddr))
 
 
+class _Phases:
+    """Logs (--debug) how long each phase of a node's start took: start-up time is spent here at scale."""
+
+    def __init__(self) -> None:
+        self.began = self.last = time.monotonic()
+
+    def done(self, phase: str) -> None:
+        now = time.monotonic()
+        logger.debug(f"start-up: {phase} after {now - self.last:.2f} s ({now - self.began:.2f} s in all)")
+        self.last = now
+
+
 async def open_node(plan: PeerPlan, *, loss: Callable[[], Optional[float]] = lambda: None) -> Node:
     """Start the DHT and everything a trainer's rounds need, as `plan` says; close with `Node.aclose`."""
     config = plan.network
     loop = asyncio.get_running_loop()
+    phases = _Phases()
     dht, identity = await loop.run_in_executor(None, start_dht_as, config, "phalanx-peer-")
+    phases.done("DHT process and p2pd up")
     try:
         p2p = await replicate_p2p(dht)
         reachable = await find_reachable(p2p, dht, config)
+        phases.done("reachability known")
         relays = relay_candidates(config) if not reachable else []
         if relays:  # p2pd takes relays at its start only: start again, reserving a slot on each
             await p2p.shutdown()
@@ -555,6 +570,7 @@ async def open_node(plan: PeerPlan, *, loss: Callable[[], Optional[float]] = lam
         owner = load_owner_public(plan.private.owner_key) if plan.private is not None else None
         keys = run_keys(config.run_id, key, owner)
         await install(dht, keys)
+        phases.done("record validators installed")
         gate = None
         if plan.private is not None:
             gate = AdmissionGate(dht, keys["certs"].name, owner, config.run_id, identity.peer_id, plan.private.certificate.read_bytes())
@@ -563,6 +579,7 @@ async def open_node(plan: PeerPlan, *, loss: Callable[[], Optional[float]] = lam
             except PeerProtocolError as e:
                 raise ConfigError(f"--certificate: {e} (ask the owner for a certificate of {identity.peer_id})") from None
         listen, hosts = await direct_hosts(dht, config)
+        phases.done("data-port hosts known")
         await DialBackService.open(p2p, admission=gate)  # `phalanx doctor` of other peers asks us to dial their data port
         hop = await serve_relay(p2p, config)
         banned: set[str] = set()  # one set: the transport refuses their calls, membership hides them, bans add to it
@@ -588,7 +605,9 @@ async def open_node(plan: PeerPlan, *, loss: Callable[[], Optional[float]] = lam
         )  # fmt: skip
         keeper = RelayKeeper(transport, membership, relays)
         await keeper.tick()  # the first record names its circuits already
+        phases.done("transport open")
         await membership.start()
+        phases.done("first membership refresh")
         await keeper.tick()  # and relayed peers in view are dialed before the first join
         await keeper.start()
         await engine.start()
@@ -596,6 +615,7 @@ async def open_node(plan: PeerPlan, *, loss: Callable[[], Optional[float]] = lam
             raise PhalanxError(f"the daemon runs as {transport.peer_id}, not as the identity file's {identity.peer_id}")
         redialer = Redialer(dht, transport.peer_id, config.initial_peers, watch=partial(_membership_view, membership))
         await redialer.start()
+        phases.done("node open")
     except BaseException:
         dht.shutdown()
         raise

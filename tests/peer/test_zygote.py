@@ -5,11 +5,13 @@ import asyncio
 import os
 import signal
 import socket
+import time
 
 import pytest
+from hivemind.utils.mpfuture import MPFuture, SharedBytes
 
 from phalanx.security.identity import Identity
-from phalanx.tools.launcher.zygote import Zygote
+from phalanx.tools.launcher.zygote import Zygote, own_locks
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
@@ -71,3 +73,31 @@ def test_forks_lead_their_own_sessions_and_closing_the_zygote_stops_them(tmp_pat
     assert sessions == (first, second)
     assert killed == -signal.SIGKILL
     assert stopped != 0 and not _alive(second)
+
+
+def test_a_fork_takes_hivemind_locks_of_its_own():
+    """hivemind's MPFuture locks are made at import: forks of one zygote shared them, so 32 trainers and
+    their DHT processes queued on one semaphore for every future, and a peer killed while holding it would
+    have stopped every other. The zygote holds its lock here; its fork makes a future regardless."""
+    held = SharedBytes._lock
+    held.acquire()
+    try:
+        pid = os.fork()
+        if pid == 0:  # a zygote's fork, before it runs the CLI
+            code = 1
+            try:
+                own_locks()
+                MPFuture()  # takes SharedBytes' lock: with the zygote's, it waits for ever
+                code = 0
+            finally:
+                os._exit(code)
+        deadline = time.monotonic() + 60
+        while not (finished := os.waitpid(pid, os.WNOHANG))[0]:
+            if time.monotonic() > deadline:
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+                pytest.fail("the fork waited for the zygote's lock")
+            time.sleep(0.05)
+        assert os.waitstatus_to_exitcode(finished[1]) == 0
+    finally:
+        held.release()

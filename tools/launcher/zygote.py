@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import importlib
 import json
+import multiprocessing
 import os
 import runpy
 import selectors
@@ -144,6 +145,7 @@ def become(request: dict[str, Any]) -> None:
         if entry and entry not in sys.path:
             sys.path.insert(1, entry)
     _reseed()
+    own_locks()
     sys.argv = ["phalanx", *request["argv"]]
     runpy.run_module("phalanx", run_name="__main__", alter_sys=True)  # `python -m phalanx <argv>`
 
@@ -153,6 +155,20 @@ def _reseed() -> None:
     (Python's `random` reseeds itself at fork; torch's default generator has a fixed seed either way.)"""
     if "numpy" in sys.modules:
         sys.modules["numpy"].random.seed()
+
+
+def own_locks() -> None:
+    """hivemind's process-wide locks are class attributes made at import (multiprocessing semaphores): every
+    fork shares the zygote's, so 32 trainers and their 32 DHT processes queued on one semaphore for each
+    MPFuture they made (a trainer's dial-back check waited for the others' DHT starts), and one killed while
+    holding it would stop every other. A fresh interpreter makes its own; so does a fork, here, before any
+    future exists."""
+    mpfuture = sys.modules.get("hivemind.utils.mpfuture")
+    if mpfuture is not None:
+        mpfuture.MPFuture.reset_backend()  # its three locks, and the backend starts anew at the first future
+    aio = sys.modules.get("hivemind.utils.asyncio")
+    if aio is not None:
+        aio._AsyncContextWrapper.EXECUTOR_LOCK = multiprocessing.Lock()
 
 
 # ---- the launcher's side -------------------------------------------------------------------------
