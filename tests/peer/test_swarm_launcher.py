@@ -5,8 +5,10 @@ import asyncio
 import io
 import os
 import re
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -112,3 +114,33 @@ def test_a_diloco_swarm_runs_to_its_target_under_the_launcher(tmp_path):
     outer = [e for v in result.peers for e in v.events if e["event"] == "outer"]
     assert outer and all(e["group"] == 2 for e in outer[-2:]), outer[-4:]
     assert all(v.report and v.report["rounds"]["ok"] >= 1 for v in result.peers)
+
+
+def test_ctrl_c_stops_every_process_and_says_so_in_one_line(tmp_path):
+    """Ctrl-C reaches the launcher's whole process group, its zygote too. The zygote leaves the stop to the
+    launcher (it needs the zygote to hear its trainers exit): before, the zygote died of the SIGINT and the
+    launcher ended in a traceback ("the zygote process exited with code -2")."""
+    workdir = tmp_path / "swarm"
+    log = tmp_path / "launcher.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "phalanx", "swarm", "--peers", "2", "--steps", "1000000", "--workdir", str(workdir)],
+            stdout=out, stderr=subprocess.STDOUT, start_new_session=True,  # a terminal's foreground group
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 240
+        while not re.search(r"steps \d+", log.read_text()):  # both trainers forked and one is training
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.5)
+        os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C does
+        proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    text = log.read_text()
+    assert "interrupted: every process of the swarm was stopped" in text, text[-3000:]
+    assert "Traceback" not in text, text[-3000:]
+    ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
+    assert str(workdir) not in ps  # every process the swarm started is gone

@@ -12,7 +12,9 @@ Protocol (one JSON object per message): the launcher sends requests on a socketp
 attached (SCM_RIGHTS); the zygote answers on its stdout with ``{"ready": true}`` once it has
 imported, ``{"pid": n}`` for each request once that child leads its own session, and ``{"exited": pid, "code": c}`` (negative: the signal)
 as each child ends. When the launcher closes the socket the zygote stops what is left of its
-children (SIGTERM to each child's process group, SIGKILL after STOP_GRACE_S) and exits.
+children (SIGTERM to each child's process group, SIGKILL after STOP_GRACE_S) and exits. Once ready
+it ignores SIGINT and SIGTERM, which Ctrl-C or a supervisor sends the launcher's whole process group:
+stopping is the launcher's.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ PRELOAD = (
     "phalanx.peer.optimizer",
     "phalanx.tasks",
 )
+STOPPED_BY_LAUNCHER = (signal.SIGINT, signal.SIGTERM)  # sent to the launcher's process group: not the zygote's to act on
 MAX_REQUEST = 1 << 20  # bytes of one request (argv, environment, log path)
 STOP_GRACE_S = 10.0
 
@@ -72,6 +75,10 @@ def serve(control: socket.socket) -> Optional[dict[str, Any]]:
     os.set_blocking(wake_w, False)
     signal.set_wakeup_fd(wake_w)
     signal.signal(signal.SIGCHLD, lambda *_: None)  # the wakeup fd does the work
+    # Ctrl-C reaches the launcher's whole process group, the zygote too: the launcher stops the peers (it
+    # needs the zygote to hear them exit), then closes the socket, and the zygote ends with them
+    for sig in STOPPED_BY_LAUNCHER:
+        signal.signal(sig, signal.SIG_IGN)
     children: set[int] = set()
     selector = selectors.DefaultSelector()
     selector.register(control, selectors.EVENT_READ)
@@ -131,6 +138,8 @@ def become(request: dict[str, Any]) -> None:
     """Turn this fork into the peer `request` describes, as `phalanx <argv>` would start; exits."""
     signal.set_wakeup_fd(-1)
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # (ignored signals stay ignored across exec)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     log = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     null = os.open(os.devnull, os.O_RDONLY)
     for fd, target in ((null, 0), (request["stdout_fd"], 1), (log, 2)):
