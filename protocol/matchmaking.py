@@ -224,9 +224,10 @@ class Matchmaker:
                     reply = await self._join_remote(leader, request)
                 except (CallFailed, PeerProtocolError) as e:
                     if isinstance(e, CallFailed) and e.not_serving:
+                        if leader not in starting_since:
+                            logger.info(f"leader {leader[-8:]} does not serve joins yet (starting); asking it again")
                         starting = starting_since.setdefault(leader, time.monotonic())
                         if time.monotonic() - starting < LEADER_STARTING_S:
-                            logger.info(f"leader {leader[-8:]} does not serve joins yet (starting); asking it again")
                             target = leader
                             await asyncio.sleep(LEADER_STARTING_RETRY_S)
                             continue
