@@ -360,12 +360,12 @@ class Transport(ServicerBase):
             response = await self._unary_call(stub.rpc_call(request))
         except Exception as e:
             if not await self._through_relay(peer, e):
-                raise CallFailed(f"{method} to {peer[-8:]} failed over libp2p: {e!r}", not_serving=_not_serving(e)) from None
+                raise _libp2p_failed(f"{method} to {peer[-8:]} failed over libp2p", e) from None
             logger.debug(f"{method} to {peer[-8:]} failed ({e!r}); trying once more through its relay")
             try:
                 response = await self._unary_call(stub.rpc_call(request))
             except Exception as e:
-                raise CallFailed(f"{method} to {peer[-8:]} failed over libp2p (through a relay): {e!r}", not_serving=_not_serving(e)) from None
+                raise _libp2p_failed(f"{method} to {peer[-8:]} failed over libp2p (through a relay)", e) from None
         self.stats.unary_calls += 1
         self.stats.bytes_sent += len(request.value)
         self.stats.bytes_received += len(response.value)
@@ -412,7 +412,7 @@ class Transport(ServicerBase):
         try:
             response = await self._unary_call(stub.rpc_ticket(BytesValue(value=pack(TicketRequest()))))
         except Exception as e:
-            raise CallFailed(f"ticket request to {peer[-8:]} failed: {e!r}", not_serving=_not_serving(e)) from None
+            raise _libp2p_failed(f"ticket request to {peer[-8:]} failed", e) from None
         ticket = unpack(response.value, Ticket, peer=peer)
         if len(ticket.conn_id) != 16 or len(ticket.key) != 32:
             raise PeerProtocolError("ticket with malformed id or key", peer=peer)
@@ -441,12 +441,12 @@ class Transport(ServicerBase):
             _, reader, writer = await self.p2p.call_binary_stream_handler(PeerID.from_base58(peer), self._stream_proto)
         except Exception as e:
             if not await self._through_relay(peer, e):
-                raise CallFailed(f"libp2p stream to {peer[-8:]} failed: {e!r}", not_serving=_not_serving(e)) from None
+                raise _libp2p_failed(f"libp2p stream to {peer[-8:]} failed", e) from None
             logger.debug(f"libp2p stream to {peer[-8:]} failed ({e!r}); trying once more through its relay")
             try:
                 _, reader, writer = await self.p2p.call_binary_stream_handler(PeerID.from_base58(peer), self._stream_proto)
             except Exception as e:
-                raise CallFailed(f"libp2p stream to {peer[-8:]} failed (through a relay): {e!r}", not_serving=_not_serving(e)) from None
+                raise _libp2p_failed(f"libp2p stream to {peer[-8:]} failed (through a relay)", e) from None
         self.stats.stream_calls += 1
         return Channel(StreamPipe(reader, writer), self._stats_for(peer), None, initiator=True, idle_timeout_s=self.idle_timeout_s, limiter=self.limiter)
 
@@ -757,6 +757,7 @@ def _raise_for_status(status: int, reason: str, method: str, peer: Optional[str]
     raise CallFailed(f"{method} {code.name}: {reason[:200]}", code, not_serving=code == Status.UNKNOWN_METHOD)
 
 
-def _not_serving(error: Exception) -> bool:
-    """The peer's libp2p host answered but has no handler for our protocol: it has not opened its transport."""
-    return "protocols not supported" in str(error)
+def _libp2p_failed(what: str, error: Exception) -> CallFailed:
+    """A libp2p call or stream that failed. "protocols not supported": the peer's host answered but has no
+    handler for our protocol, so it has not opened its transport yet (`not_serving`)."""
+    return CallFailed(f"{what}: {error!r}", not_serving="protocols not supported" in str(error))
