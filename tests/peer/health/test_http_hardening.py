@@ -111,7 +111,9 @@ def test_malformed_requests_get_400_and_at_most_one_quiet_line_each(caplog, loop
 
 
 @pytest.mark.parametrize("loop", LOOPS)
-def test_unfinished_headers_are_closed_at_the_deadline_also_after_a_request_and_when_dripped(loop):
+def test_unfinished_headers_are_closed_at_the_deadline_also_after_a_request_and_when_dripped(monkeypatch, loop):
+    monkeypatch.setattr(server, "HEADER_DEADLINE_S", 1.5)  # the same timer as the default 5 s, waited out 3 times
+
     async def main():
         port = free_port()
         http = await open_http(peer_app(FakeEndpoints()), "127.0.0.1", port)
