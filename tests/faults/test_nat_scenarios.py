@@ -95,7 +95,7 @@ def _check_one_swarm(result: dict, label: str, every: int = 1) -> None:
     assert not differing, f"{label}: different parameters at steps {differing}"
 
 
-@pytest.mark.long("test_homes_on_symmetric_nat_train_in_the_same_swarm: the same hosts, one swarm, no throughput ratio")
+@pytest.mark.long("test_four_home_trainers_two_on_symmetric_nat_train_as_one_swarm_through_the_bootstrap_relay")
 def test_one_public_and_three_home_trainers_train_as_one_swarm(lab_machine, tmp_path):
     """N1: bootstrap + 1 public + 3 home trainers; throughput against every host public, in one run."""
     public = _run(tmp_path / "public", "p")
@@ -114,10 +114,12 @@ def _said_no_relay(swarm: LabSwarm, name: str) -> bool:
     return last is not None and not last.ready and any(r.startswith("unreachable: no relay") for r in last.reasons)
 
 
-def test_four_home_trainers_train_as_one_swarm_through_the_bootstrap_relay(lab_machine, tmp_path):
-    """N2: the bootstrap is the only host anyone can dial; 4 home trainers reach each other through it."""
-    homes = _run(tmp_path / "homes", "r", homes=("t1", "t2", "t3", "t4"))
-    _check_one_swarm(homes, "4 homes, the bootstrap relays")
+def test_four_home_trainers_two_on_symmetric_nat_train_as_one_swarm_through_the_bootstrap_relay(lab_machine, tmp_path):
+    """N2 and N3: the bootstrap is the only host anyone can dial; 4 home trainers reach each other through
+    it, two of them behind symmetric NAT (where hole punching cannot work). Public trainers beside homes
+    are N4's and N5's swarms (and N1's, long)."""
+    homes = _run(tmp_path / "homes", "r", homes=("t1", "t2", "t3", "t4"), symmetric=("t3", "t4"))
+    _check_one_swarm(homes, "4 homes, 2 symmetric, the bootstrap relays")
     assert all(s.reachability == "relay" for s in homes["last"].values()), homes["last"]
 
 
@@ -183,11 +185,6 @@ def test_verified_rounds_with_home_members_ban_a_home_and_a_public_attacker(lab_
         assert common and not differing, f"honest parameters differ at steps {differing}"
     finally:
         swarm.close()
-
-
-def test_homes_on_symmetric_nat_train_in_the_same_swarm(lab_machine, tmp_path):
-    """N3: N1 with two of the homes behind symmetric NAT (where hole punching cannot work)."""
-    _check_one_swarm(_run(tmp_path / "symmetric", "y", homes=("t2", "t3", "t4"), symmetric=("t3", "t4")), "2 of 3 homes symmetric")
 
 
 def test_diloco_over_home_links_with_delay_trains_as_one_swarm(lab_machine, tmp_path, request):
