@@ -24,7 +24,7 @@ from tests.faults.fault_table import (
     run_scenario,
 )
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(1200)]  # (g) restarts a trainer 20 times
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(1200)]
 
 # A row's runs at most, while it fails only load-bound checks: a 2-core machine shared with other work
 # starves a row's peers now and then (a CI run's (h) stalled 10.8 s, against 6 s in most runs).
