@@ -97,7 +97,7 @@ def unix_socket_files(pgid: int) -> set[Path]:
 
 
 class ForkedPopen:
-    """A `phalanx` peer forked by the zygote, with what the tests use of `subprocess.Popen`."""
+    """A peer or script forked by the zygote, with what the tests use of `subprocess.Popen`."""
 
     def __init__(self, pid: int, zygote: "_Zygote", stdout=None) -> None:
         self.pid, self.stdout, self._zygote = pid, stdout, zygote
@@ -118,6 +118,9 @@ class ForkedPopen:
     def send_signal(self, sig: int) -> None:
         if self.returncode is None:
             os.kill(self.pid, sig)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
 
 
 class _Zygote:
@@ -162,10 +165,13 @@ class _Zygote:
             self._changed.wait_for(lambda: pid in self._exits or self._process.poll() is not None, timeout)
             return self._exits.get(pid)
 
-    def spawn(self, argv: list[str], env: dict[str, str], stdout_fd: int, log: Path, stdout=None) -> ForkedPopen:
-        """Fork `phalanx *argv` with `env` as its whole environment, stdout on `stdout_fd`, stderr into `log`."""
+    def spawn(
+        self, argv: list[str], env: dict[str, str], stdout_fd: int, log: Optional[Path], stdout=None, **script
+    ) -> ForkedPopen:
+        """Fork `phalanx *argv` with `env` as its whole environment, stdout on `stdout_fd`, stderr into `log`
+        (None: into stdout); `script=path, cwd=path` run a Python script instead (the zygote's protocol)."""
         assert self._ready.wait(120) and self._process.poll() is None, f"the test zygote is gone: {self.log.read_text()[-2000:]}"
-        request = json.dumps({"argv": argv, "env": env, "log": str(log)}).encode()
+        request = json.dumps({"argv": argv, "env": env, "log": None if log is None else str(log), **script}).encode()
         with self._lock:
             socket.send_fds(self._control, [request], [stdout_fd])
             pid = self._pids.get(timeout=60)
@@ -325,20 +331,20 @@ def spawn_to_files(
 # ---- user scripts ------------------------------------------------------------------------------
 
 
-def start_script(args: list[str], log: Path, cwd: Optional[Path] = None) -> subprocess.Popen:
+def start_script(args: list[str], log: Path, cwd: Optional[Path] = None, fresh: bool = False) -> subprocess.Popen | ForkedPopen:
     """A user's Python script (`args` after the interpreter) in a session of its own, output to `log`;
-    it can import `tests.…` helpers."""
+    it can import `tests.…` helpers. A fork of the zygote (torch and hivemind imported once), or with
+    `fresh` an interpreter of its own: what a user runs, for the examples' own tests."""
+    env = script_env(PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    if not fresh:
+        with log.open("wb") as out:  # the fork keeps its own descriptor
+            return zygote().spawn(args[1:], env, out.fileno(), None, script=args[0], cwd=None if cwd is None else str(cwd))
     return subprocess.Popen(
-        [sys.executable, *args],
-        stdout=log.open("wb"),
-        stderr=subprocess.STDOUT,
-        env=script_env(PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1"),
-        cwd=cwd,
-        start_new_session=True,
+        [sys.executable, *args], stdout=log.open("wb"), stderr=subprocess.STDOUT, env=env, cwd=cwd, start_new_session=True
     )
 
 
-def wait_scripts(procs: list[subprocess.Popen], logs: list[Path], timeout: float = 400) -> None:
+def wait_scripts(procs: list[subprocess.Popen | ForkedPopen], logs: list[Path], timeout: float = 400) -> None:
     """Each script exits 0 and leaves no process of its group behind (its DHT process, p2pd); killed otherwise."""
     try:
         for p, log in zip(procs, logs, strict=True):

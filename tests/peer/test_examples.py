@@ -32,6 +32,7 @@ def _run_two_peers(script: str, bootstrap: list[str], tmp_path: Path, *extra: st
             ],
             logs[rank],
             cwd=tmp_path,
+            fresh=True,  # as a user runs it
         )  # fmt: skip
         for rank in range(2)
     ]

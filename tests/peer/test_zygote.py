@@ -2,6 +2,7 @@
 environment, stdout pipe, log, session and exit code, and none of them outlives the zygote's close."""
 
 import asyncio
+import json
 import os
 import signal
 import socket
@@ -101,3 +102,26 @@ def test_a_fork_takes_hivemind_locks_of_its_own():
         assert os.waitstatus_to_exitcode(finished[1]) == 0
     finally:
         held.release()
+
+
+def test_a_fork_runs_a_script_as_python_would_with_its_arguments_cwd_and_threads(tmp_path):
+    """The tests' helper scripts (a user's loop on `phalanx.Optimizer`) run as forks too: `python <script>`'s
+    argv and sys.path[0], the working directory asked for, stderr beside stdout, OMP_NUM_THREADS honoured."""
+    from tests.procs import start_script, wait_scripts
+
+    script = tmp_path / "scripts" / "show.py"
+    script.parent.mkdir()
+    script.write_text(
+        "import json, os, sys, torch\n"
+        "print('to stderr', file=sys.stderr, flush=True)\n"
+        "print(json.dumps([sys.argv, sys.path[0], os.getcwd(), torch.get_num_threads()]))\n"
+    )
+    (tmp_path / "work").mkdir()
+    log = tmp_path / "show.log"
+    proc = start_script([str(script), "--flag", "x y"], log, cwd=tmp_path / "work")
+    wait_scripts([proc], [log])
+    lines = log.read_text().splitlines()
+    assert lines[0] == "to stderr"
+    argv, path0, cwd, threads = json.loads(lines[1])
+    assert argv == [str(script), "--flag", "x y"] and path0 == str(script.parent)
+    assert cwd == str(tmp_path / "work") and threads == 1

@@ -9,7 +9,9 @@ exiting through the interpreter's normal shutdown.
 
 Protocol (one JSON object per message): the launcher sends requests on a socketpair,
 ``{"argv": [...], "env": {...}, "log": path}``, with the write end of the child's stdout pipe
-attached (SCM_RIGHTS); the zygote answers on its stdout with ``{"ready": true}`` once it has
+attached (SCM_RIGHTS); optional: ``"script": path`` runs that Python script (`python <script> <argv>`)
+instead of `phalanx <argv>`, ``"cwd": path`` its working directory, and ``"log": null`` sends its
+stderr to its stdout; the zygote answers on its stdout with ``{"ready": true}`` once it has
 imported, ``{"pid": n}`` for each request once that child leads its own session, and ``{"exited": pid, "code": c}`` (negative: the signal)
 as each child ends. When the launcher closes the socket the zygote stops what is left of its
 children (SIGTERM to each child's process group, SIGKILL after STOP_GRACE_S) and exits. Once ready
@@ -140,23 +142,42 @@ def become(request: dict[str, Any]) -> None:
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)  # (ignored signals stay ignored across exec)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    log = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    stdout = request["stdout_fd"]
+    log = os.dup(stdout) if request["log"] is None else os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     null = os.open(os.devnull, os.O_RDONLY)
-    for fd, target in ((null, 0), (request["stdout_fd"], 1), (log, 2)):
+    for fd, target in ((null, 0), (stdout, 1), (log, 2)):
         os.dup2(fd, target)
         os.close(fd)
+    if request.get("cwd"):
+        os.chdir(request["cwd"])
     sys.stdin = open(0, closefd=False)
     sys.stdout = open(1, "w", buffering=1, closefd=False)  # line-buffered: events go out as they happen
     sys.stderr = open(2, "w", buffering=1, closefd=False)
     os.environ.clear()
     os.environ.update(request["env"])
+    script = request.get("script")
+    if script is not None:
+        sys.path[0] = os.path.dirname(os.path.abspath(script))  # as `python <script>` sets it, not the zygote's cwd
     for entry in reversed(os.environ.get("PYTHONPATH", "").split(os.pathsep)):  # as a fresh interpreter reads it
         if entry and entry not in sys.path:
             sys.path.insert(1, entry)
     _reseed()
     own_locks()
-    sys.argv = ["phalanx", *request["argv"]]
-    runpy.run_module("phalanx", run_name="__main__", alter_sys=True)  # `python -m phalanx <argv>`
+    _torch_threads()
+    if script is None:
+        sys.argv = ["phalanx", *request["argv"]]
+        runpy.run_module("phalanx", run_name="__main__", alter_sys=True)  # `python -m phalanx <argv>`
+        return
+    sys.argv = [script, *request["argv"]]
+    runpy.run_path(script, run_name="__main__")
+
+
+def _torch_threads() -> None:
+    """A fresh interpreter sizes torch's thread pool from OMP_NUM_THREADS when torch loads; a fork
+    inherits the zygote's size, so set the child's own."""
+    threads = os.environ.get("OMP_NUM_THREADS", "")
+    if threads.isdigit() and int(threads) > 0 and "torch" in sys.modules:
+        sys.modules["torch"].set_num_threads(int(threads))
 
 
 def _reseed() -> None:
