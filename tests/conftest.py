@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.cli_in_process import phalanx_cli  # noqa: F401 (a fixture for every test)
+
 TORCH_SHM_DIRS = "torch-shm-dir-*"
 ROOT = Path(__file__).parent.parent
 LAB = ROOT / "tests" / "faults"

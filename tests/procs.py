@@ -4,21 +4,18 @@ and the process table read from /proc.
 
 Two kinds of peer process: an `EventProc` prints JSON events (`--events`) that a thread reads from its
 stdout into a queue; a `FileProc` writes stdout and stderr to files and may serve HTTP on a port. Both
-are forks of one zygote per test session (the launcher's, phalanx.tools.launcher.zygote), which has
-imported torch and hivemind once: a fresh `python -m phalanx` spends about 5 CPU-seconds on that, and
-most tests start several peers on 2 cores. A fork runs the same CLI `main` in a session of its own."""
+are forks of one zygote per test session (phalanx.tools.lab.forks), which has imported torch and
+hivemind once: a fresh `python -m phalanx` spends about 5 CPU-seconds on that, and most tests start
+several peers on 2 cores. A fork runs the same CLI `main` in a session of its own."""
 
 from __future__ import annotations
 
-import atexit
 import json
 import os
 import queue
 import signal
-import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Sequence
@@ -26,9 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
+from phalanx.tools.lab.forks import ForkedPopen, zygote
 from phalanx.tools.lab.procs import alive, descendants, processes  # noqa: F401 (helpers of the tests too)
-from phalanx.tools.launcher.zygote import command as zygote_command
-from phalanx.tools.launcher.zygote import control_pair
 
 REPO = Path(__file__).resolve().parents[1]
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"
@@ -91,112 +87,6 @@ def unix_socket_files(pgid: int) -> set[Path]:
         if len(fields) >= 8 and fields[6] in inodes and fields[7].startswith("/"):
             files.add(Path(fields[7]))
     return files
-
-
-# ---- peers forked from a zygote ------------------------------------------------------------------
-
-
-class ForkedPopen:
-    """A peer or script forked by the zygote, with what the tests use of `subprocess.Popen`."""
-
-    def __init__(self, pid: int, zygote: "_Zygote", stdout=None) -> None:
-        self.pid, self.stdout, self._zygote = pid, stdout, zygote
-
-    @property
-    def returncode(self) -> Optional[int]:
-        return self._zygote.exit_code(self.pid)
-
-    def poll(self) -> Optional[int]:
-        return self.returncode
-
-    def wait(self, timeout: Optional[float] = None) -> int:
-        code = self._zygote.wait_exit(self.pid, timeout)
-        if code is None:
-            raise subprocess.TimeoutExpired(["phalanx"], timeout)
-        return code
-
-    def send_signal(self, sig: int) -> None:
-        if self.returncode is None:
-            os.kill(self.pid, sig)
-
-    def kill(self) -> None:
-        self.send_signal(signal.SIGKILL)
-
-
-class _Zygote:
-    """The zygote process of this test session (one per xdist worker), started at the first spawn and
-    closed at exit: closing its control socket makes it stop every child still running."""
-
-    def __init__(self) -> None:
-        self._control, theirs = control_pair()
-        self.log = Path(tempfile.gettempdir()) / f"phalanx-test-zygote-{os.getpid()}.log"
-        with open(self.log, "wb") as log:
-            self._process = subprocess.Popen(zygote_command(theirs.fileno()), stdout=subprocess.PIPE, stderr=log, pass_fds=(theirs.fileno(),))
-        theirs.close()
-        self._ready = threading.Event()
-        self._pids: queue.Queue[int] = queue.Queue()
-        self._exits: dict[int, int] = {}
-        self._changed = threading.Condition()
-        self._lock = threading.Lock()  # one request at a time: pids come back in request order
-        threading.Thread(target=self._read, name="zygote-reader", daemon=True).start()
-
-    def _read(self) -> None:
-        for line in self._process.stdout:
-            message = json.loads(line)
-            if "ready" in message:
-                self._ready.set()
-            elif "pid" in message:
-                self._pids.put(message["pid"])
-            elif "exited" in message:
-                with self._changed:
-                    self._exits[message["exited"]] = message["code"]
-                    self._changed.notify_all()
-        self._ready.set()  # gone: spawn says so instead of waiting, and so do the waits
-        self._process.wait()
-        with self._changed:
-            self._changed.notify_all()
-
-    def exit_code(self, pid: int) -> Optional[int]:
-        with self._changed:
-            return self._exits.get(pid)
-
-    def wait_exit(self, pid: int, timeout: Optional[float]) -> Optional[int]:
-        with self._changed:
-            self._changed.wait_for(lambda: pid in self._exits or self._process.poll() is not None, timeout)
-            return self._exits.get(pid)
-
-    def spawn(
-        self, argv: list[str], env: dict[str, str], stdout_fd: int, log: Optional[Path], stdout=None, **script
-    ) -> ForkedPopen:
-        """Fork `phalanx *argv` with `env` as its whole environment, stdout on `stdout_fd`, stderr into `log`
-        (None: into stdout); `script=path, cwd=path` run a Python script instead (the zygote's protocol)."""
-        assert self._ready.wait(120) and self._process.poll() is None, f"the test zygote is gone: {self.log.read_text()[-2000:]}"
-        request = json.dumps({"argv": argv, "env": env, "log": None if log is None else str(log), **script}).encode()
-        with self._lock:
-            socket.send_fds(self._control, [request], [stdout_fd])
-            pid = self._pids.get(timeout=60)
-        return ForkedPopen(pid, self, stdout)
-
-    def close(self) -> None:
-        self._control.close()
-        try:
-            self._process.wait(60)
-        except subprocess.TimeoutExpired:
-            self._process.kill()
-        self.log.unlink(missing_ok=True)
-
-
-_zygote: Optional[_Zygote] = None
-_zygote_lock = threading.Lock()
-
-
-def zygote() -> _Zygote:
-    global _zygote
-    with _zygote_lock:
-        if _zygote is None or _zygote._process.poll() is not None:
-            _zygote = _Zygote()
-            atexit.register(_zygote.close)
-        return _zygote
 
 
 # ---- a peer whose stdout is JSON events ---------------------------------------------------------
@@ -313,18 +203,13 @@ def spawn_to_files(
     *,
     command: Sequence[str] = ("-m", "phalanx"),
 ) -> FileProc:
-    """`python *command *args`: `phalanx` unless `command` names a script (and its own arguments) that runs
-    it its own way; output in workdir/NAME.out and workdir/NAME.err."""
+    """`python *command *args`, forked from the zygote: `phalanx` unless `command` names a script (and its
+    own arguments) that runs it its own way; output in workdir/NAME.out and workdir/NAME.err."""
     out, err = workdir / f"{name}.out", workdir / f"{name}.err"
+    script = {} if tuple(command) == ("-m", "phalanx") else {"script": command[0]}
+    argv = [*command[1:], *args] if script else list(args)
     with open(out, "wb") as stdout:  # the child keeps its own descriptor
-        if tuple(command) == ("-m", "phalanx"):
-            popen = zygote().spawn(list(args), {**os.environ, **PEER_ENV}, stdout.fileno(), err)
-        else:
-            with open(err, "wb") as stderr:
-                popen = subprocess.Popen(
-                    [sys.executable, *command, *args], stdout=stdout, stderr=stderr, env={**os.environ, **PEER_ENV},
-                    start_new_session=True,
-                )  # fmt: skip
+        popen = zygote().spawn(argv, {**os.environ, **PEER_ENV}, stdout.fileno(), err, **script)
     return FileProc(name, popen, out, err, http_port)
 
 

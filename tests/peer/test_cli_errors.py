@@ -8,7 +8,6 @@ and logging it changes put back after each."""
 
 from __future__ import annotations
 
-import logging
 import os
 import re
 import shlex
@@ -21,6 +20,8 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+
+from tests.cli_in_process import run_cli
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 
@@ -130,29 +131,7 @@ def run_row(row: dict[str, str], values: dict[str, str], monkeypatch, capsys) ->
             env=_env(env), start_new_session=True,
         )  # fmt: skip
         return SimpleNamespace(returncode=done.returncode, stderr=done.stderr)
-    return _in_process(words[1:], env, monkeypatch, capsys)
-
-
-def _in_process(args: list[str], env: dict[str, str], monkeypatch, capsys) -> SimpleNamespace:
-    from phalanx import cli
-
-    for name in [n for n in os.environ if n.upper().startswith("PHALANX_")]:
-        monkeypatch.delenv(name)
-    for name, value in {"COLUMNS": "200", **env}.items():
-        monkeypatch.setenv(name, value)
-    monkeypatch.setitem(cli._state, "debug", False)
-    root, hivemind_log = logging.getLogger(), logging.getLogger("hivemind")
-    saved = (root.handlers[:], root.level, hivemind_log.handlers[:], hivemind_log.propagate, hivemind_log.level, sys.meta_path[:])
-    capsys.readouterr()
-    try:
-        cli.main(args)
-        code = 0
-    except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else 1
-    finally:
-        root.handlers[:], root.level, hivemind_log.handlers[:], hivemind_log.propagate, hivemind_log.level = saved[:5]
-        sys.meta_path[:] = saved[5]
-    return SimpleNamespace(returncode=code, stderr=capsys.readouterr().err)
+    return run_cli(words[1:], monkeypatch, capsys, env)
 
 
 @pytest.mark.parametrize("row", ROWS, ids=[row["input"] for row in ROWS])

@@ -1,8 +1,5 @@
 """One settings model: flags beat PHALANX_* env vars beat the TOML file beat defaults; errors name the flag."""
 
-import subprocess
-import sys
-
 import pytest
 
 from phalanx.errors import ConfigError
@@ -193,60 +190,44 @@ def test_every_field_is_hashed_or_local(tmp_path):
             assert (a != b) == hashed, f"--{name.replace('_', '-')}: {'left out of' if hashed else 'reaches'} run_hash"
 
 
-def test_cli_prints_one_line_and_exits_2_on_a_user_mistake():
-    result = subprocess.run(
-        [sys.executable, "-m", "phalanx", "join", "--aggregator", "nope"], capture_output=True, text=True, timeout=120
-    )
+def test_cli_prints_one_line_and_exits_2_on_a_user_mistake(phalanx_cli):
+    result = phalanx_cli(["join", "--aggregator", "nope"])
     assert result.returncode == 2
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("error: --aggregator nope: unknown aggregator")
 
 
-def test_cli_names_valid_inner_rules_in_one_line():
-    result = subprocess.run(
-        [sys.executable, "-m", "phalanx", "join", "--aggregator", "bucketing", "--aggregator-params", "s=2,inner=meen"],
-        capture_output=True, text=True, timeout=120,
-    )
+def test_cli_names_valid_inner_rules_in_one_line(phalanx_cli):
+    result = phalanx_cli(["join", "--aggregator", "bucketing", "--aggregator-params", "s=2,inner=meen"])
     assert result.returncode == 2
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and "inner: unknown aggregator 'meen'; valid names: mean, centered_clip" in lines[0], lines
 
 
-def test_every_command_has_help_with_examples():
+def test_every_command_has_help_with_examples(phalanx_cli):
     for command in (["bootstrap"], ["join"], ["swarm"], ["bench", "aggregate"], ["bench", "allreduce"], ["bench", "swarm"], ["bench", "diloco"]):
-        result = subprocess.run(
-            [sys.executable, "-m", "phalanx", *command, "--help"], capture_output=True, text=True, timeout=120,
-            env={"COLUMNS": "200", "PATH": "/usr/bin:/bin"},
-        )
+        result = phalanx_cli([*command, "--help"])
         assert result.returncode == 0, result.stderr
         assert "Examples" in result.stdout and "phalanx " + " ".join(command) in result.stdout, command
 
 
-def test_bench_diloco_names_its_cases_in_a_one_line_error():
-    result = subprocess.run(
-        [sys.executable, "-m", "phalanx", "bench", "diloco", "--cases", "int8,verfy"],
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+def test_bench_diloco_names_its_cases_in_a_one_line_error(phalanx_cli):
+    result = phalanx_cli(["bench", "diloco", "--cases", "int8,verfy"])
     assert result.returncode == 2
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and "--cases int8,verfy: choose from sync, diloco, overlap, int8, verify" in lines[0], lines
 
 
 @pytest.mark.parametrize("command", ["diloco", "inner-state"])
-def test_bench_outer_lr_out_of_range_is_a_one_line_error(command):
-    result = subprocess.run(
-        [sys.executable, "-m", "phalanx", "bench", command, "--outer-lr", "0"],
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+def test_bench_outer_lr_out_of_range_is_a_one_line_error(command, phalanx_cli):
+    result = phalanx_cli(["bench", command, "--outer-lr", "0"])
     assert result.returncode == 2
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and "--outer-lr 0: use a value above 0 and at most 10" in lines[0], lines
 
 
 @pytest.mark.parametrize("command", ["diloco", "inner-state"])
-def test_bench_lr_at_zero_is_a_one_line_error(command):
-    result = subprocess.run(
-        [sys.executable, "-m", "phalanx", "bench", command, "--lr", "0"], capture_output=True, text=True, timeout=120
-    )
+def test_bench_lr_at_zero_is_a_one_line_error(command, phalanx_cli):
+    result = phalanx_cli(["bench", command, "--lr", "0"])
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert result.returncode == 2 and len(lines) == 1 and "--lr 0: use a learning rate above 0" in lines[0], lines

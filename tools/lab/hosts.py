@@ -17,14 +17,14 @@ router's is the uplink all its homes share), a home's is its veth to its router'
 (tc tbf, each direction its own rate: `up` on the host's own end, `down` on the far end), `delay`
 (added TCP latency: a user-space proxy in each host, delay_proxy.py), `clear`. Drops happen where a
 packet first arrives (for a home's traffic beyond its LAN, at its router): a sender sees silence.
-Processes start inside a host with `ip netns exec`; `Host.thread_in` runs a function in a thread
+Processes start inside a host with `ip netns exec`, peers as forks that entered its namespace
+(`Host.fork_phalanx`); `Host.thread_in` runs a function in a thread
 that entered the host's namespace (HTTP polls of a peer's 127.0.0.1 port). Needs root.
 `Lab.close()` removes what the lab made; `sweep_stale()` removes namespaces of dead sessions.
 """
 
 from __future__ import annotations
 
-import ctypes
 import os
 import shutil
 import signal
@@ -35,7 +35,8 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from phalanx.tools.lab.delay_proxy import DelayProxies
-from phalanx.tools.lab.procs import alive
+from phalanx.tools.lab.forks import ForkedPopen, zygote
+from phalanx.tools.lab.procs import alive, enter_netns
 
 PREFIX = "phxlab"
 SUBNET = "10.77.0"  # private; reachable only inside this lab's namespaces
@@ -50,8 +51,6 @@ MAX_ROUTERS = 250  # LAN subnets
 MAX_HOMES_PER_ROUTER = 250  # addresses on one LAN
 PUBLIC, ROUTER, HOME = "public", "router", "home"  # Host.kind
 BRIDGE_NF_CALL_IPTABLES = Path("/proc/sys/net/bridge/bridge-nf-call-iptables")  # br_netfilter present
-CLONE_NEWNET = 0x40000000
-NETNS_DIR = Path("/run/netns")
 
 
 def missing_requirements() -> Optional[str]:
@@ -88,19 +87,6 @@ def sweep_stale() -> list[str]:
     return removed
 
 
-_libc = ctypes.CDLL(None, use_errno=True)
-
-
-def enter_netns(name: str) -> None:
-    """Move the calling thread (only it) into namespace `name`."""
-    fd = os.open(NETNS_DIR / name, os.O_RDONLY)
-    try:
-        if _libc.setns(fd, CLONE_NEWNET) != 0:
-            raise OSError(ctypes.get_errno(), f"setns into {name}")
-    finally:
-        os.close(fd)
-
-
 @dataclass(eq=False)  # hosts are compared by identity (a home and its router refer to each other)
 class Host:
     """One network host: namespace `netns`, address `ip`, link `veth` on the far side (the lab
@@ -112,7 +98,7 @@ class Host:
     netns: str
     ip: str
     veth: str
-    procs: list[subprocess.Popen] = field(default_factory=list)
+    procs: list[subprocess.Popen | ForkedPopen] = field(default_factory=list)
     kind: str = PUBLIC
     router: Optional["Host"] = field(default=None, repr=False)  # a home's router
     lan: Optional[str] = None  # a router's or a home's LAN subnet (CIDR)
@@ -155,6 +141,14 @@ class Host:
         """Start `args` inside this host in a session of its own (its process group is its PID);
         the lab kills the group on close."""
         proc = subprocess.Popen(self.exec_args(args), start_new_session=True, **kwargs)
+        self.procs.append(proc)
+        return proc
+
+    def fork_phalanx(self, argv: list[str], env: dict[str, str], log: Path, cwd: Path) -> "ForkedPopen":
+        """`phalanx *argv` inside this host as a fork of this process's zygote (see `popen`), its stdout
+        and stderr appended to `log`: the 5 CPU-seconds of a fresh interpreter's imports, saved."""
+        with open(log, "ab") as out:  # the fork keeps its own descriptor
+            proc = zygote().spawn(argv, env, out.fileno(), None, cwd=str(cwd), netns=self.netns)
         self.procs.append(proc)
         return proc
 

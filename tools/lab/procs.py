@@ -1,10 +1,16 @@
 """The process table, read from /proc: which processes live, and which run below a peer's main one
-(a SIGKILLed peer's DHT process or p2pd daemon left behind)."""
+(a SIGKILLed peer's DHT process or p2pd daemon left behind); and entering a lab host's network
+namespace, which a thread or a fresh fork does before it opens a socket."""
 
 from __future__ import annotations
 
+import ctypes
+import os
 from collections.abc import Iterator
 from pathlib import Path
+
+CLONE_NEWNET = 0x40000000
+NETNS_DIR = Path("/run/netns")
 
 
 def processes() -> Iterator[tuple[int, str, int, int]]:
@@ -36,3 +42,14 @@ def descendants(pid: int) -> list[int]:
         found += below
         frontier = below
     return found
+
+
+def enter_netns(name: str) -> None:
+    """Move the calling thread (only it, and what it starts later) into network namespace `name`."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    fd = os.open(NETNS_DIR / name, os.O_RDONLY)
+    try:
+        if libc.setns(fd, CLONE_NEWNET) != 0:
+            raise OSError(ctypes.get_errno(), f"setns into {name}")
+    finally:
+        os.close(fd)

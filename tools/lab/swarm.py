@@ -14,13 +14,13 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
+from phalanx.tools.lab.forks import ForkedPopen
 from phalanx.tools.lab.hosts import Lab
 from phalanx.tools.lab.procs import alive, descendants
 
@@ -97,7 +97,7 @@ class Peer:
     args: list[str]
     log: Path
     checkpoints: Optional[Path] = None
-    proc: Optional[subprocess.Popen] = None
+    proc: Optional[subprocess.Popen | ForkedPopen] = None
     started_at: float = 0.0
     samples: list[Sample] = field(default_factory=list)
     tree: list[int] = field(default_factory=list)  # main process and its descendants, when last looked
@@ -160,10 +160,8 @@ class LabSwarm:
 
     def _spawn(self, peer: Peer) -> None:
         host = self.lab[peer.name]
-        out = open(peer.log, "ab")
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "PHALANX_TORCH_THREADS": "1"}
-        peer.proc = host.popen([sys.executable, "-m", "phalanx", *peer.args], stdout=out, stderr=subprocess.STDOUT, env=env, cwd=self.workdir)
-        out.close()
+        peer.proc = host.fork_phalanx(peer.args, env, peer.log, self.workdir)
         peer.started_at = time.monotonic()
         if not any(t.name == f"{host.name}-poll" for t in self._pollers):
             self._pollers.append(host.thread_in(lambda: self._poll(peer), "poll"))

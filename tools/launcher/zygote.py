@@ -10,8 +10,8 @@ exiting through the interpreter's normal shutdown.
 Protocol (one JSON object per message): the launcher sends requests on a socketpair,
 ``{"argv": [...], "env": {...}, "log": path}``, with the write end of the child's stdout pipe
 attached (SCM_RIGHTS); optional: ``"script": path`` runs that Python script (`python <script> <argv>`)
-instead of `phalanx <argv>`, ``"cwd": path`` its working directory, and ``"log": null`` sends its
-stderr to its stdout; the zygote answers on its stdout with ``{"ready": true}`` once it has
+instead of `phalanx <argv>`, ``"cwd": path`` its working directory, ``"netns": name`` runs it in that
+network namespace (a lab host: `phalanx.tools.lab`), and ``"log": null`` sends its stderr to its stdout; the zygote answers on its stdout with ``{"ready": true}`` once it has
 imported, ``{"pid": n}`` for each request once that child leads its own session, and ``{"exited": pid, "code": c}`` (negative: the signal)
 as each child ends. When the launcher closes the socket the zygote stops what is left of its
 children (SIGTERM to each child's process group, SIGKILL after STOP_GRACE_S) and exits. Once ready
@@ -150,6 +150,10 @@ def become(request: dict[str, Any]) -> None:
         os.close(fd)
     if request.get("cwd"):
         os.chdir(request["cwd"])
+    if request.get("netns"):  # before any socket: what it starts (its DHT process, p2pd) stays in there too
+        from phalanx.tools.lab.procs import enter_netns
+
+        enter_netns(request["netns"])
     sys.stdin = open(0, closefd=False)
     sys.stdout = open(1, "w", buffering=1, closefd=False)  # line-buffered: events go out as they happen
     sys.stderr = open(2, "w", buffering=1, closefd=False)
