@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from tests.peer.stand_in_nodes import alone_node
 from tests.peer.trainer_procs import LOOPBACK, start_script, wait_scripts
 
 from phalanx.errors import ConfigError
@@ -535,29 +536,6 @@ def test_interrupt_finishes_a_round_whose_group_formed_and_ends_matchmaking_at_o
     asyncio.run(main())
 
 
-def _alone_node(peer_id: str = "12D3KooWalone"):
-    """A stand-in for the swarm (`node=`) where no round ever forms: no network, no other peer."""
-    import asyncio
-    from types import SimpleNamespace
-
-    async def never(*args, **kwargs):
-        await asyncio.Event().wait()
-
-    async def nothing(*args, **kwargs):
-        return None
-
-    from phalanx.peer.node import NodeSnapshot
-
-    state = SimpleNamespace(keep_serving=lambda key: None, publish=nothing)
-    engine = SimpleNamespace(step=0, in_group=False, run_round=never, state=state)
-    engine.set_state = lambda version, step, **_: setattr(engine, "step", step)
-    membership = SimpleNamespace(peers=lambda: {peer_id: SimpleNamespace(step=0)}, banned=set(), refresh=nothing)
-    return SimpleNamespace(
-        peer_id=peer_id, engine=engine, membership=membership, dht=SimpleNamespace(is_alive=lambda: True),
-        snapshot=lambda: NodeSnapshot(peer_id, step=engine.step),
-    )  # fmt: skip
-
-
 def test_lasgd_steps_never_wait_for_an_exchange_and_the_schedule_follows_them():
     """No network (a stand-in node where no exchange ever completes): every step returns at once, the LR
     schedule follows the local steps, and the exchange begun at sync_every runs on in the background."""
@@ -566,7 +544,7 @@ def test_lasgd_steps_never_wait_for_an_exchange_and_the_schedule_follows_them():
     model, inner = _model_and_adamw()
     halve = lambda optimizer: torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)  # noqa: E731
     settings = {"run_id": "alone-lasgd", "batch_size_per_step": 2, "mode": "lasgd", "sync_every": 2}
-    with phalanx.Optimizer(inner, scheduler=halve, node=_alone_node(), **settings) as opt:
+    with phalanx.Optimizer(inner, scheduler=halve, node=alone_node(), **settings) as opt:
         for _ in range(5):
             F.mse_loss(model(torch.randn(2, 4)), torch.randn(2, 2)).backward()
             opt.step()
