@@ -27,7 +27,7 @@ from phalanx.errors import ConfigError, PeerProtocolError, PhalanxError
 from phalanx.peer.config import NetworkSettings
 from phalanx.peer.dht_keys import DhtKey, install, run_keys
 from phalanx.peer.lifeline import exit_with_parent
-from phalanx.peer.ports import check_listen_ports
+from phalanx.peer.ports import check_listen_ports, maps_ports
 from phalanx.protocol.admission import AdmissionGate
 from phalanx.protocol.bans import BanBook
 from phalanx.protocol.dht_calls import DHT_DIED, in_dht
@@ -227,6 +227,7 @@ def _start_dht_once(
         check_if_identity_free=identity_path is not None and _is_rsa(identity_path) and not relays,
         use_relay=settings.use_relay,
         use_auto_relay=settings.use_auto_relay,
+        nat_port_map=maps_ports(settings.listen_maddrs()),
         client_mode=settings.client_mode if client_mode is None else client_mode,
         start=True,
         await_ready=False,

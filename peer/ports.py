@@ -1,10 +1,13 @@
-"""Refuse a busy listen port before the DHT starts. p2pd listens with SO_REUSEPORT, so a second peer
-on a port another peer holds would start and share it (printing an address that reaches either peer),
-and a port held by another program fails deep inside the daemon with a long traceback."""
+"""Listen ports and addresses before the DHT starts. A busy port is refused: p2pd listens with
+SO_REUSEPORT, so a second peer on a port another peer holds would start and share it (printing an
+address that reaches either peer), and a port held by another program fails deep inside the daemon
+with a long traceback. A peer on loopback only asks no router for a port mapping."""
 
 from __future__ import annotations
 
+import ipaddress
 import socket
+from collections.abc import Sequence
 
 from multiaddr import Multiaddr
 
@@ -44,3 +47,19 @@ def check_listen_ports(settings) -> None:
         if settings.direct_port == settings.port:
             raise ConfigError(f"--direct-port {settings.direct_port} is also --port; give them different ports")
         check_port_free("--direct-port", hosts[0] if hosts and "." in hosts[0] else "0.0.0.0", settings.direct_port)
+
+
+def maps_ports(maddrs: Sequence[str]) -> bool:
+    """Whether p2pd should ask the router to forward its port (UPnP, NAT-PMP): not when it listens on loopback
+    only (local swarms, tests), where nothing could be forwarded and the router search would multicast
+    on the machine's LAN and write to its gateway. No address at all: nothing to forward either."""
+    for text in maddrs:
+        parts = text.split("/")
+        if len(parts) < 3 or parts[1] not in ("ip4", "ip6"):
+            return True
+        try:
+            if not ipaddress.ip_address(parts[2]).is_loopback:
+                return True
+        except ValueError:
+            return True
+    return False

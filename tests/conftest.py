@@ -111,3 +111,25 @@ def remove_orphaned_torch_shm_dirs():
         for entry in folder.iterdir():
             entry.unlink(missing_ok=True)
         folder.rmdir()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_router_search_from_loopback():
+    """Hosts the tests start in-process (hivemind's P2P, their DHTs' too: forked after this) listen on
+    loopback; p2pd's router search for a port mapping would still multicast on the machine's LAN and write
+    to its gateway. As `phalanx` peers do (`phalanx.peer.ports.maps_ports`), a loopback host does not
+    search; a caller that passes nat_port_map itself keeps its choice."""
+    from hivemind.p2p import P2P
+
+    from phalanx.peer.ports import maps_ports
+
+    create = P2P.create.__func__
+
+    async def create_without_search(cls, *args, **kwargs):
+        listen = kwargs.get("host_maddrs", ("/ip4/127.0.0.1/tcp/0",)) or ()  # (hivemind's default)
+        kwargs.setdefault("nat_port_map", maps_ports([str(maddr) for maddr in listen]))
+        return await create(cls, *args, **kwargs)
+
+    P2P.create = classmethod(create_without_search)
+    yield
+    P2P.create = classmethod(create)

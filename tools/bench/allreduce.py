@@ -74,7 +74,7 @@ def _run_hivemind(args) -> dict[str, Any]:
     import hivemind
     from hivemind.averaging.control import AveragingStage
 
-    dht = hivemind.DHT(initial_peers=args.initial_peers, host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True)
+    dht = hivemind.DHT(initial_peers=args.initial_peers, host_maddrs=["/ip4/127.0.0.1/tcp/0"], nat_port_map=False, start=True)
     base = _worker_tensor(args.rank, args.numel)
     tensor = base.clone()
     averager = hivemind.averaging.DecentralizedAverager(
@@ -249,7 +249,7 @@ def run_case(impl: str, world: int, numel: int, rounds: int, *, extra: Optional[
     if impl in ("phalanx", "hivemind"):
         import hivemind
 
-        bootstrap = hivemind.DHT(host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True)
+        bootstrap = hivemind.DHT(host_maddrs=["/ip4/127.0.0.1/tcp/0"], nat_port_map=False, start=True)
         initial = [str(m) for m in bootstrap.get_visible_maddrs()]
     port = _free_port()
     procs = []

@@ -43,7 +43,7 @@ def _donor(maddrs: list[str], params: int, upload_bytes_per_s: float, conn: Any)
         from phalanx.protocol.state_sync import StateService, StateSnapshot
         from phalanx.protocol.transport import Transport
 
-        p2p = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=maddrs)
+        p2p = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=maddrs, nat_port_map=False)
         transport = await Transport.open(
             p2p, namespace=NAMESPACE, direct_host="127.0.0.1", upload_limit_bytes_per_s=upload_bytes_per_s
         )
@@ -84,7 +84,7 @@ async def _recipient(params: int, donor_counts: list[int], upload_mbit: float, r
     from phalanx.protocol.state_sync import CHUNK_BYTES, StateService
     from phalanx.protocol.transport import Transport
 
-    p2p = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    p2p = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"], nat_port_map=False)
     transport = await Transport.open(p2p, namespace=NAMESPACE, direct_host="127.0.0.1")
     context = multiprocessing.get_context("spawn")
     maddrs = [str(m) for m in await p2p.get_visible_maddrs()]

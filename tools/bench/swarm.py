@@ -130,7 +130,7 @@ def _run_hivemind(args) -> None:
     import hivemind
 
     task, model = _task_and_model(args.task, args.task_options)
-    dht = hivemind.DHT(initial_peers=args.initial_peers, host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True)
+    dht = hivemind.DHT(initial_peers=args.initial_peers, host_maddrs=["/ip4/127.0.0.1/tcp/0"], nat_port_map=False, start=True)
     opt = hivemind.Optimizer(
         dht=dht,
         run_id="phalanx_bench_swarm",
@@ -191,7 +191,7 @@ def _run_reference(impl: str, world: int, goal: Goal, time_limit_s: float) -> di
     if impl == "hivemind":
         import hivemind
 
-        bootstrap = hivemind.DHT(host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True)
+        bootstrap = hivemind.DHT(host_maddrs=["/ip4/127.0.0.1/tcp/0"], nat_port_map=False, start=True)
         initial = [str(m) for m in bootstrap.get_visible_maddrs()]
     port = _free_port()
     procs = []

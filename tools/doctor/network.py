@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from phalanx.peer.config import PeerConfig
+from phalanx.peer.ports import maps_ports
 from phalanx.tools.doctor import autonat
 from phalanx.tools.doctor.local import BOOTSTRAP_LINE, host_port, peer_id_of, short
 from phalanx.tools.doctor.rows import Row, failed, ok, skipped, warned
@@ -47,6 +48,7 @@ async def start_daemon(settings: PeerConfig):
             announce_maddrs=settings.announce() or None,
             use_relay=settings.use_relay,
             use_auto_relay=settings.use_auto_relay,
+            nat_port_map=maps_ports(settings.listen_maddrs()),
             startup_timeout=P2PD_STARTUP_TIMEOUT_S,
         )
     except Exception as e:
