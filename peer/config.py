@@ -140,7 +140,8 @@ class PeerConfig(NetworkSettings):
     aggregator_params: str = Field("", description="Extra aggregator parameters as name=value pairs, e.g. 'tau=1,max_iter=100'; bucketing: 's=2,inner=mean' (inner: the rule applied to the bucket means). Not together with --aggregator NAME:params.")
     compression: str = Field("none", description="Codec for tensors on the wire: none, fp16, 8bit, int8 (per-block scales and a strict error bound: verified rounds take it) or topk:<fraction> (diloco, lasgd, gossip: the largest entries of what a peer sends, the rest kept as error feedback).")
     min_group_size: int = Field(1, ge=1, description="Fewest peers a round may close with at its deadline.")
-    target_group_size: Optional[int] = Field(None, ge=2, description="Most peers per group (default: everyone ready).")
+    target_group_size: Optional[int] = Field(None, ge=2, description="lasgd: most peers per exchange (default: everyone ready).")
+    group_size: Optional[int] = Field(None, ge=2, description="sync: most peers per group. A larger swarm splits every step into random groups of at most G that average their models besides their gradients, and finishes with rounds that bring every peer onto one model (docs/algorithms.md §11). Default: one group of every peer.")
     matchmaking_timeout_s: float = Field(5.0, gt=0, description="How long a leader waits for expected peers.")
     allreduce_timeout_s: float = Field(30.0, gt=0, description="Reducers drop members whose part has not arrived by then.")
     part_idle_timeout_s: float = Field(5.0, ge=0, description="Drop a member (or reducer) from a round once none of its part's bytes moved for this long at most, or its connection broke, instead of waiting out --allreduce-timeout-s. Each member's own limit is learned from its last rounds, at least 2 s (docs/algorithms.md §10); 0 turns this off.")
@@ -231,10 +232,26 @@ class PeerConfig(NetworkSettings):
             )
         if self.aggregator_name == "clipped_gossip" and MODES[self.mode].lockstep:
             raise ValueError("--aggregator clipped_gossip gives every member its own result: use it with --mode gossip (or lasgd)")
+        if self.group_size is not None:
+            self._check_group_size()
         fixed = MODES[self.mode].group_size
         if fixed is not None and self.target_group_size not in (None, fixed):
             raise ValueError(f"--mode {self.mode} works in groups of {fixed}: drop --target-group-size")
         return self
+
+    def _check_group_size(self) -> None:
+        if self.mode != "sync":
+            other = "--target-group-size sizes lasgd exchanges" if self.mode == "lasgd" else "it runs one group"
+            raise ValueError(f"--group-size splits --mode sync rounds; with --mode {self.mode} {other}: drop --group-size")
+        if self.target_group_size is not None:
+            raise ValueError("--target-group-size is for lasgd; with --mode sync give --group-size alone")
+        if self.verify:
+            raise ValueError("--group-size with --verify: verified rounds run in one group of every peer for now; drop --group-size")
+        if self.compression != Codec.NONE.value:
+            raise ValueError(
+                f"--group-size averages the models themselves, which --compression {self.compression} would round "
+                "(every peer's parameters off by the codec's error each step): use --compression none"
+            )
 
     @property
     def aggregator_name(self) -> str:
@@ -277,6 +294,7 @@ class PeerConfig(NetworkSettings):
                 join_timeout_s=max(60.0, 4 * self.matchmaking_timeout_s),
                 lockstep=not asynchronous,
                 window_s=self.async_window_s if asynchronous else None,
+                group_size=self.group_size,
             )
         except ValueError as e:
             raise ConfigError(str(e)) from None

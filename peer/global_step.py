@@ -3,7 +3,10 @@ or `phalanx join --mode sync`'s (peer/trainer.py, over a Task).
 
     add(gradient, samples)            local steps add up to this peer's share of the target batch
     round()                            average the mean gradient with the swarm, weighted by
-                                       samples (cancellable)
+                                       samples (cancellable); a mixing group (--group-size)
+                                       averages the models too
+    round(models_only=True)            average the models alone: the last rounds of a swarm split
+                                       into groups, which bring its members onto one model
     finish(outcome)                    apply it with the optimizer and publish state, or (behind the
                                        swarm) download a donor's state instead (never cancelled)
 
@@ -11,6 +14,9 @@ The weight of a contribution is its samples over (target batch + one step), so a
 never trust a weight above 1 (a peer could inflate its own), and the weighted mean Σ wᵢgᵢ / Σ wᵢ is
 the sample-weighted one. Without a target every contribution is one step and weighs 1, as verified
 rounds require of every part.
+
+A mixing group's members bring θ/η besides their gradient (η the largest base learning rate), so that a
+robust aggregator's radius means for the models what it means for the gradients (docs/algorithms.md §11).
 """
 
 from __future__ import annotations
@@ -59,6 +65,9 @@ class GlobalStep:
         self._sum: Optional[torch.Tensor] = None  # (numel,) Σ gradient × local steps, when more than one
         self._single: Optional[torch.Tensor] = None  # the one gradient of a single local step (no copy)
         self._landed_at: Optional[float] = None  # when the last round's outcome came back (monotonic)
+        self._model_scale = max(trainable.base_lrs)  # η: a mixing group averages θ/η
+        self.mixed = False  # the last round averaged models: the members' models differed
+        self._models_only = False
 
     @property
     def step(self) -> int:
@@ -106,19 +115,28 @@ class GlobalStep:
         """`round` then `finish`, for callers that never cancel halfway."""
         return await self.finish(await self.round())
 
-    async def round(self) -> Union[Averaged, Resync]:
+    async def round(self, *, models_only: bool = False) -> Union[Averaged, Resync]:
         """Average the accumulated gradient with a group (or learn that this peer is behind); may be
-        cancelled. Round failures raise (ROUND_FAILURES) and keep the gradient for another try."""
-        steps = self.samples // self.batch_size_per_step
-        vector = self._single if self._single is not None else self._sum / steps
+        cancelled. Round failures raise (ROUND_FAILURES) and keep the gradient for another try.
+        `models_only`: a zero gradient, and `finish` takes the group's model without a step."""
+        self._models_only = models_only
+        if models_only:
+            vector = torch.zeros(self.trainable.numel)
+        else:
+            steps = self.samples // self.batch_size_per_step
+            vector = self._single if self._single is not None else self._sum / steps
         follows = self._landed_at is not None and time.monotonic() - self._landed_at <= NEXT_FOLLOWS_S
         request = RoundRequest(
-            vector.to("cpu", torch.float32), self.weight, verification=Verification(recompute=self.recompute), next_follows=follows
-        )
+            vector.to("cpu", torch.float32), 1.0 if models_only else self.weight,
+            verification=Verification(recompute=self.recompute), next_follows=follows, model=self._scaled_model,
+        )  # fmt: skip
         try:
             return await self.engine.run_round(request)
         finally:
             self._landed_at = time.monotonic()
+
+    def _scaled_model(self) -> torch.Tensor:
+        return self.trainable.flat_params().div_(self._model_scale)
 
     @property
     def weight(self) -> float:
@@ -126,6 +144,13 @@ class GlobalStep:
         if self.target_batch_size is None:
             return 1.0
         return self.samples / (self.target_batch_size + self.batch_size_per_step)
+
+    def _apply(self, outcome: Averaged) -> None:
+        """A mixing group's model first, then the step on the group's gradient (none after a models-only round)."""
+        if outcome.model is not None:
+            self.trainable.load_flat_params(outcome.model * self._model_scale)
+        if not self._models_only:
+            self.trainable.apply(outcome.result.vector, self.engine.step)
 
     async def finish(self, outcome: Union[Averaged, Resync]) -> Union[Averaged, Resync, None]:
         """Averaged: applied with the optimizer and published. Resync: the swarm's state is loaded
@@ -142,8 +167,9 @@ class GlobalStep:
             logger.info(f"loaded state of step {snapshot.step} from {outcome.donor[-8:]}")
         else:
             # applying is never cancelled halfway: the model is either before or after this step
-            await asyncio.shield(self.in_thread(self.trainable.apply, outcome.result.vector, self.engine.step))
+            await asyncio.shield(self.in_thread(self._apply, outcome))
             await self.engine.completed(outcome, self.trainable.state_tensors)
+            self.mixed = outcome.model is not None
         self.reset()
         self.share = self.next_share()
         return outcome

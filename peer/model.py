@@ -25,6 +25,9 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
+SKETCH_SIZE, SKETCH_SEED, SKETCH_CHUNK = 1024, 0x5E7C, 1 << 20
+
+
 class Trainable:
     """Parameters and the optimizer that steps them, with the conversions the protocol needs (flat
     grads, named state). `module`, when given, adds its buffers (BatchNorm statistics) to the state."""
@@ -109,6 +112,20 @@ class Trainable:
             for key, value in self.optimizer.state[p].items():
                 if isinstance(value, torch.Tensor):
                     value.copy_(tensors[f"optim.{i}.{key}"])
+
+    def param_sketch(self) -> list[float]:
+        """A count sketch of the parameters (the same on every peer): linear, so the mean of peers'
+        sketches is the sketch of their mean, and their distances estimate the distances between the
+        parameters within a few percent. What `phalanx swarm` measures the peers' spread with."""
+        flat = self.flat_params()
+        out = torch.zeros(SKETCH_SIZE, dtype=torch.float64)
+        generator = torch.Generator().manual_seed(SKETCH_SEED)
+        for start in range(0, flat.numel(), SKETCH_CHUNK):
+            values = flat[start : start + SKETCH_CHUNK].double()
+            buckets = torch.randint(SKETCH_SIZE, (values.numel(),), generator=generator)
+            signs = torch.randint(2, (values.numel(),), generator=generator, dtype=torch.float64).mul_(2).sub_(1)
+            out.index_add_(0, buckets, values.mul_(signs))
+        return out.tolist()
 
     def param_hash(self) -> str:
         h = hashlib.sha256()

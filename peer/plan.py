@@ -15,10 +15,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-from phalanx.peer.modes import MODES
 from phalanx.errors import ConfigError
 from phalanx.peer.attacks import GradientAttack, parse_attack
 from phalanx.peer.config import PROTOCOL_VERSION, NetworkSettings, PeerConfig
+from phalanx.peer.modes import MODES
 from phalanx.peer.slowdown import Slowdown, parse_slowdown
 from phalanx.protocol.btard.behavior import Behavior
 from phalanx.protocol.config import RoundConfig
@@ -161,7 +161,7 @@ class PeerPlan:
 PARSED = frozenset(
     {
         "sync_policy", "slowdown", "attack", "admission", "certificate", "aggregator", "aggregator_params", "tau",
-        "compression", "min_group_size", "target_group_size", "matchmaking_timeout_s", "async_window_s",
+        "compression", "min_group_size", "target_group_size", "group_size", "matchmaking_timeout_s", "async_window_s",
         "allreduce_timeout_s", "part_idle_timeout_s", "verify", "validators", "phase_timeout_s",
     }
 )  # fmt: skip

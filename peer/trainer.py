@@ -52,6 +52,11 @@ LOG_EVERY = 50  # steps between progress lines in the log
 DHT_DEATH_GRACE_S = 2.0  # a signal to the process group stops the DHT too: let ours arrive first
 
 
+# --group-size: after a first stop signal, how long the last step and the end rounds (SyncMode.converge) may
+# take before the optimizer is interrupted (`phalanx swarm` waits 30 s for its trainers to stop)
+AGREE_GRACE_S = 15.0
+
+
 @dataclass
 class Report:
     peer_id: str = ""
@@ -68,6 +73,7 @@ class Report:
     banned: list[str] = field(default_factory=list)  # peers this one saw banned
     attack: Optional[str] = None
     peak_rss_bytes: int = 0  # this process's peak resident memory (not its DHT process or p2pd)
+    param_sketch: list[float] = field(default_factory=list)  # --group-size: Trainable.param_sketch, for the spread
 
 
 def run_trainer(plan: PeerPlan) -> Report:
@@ -96,6 +102,11 @@ class Trainer:
         # the health server's; the optimizer updates it per round, the evaluations here
         self.health = PeerMetrics(role="trainer", metric=self.task.metric.key)
         self.stopping = threading.Event()
+        self._interrupted = False  # the optimizer was interrupted: no round runs any more
+        self._agreed = 0  # rounds that averaged the models alone at the end (not training steps)
+        # --group-size: the peers' models differ until the last rounds (SyncMode.converge), which a first stop
+        # signal still runs
+        self._grouped = plan.round.matchmaking.group_size is not None
         self.opt: Optional[Optimizer] = None
         self._last_event = 0.0
         self._evaluated_at: Optional[int] = None  # the global step of the last evaluation
@@ -148,6 +159,10 @@ class Trainer:
                 opt.mode.flush()  # the last boundary waits for its round, so the peer stops on θ of it
                 if self._eval_due or self._evaluated_at != opt.global_step:
                     self._evaluate(opt)
+            if self._grouped and not self._interrupted:
+                self._agreed = opt.mode.converge()
+                if self._agreed:
+                    self._evaluate(opt)  # the model every peer now holds
         except Interrupted:
             return
 
@@ -235,9 +250,25 @@ class Trainer:
             signal.signal(sig, signal.SIG_DFL)
             os.kill(os.getpid(), sig)  # its DHT process and p2pd follow their parent
             return
+        if self._grouped and not self.stopping.is_set():
+            # the swarm is stopping together (a target reached): its last rounds bring it onto one model, if
+            # they come within AGREE_GRACE_S (a swarm that cannot form them is not waited for)
+            logger.info(
+                f"{sig.name}: stopping after this step and the rounds that end on one model, at most "
+                f"{AGREE_GRACE_S:g} s (again: now)"
+            )
+            self.stopping.set()
+            timer = threading.Timer(AGREE_GRACE_S, self._interrupt)
+            timer.daemon = True
+            timer.start()
+            return
         if not self.stopping.is_set():
             logger.info(f"{sig.name}: stopping after this step")
         self.stopping.set()
+        self._interrupt()
+
+    def _interrupt(self) -> None:
+        self._interrupted = True
         self.opt.interrupt()
 
     def _done(self, position: int) -> bool:
@@ -266,9 +297,11 @@ class Trainer:
         try:
             report, node = self.report, opt.node
             report.peer_id = node.peer_id
-            report.step = opt.position
+            report.step = opt.position - self._agreed
             report.wall_s = time.monotonic() - started
             report.param_hash = self.model.param_hash()
+            if self.plan.round.matchmaking.group_size is not None:
+                report.param_sketch = self.model.param_sketch()
             snapshot = node.snapshot()
             report.rounds, report.banned = snapshot.rounds, list(snapshot.banned)
             report.bytes_sent, report.bytes_received = snapshot.bytes_sent, snapshot.bytes_received

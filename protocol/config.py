@@ -71,6 +71,10 @@ class MatchmakingConfig:
     window_s: Optional[float] = None
     """Asynchronous modes: close a group this long after its first join, with whoever joined (sooner
     once every expected peer joined)."""
+    group_size: Optional[int] = None
+    """Lockstep modes: most members per group. More joiners in step are split into random groups of at
+    most this many, which average their models as well as their gradients (mixing rounds,
+    docs/algorithms.md §11); None: one group of everyone in step."""
 
     def __post_init__(self) -> None:
         if self.window_s is not None and self.window_s <= 0:
@@ -81,6 +85,8 @@ class MatchmakingConfig:
             raise ValueError(
                 f"target_group_size ({self.target_group_size}) must be ≥ 2 and ≥ min_group_size ({self.min_group_size})"
             )
+        if self.group_size is not None and (self.group_size < 2 or not self.lockstep):
+            raise ValueError(f"group_size ({self.group_size}) must be ≥ 2, in lockstep modes only")
         if self.matchmaking_timeout_s <= 0 or self.join_timeout_s <= self.matchmaking_timeout_s:
             raise ValueError("need 0 < matchmaking_timeout_s < join_timeout_s")
 

@@ -31,7 +31,7 @@ from phalanx.protocol.codec import encode
 from phalanx.protocol.config import Codec, RoundConfig
 from phalanx.protocol.exchange import ExchangeService
 from phalanx.protocol.link_quality import LinkQuality
-from phalanx.protocol.matchmaking import GroupSpec, JoinReply, Matchmaker
+from phalanx.protocol.matchmaking import MIXING_LAG, GroupSpec, JoinReply, Matchmaker
 from phalanx.protocol.membership import Membership
 from phalanx.protocol.quarantine import Quarantine
 from phalanx.protocol.round_counts import RoundCounts
@@ -76,6 +76,9 @@ class Averaged:
     group: GroupSpec
     result: AllReduceResult
     verdict: Optional[Verdict] = None  # verified rounds: who was banned, which parts were thrown away
+    # mixing rounds: the group's mean model (numel,), scaled as the request's; where a part of it did not come
+    # back, this peer's own model (a zero there would wipe those parameters)
+    model: Optional[torch.Tensor] = None
 
 
 @dataclass(frozen=True)
@@ -119,6 +122,9 @@ class RoundRequest:
     # the caller asks for the next round as soon as this one lands (sync): join it while this one runs, so
     # the next group is formed by then (see RoundEngine._join_next)
     next_follows: bool = False
+    # this member's model (numel,), which a mixing group (MatchmakingConfig.group_size) averages besides the
+    # vector: asked for only when the group mixes
+    model: Optional[Callable[[], torch.Tensor]] = None
 
 
 @dataclass(frozen=True)
@@ -149,6 +155,17 @@ class EngineStats:
 
     def counts(self) -> RoundCounts:
         return RoundCounts(self.rounds_ok, self.rounds_partial, self.rounds_failed, self.resyncs)
+
+
+def _mixed(spec: RoundSpec, result: AllReduceResult, verdict: Optional[Verdict], group: GroupSpec, own: torch.Tensor) -> Averaged:
+    """A mixing round's outcome: the vector's aggregate, and the model's with this peer's own where a part is missing."""
+    numel = own.numel()
+    model = result.vector[numel:]
+    for part in result.missing_parts:
+        start, end = spec.bounds[part]
+        start, end = max(start, numel) - numel, max(end, numel) - numel
+        model[start:end] = own[start:end]
+    return Averaged(group, dataclasses.replace(result, vector=result.vector[:numel]), verdict, model)
 
 
 class RoundEngine:
@@ -200,6 +217,7 @@ class RoundEngine:
             self.exchange = ExchangeService(transport, wait_for_round_s=config.verify.phase_timeout_s)
             self.btard = BtardService(transport, self.exchange, identity)
         self._output: Optional[torch.Tensor] = None  # reused by every round: see run_round
+        self._numel = 0  # of the last round's vector (its model part aside)
         self._used_rounds: dict[bytes, None] = {}  # verified round ids this peer took part in (oldest first)
         # the memory of used round ids dies with the process: groups stamped before it started are refused, so
         # a peer restarted under the same identity cannot be replayed a group it signed for in its last life
@@ -269,9 +287,9 @@ class RoundEngine:
             self.state.abandon(reply.group.round_id)
             return
         logger.info("leaving: taking part in the round joined early, contributing nothing")
-        zeros = torch.zeros(self._output.numel())
+        zeros = torch.zeros(self._numel)
         if self.btard is None:
-            request = RoundRequest(zeros, weight=0.0)
+            request = RoundRequest(zeros, weight=0.0, model=lambda: zeros)
         else:
             request = RoundRequest(zeros, verification=Verification(sit_out=True))
         try:
@@ -299,7 +317,7 @@ class RoundEngine:
         self.state.joined(group.round_id)
         self._groups += 1
         if request.next_follows:
-            self._join_next(group, self.version, self.step)
+            self._join_next(group, self.version, group.step if group.mixing else self.step)
         with self.transport.round_with(group.members):
             try:
                 return await self._run_group(group, started, request)
@@ -339,7 +357,12 @@ class RoundEngine:
             return None
         if reply.kind != "group":
             return None
-        if (reply.group.version, reply.group.step) != (self.version, self.step):
+        # (a mixing group's members hold versions of their own, and may be a few steps behind its step)
+        if reply.group.mixing:
+            wrong = not 0 <= reply.group.step - self.step <= MIXING_LAG
+        else:
+            wrong = (reply.group.version, reply.group.step) != (self.version, self.step)
+        if wrong:
             await self._drop(early)
             return None
         # only what we learned after joining: a peer we suspected before, which the leader put in the group
@@ -370,6 +393,15 @@ class RoundEngine:
         vector, weight = request.vector, request.weight
         if request.prepare is not None:
             vector, weight = await request.prepare(group)
+        self._numel = vector.numel()
+        own_model = None
+        if group.mixing:  # the vector, then the model: one all-reduce of both
+            if request.model is None:
+                raise ValueError("a mixing round averages models too: the request needs its model")
+            own_model = request.model().detach().to("cpu", torch.float32).reshape(-1)
+            if own_model.numel() != vector.numel():
+                raise ValueError(f"model of {own_model.numel()} values beside a vector of {vector.numel()}")
+            vector = torch.cat([vector.detach().to("cpu", torch.float32).reshape(-1), own_model])
         spec = RoundSpec(
             round_id=group.round_id,
             members=tuple(group.members),
@@ -408,7 +440,9 @@ class RoundEngine:
         self.link.note_round(group.members, result.slow_senders)
         self.stats.last_group_size = len(group.members)
         self.stats.last_round_s = time.monotonic() - started
-        return Averaged(group, result, verdict)
+        if own_model is None:
+            return Averaged(group, result, verdict)
+        return _mixed(spec, result, verdict, group, own_model)
 
     async def _verified_round(self, group: GroupSpec, spec: RoundSpec, vector: torch.Tensor, verification: Verification):
         """Phases 2–6 with BTARD: commit, data with signed statements, verify, judge, ban."""
@@ -509,7 +543,7 @@ class RoundEngine:
         contributors = len(averaged.group.members) - len(averaged.result.dropped_senders)
         self.set_state(
             next_version(self.version, averaged.group.round_id, averaged.result.missing_parts),
-            self.step + 1,
+            averaged.group.step + 1,  # (a member of a mixing group a few steps behind takes the group's step)
             together=contributors > 1,
         )
         self.membership.state = "online"

@@ -32,6 +32,7 @@ from pydantic import Field, model_validator
 
 from phalanx.errors import PeerProtocolError, RoundTimeoutError
 from phalanx.protocol.config import MatchmakingConfig
+from phalanx.protocol.groups import draw_groups
 from phalanx.protocol.link_quality import SLOW_FOR_S, LinkQuality
 from phalanx.protocol.membership import Membership
 from phalanx.protocol.quarantine import Quarantine
@@ -64,6 +65,9 @@ RECHECK_LEADER_S = 1.0  # a joiner probes the leader it suspects at most this of
 # does not count towards K for SLOW_WAIT_S, and is left out when K others are in sync
 SLOW_WAIT_S = 1.0
 MAX_OVERHEAD_MS = 3_600_000
+# groups of bounded size: a joiner this many steps behind the leading one is a member (its model is mixed in, and
+# it takes the group's step) rather than told to download a donor's state
+MIXING_LAG = 4
 ANSWERED_KEEP_S = 60.0  # how long a leader answers a repeated join with the group it placed the join in
 
 
@@ -107,6 +111,9 @@ class GroupSpec(WireModel):
     # unverified rounds: only the first `reducers` members reduce a part; the rest are peers nobody can dial,
     # which send their parts and take the aggregates back over connections they open (0: every member)
     reducers: Annotated[int, Field(ge=0)] = 0
+    # a mixing round (MatchmakingConfig.group_size): its members hold different models, and each brings its
+    # model besides its gradient, so that the group ends on one model (docs/algorithms.md §11)
+    mixing: bool = False
 
     @model_validator(mode="after")
     def _reducers_are_members(self) -> GroupSpec:
@@ -537,11 +544,29 @@ class Matchmaker:
         return sum(e.request.step == step and p not in skip for p, e in pending.items())
 
     def _in_sync(self, pending: dict[str, _Pending]) -> list[str]:
-        """The joiners that contribute to the next group; in lockstep modes those holding the leading state."""
+        """The joiners that contribute to the next group; in lockstep modes those holding the leading state
+        (with groups of bounded size, those at its step or up to MIXING_LAG behind: mixing rounds average
+        different models anyway, and a download would cost more than a model a few steps old)."""
         if not self.config.lockstep:
             return sorted(pending)  # asynchronous modes: every version is welcome
         leading = self._leading_state(pending)
+        if self.config.group_size is not None:
+            return sorted(p for p, entry in pending.items() if 0 <= leading[0] - entry.request.step <= MIXING_LAG)
         return sorted(p for p, entry in pending.items() if (entry.request.step, entry.request.version) == leading)
+
+    def _split(self, in_sync: list[str], size: Optional[int]) -> tuple[list[list[str]], list[str]]:
+        """(groups, leftover): lockstep groups of bounded size are ⌈n/G⌉ random groups whose sizes differ
+        by one at most; otherwise the first `size` drawn form a group and the rest wait for the next one."""
+        self._rng.shuffle(in_sync)
+        if self.config.lockstep and self.config.group_size is not None:
+            draw = draw_groups(len(in_sync), self.config.group_size, self._rng.getrandbits(32), 0)
+            return [[in_sync[i] for i in group] for group in draw], []
+        size = size or len(in_sync)  # K (or the target size): the first K form a group, the rest wait
+        chunks = [in_sync[i : i + size] for i in range(0, len(in_sync), size)]
+        leftover: list[str] = []
+        if len(chunks) > 1 and len(chunks[-1]) < max(self.config.min_group_size, size if not self.config.lockstep else 0):
+            leftover = chunks.pop()  # groups keep their size; the rest wait for the next ones
+        return chunks, leftover
 
     def _announce_groups(self, pending: dict[str, _Pending], k: int, size: Optional[int] = None) -> list[str]:
         """Answer every joiner that fits a group; returns the ones left over (fewer than a group)."""
@@ -554,12 +579,11 @@ class Matchmaker:
                     break
                 in_sync.remove(peer)
         behind = sorted(peer for peer in pending if peer not in set(in_sync))
-        self._rng.shuffle(in_sync)
-        size = size or len(in_sync)  # K (or the target size): the first K form a group, the rest wait
-        chunks = [in_sync[i : i + size] for i in range(0, len(in_sync), size)]
-        leftover: list[str] = []
-        if len(chunks) > 1 and len(chunks[-1]) < max(self.config.min_group_size, size if not self.config.lockstep else 0):
-            leftover = chunks.pop()  # groups keep their size; the rest wait for the next ones
+        # members hold different models when the swarm is split this round or was split before
+        mixing = self.config.group_size is not None and (
+            len(in_sync) > self.config.group_size or len({pending[p].request.version for p in in_sync}) > 1
+        )
+        chunks, leftover = self._split(in_sync, size)
         # donors: members the swarm does not find slow where there are any (a state from a lossy peer comes late),
         # and that the recipient can dial
         slow = self.membership.slow_flagged()
@@ -584,6 +608,7 @@ class Matchmaker:
                 versions=[pending[m].request.step for m in members],
                 k=k,
                 reducers=reducers if reducers < len(members) else 0,
+                mixing=mixing,
             )
             if k:
                 logger.info(f"group of {len(members)} formed (sync policy {self.sync_policy.spec}: K={k})")

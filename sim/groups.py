@@ -18,53 +18,19 @@ the honest peers' models; the spread is how far the farthest honest peer is from
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import Tensor
 
 from phalanx.aggregation.attacks import make_attack
 from phalanx.aggregation.registry import BoundAggregator
+from phalanx.protocol.groups import draw_groups
 from phalanx.sim.byzantine import Adversary
 from phalanx.sim.config import Budget
 from phalanx.sim.gradients import GradientOracle
 from phalanx.sim.record import Progress, Recorder
 from phalanx.sim.rules import finite
 
-_GROUPS_STREAM = 0x6A0F
 _CAPTURE = make_attack("sign_flip", scale=-1000.0)
-
-
-def draw_groups(n: int, size: int, seed: int, round_: int) -> list[list[int]]:
-    """Round ``round_``'s partition of peers 0..n−1: ⌈n/size⌉ groups whose sizes differ by at most one."""
-    count = math.ceil(n / size)
-    generator = torch.Generator().manual_seed((seed * 1_000_003 + round_) * 31 + _GROUPS_STREAM)
-    order = torch.randperm(n, generator=generator).tolist()
-    return [sorted(order[k::count]) for k in range(count)]
-
-
-def contraction(n: int, size: int) -> float:
-    """E[Σ‖θ_i − θ̄‖²] after a round of plain averaging in random groups of ``size``, over the same before.
-
-    A random subset of G of N points has E‖mean − θ̄‖² = σ²·(N − G)/(G·(N − 1)), σ² the mean
-    square distance to θ̄; every member takes its group's mean (docs/algorithms.md §14).
-    """
-    if size >= n:
-        return 0.0
-    return (n - size) / (size * (n - 1))
-
-
-def capture_probability(n: int, b: int, size: int) -> float:
-    """P(a group of ``size`` drawn from n peers, b of them Byzantine, has a Byzantine majority): hypergeometric."""
-    size = min(size, n)
-    hits = range(size // 2 + 1, min(b, size) + 1)
-    return sum(math.comb(b, k) * math.comb(n - b, size - k) for k in hits) / math.comb(n, size)
-
-
-def expected_captures(n: int, b: int, size: int, rounds: int) -> float:
-    """Expected groups with a Byzantine majority over ``rounds`` rounds (each group is a uniform random subset)."""
-    sizes = [len(g) for g in draw_groups(n, size, 0, 0)]
-    return rounds * sum(capture_probability(n, b, s) for s in sizes)
 
 
 def spread(models: Tensor) -> float:

@@ -13,9 +13,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from phalanx.protocol.groups import capture_probability, expected_captures
 from phalanx.sim.byzantine import DEFAULT_LAG
 from phalanx.sim.clock import VolunteerParams
-from phalanx.sim.groups import capture_probability, expected_captures
 from phalanx.sim.methods import METHODS, default_k
 from phalanx.sim.presets import (
     BYZANTINE_ATTACKS,

@@ -1,5 +1,5 @@
 """Imports point one way: cli → tools → peer → protocol → (aggregation, security); the simulator and the
-tasks sit beside the peer (sim → tasks, aggregation, the sync-policy schedules) and never import it.
+tasks sit beside the peer (sim → tasks, aggregation, the sync-policy schedules, the group draw) and never import it.
 The tools (launcher, doctor, health client, monitor, bench) run beside peers: nothing but the CLI imports
 them, and nothing at all imports the CLI. aggregation imports only torch, numpy, the standard library and
 the exception tree at the root (`phalanx.errors`), which imports nothing of the project. No module
@@ -83,12 +83,12 @@ def test_the_errors_import_nothing_of_the_project():
     assert not {n for n in _imports(ROOT_MODULES / "errors.py") if n.startswith("phalanx")}
 
 
-def test_the_simulator_takes_only_the_sync_policy_schedules_from_the_protocol():
+def test_the_simulator_takes_only_the_sync_policy_schedules_and_the_group_draw_from_the_protocol():
     offenders = {}
     for path in (ROOT / "sim").rglob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("phalanx.protocol"):
-                if node.module != "phalanx.protocol.sync_policy":
+                if node.module not in ("phalanx.protocol.sync_policy", "phalanx.protocol.groups"):
                     offenders.setdefault(str(path.relative_to(ROOT)), []).append(node.module)
     assert not offenders, f"sim/ runs no round: {offenders}"
 

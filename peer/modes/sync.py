@@ -1,6 +1,8 @@
 """sync: every local step adds its gradient to a sum; once this peer's share of the target batch is in,
 the step waits for a round that averages it with the swarm's and steps on the result
-(peer/global_step.py). Verified, validators recompute a member's gradient from its public batch."""
+(peer/global_step.py). Verified, validators recompute a member's gradient from its public batch. With
+--group-size, a swarm larger than G splits into random groups that average their models too, and
+`converge()` ends the run on one model."""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ import torch
 from phalanx.peer.global_step import GlobalStep
 from phalanx.peer.modes.base import LockstepMode, ModeStatistics, Swarm, call_closure, model_index
 from phalanx.protocol.engine import ROUND_FAILURES, Averaged, Resync
+from phalanx.protocol.groups import rounds_to_agree
 
 logger = logging.getLogger(__name__)
 
@@ -58,17 +61,39 @@ class SyncMode(LockstepMode):
     async def load_state(self, state: dict[str, Any], step: int) -> None:
         self.announce(step)
 
-    async def _round(self) -> Union[Averaged, Resync]:
-        """The round of this global step, retried (backing off) until one completes."""
+    def converge(self) -> int:
+        """End a run whose swarm was split into groups (--group-size): rounds that average the models alone
+        (no gradient, no step), enough to shrink the peers' spread a millionfold in mean square
+        (docs/algorithms.md §11). Every peer calls it after the same step; returns the rounds run (0: the
+        swarm fits one group and its last round did not mix: its members hold one model already)."""
+        size, peers = self.swarm.plan.round.matchmaking.group_size, len(self.swarm.node.membership.peers())
+        if size is None or not (self.steps.mixed or peers > size):
+            return 0
+        rounds = rounds_to_agree(max(peers, 1), size)
+        for done in range(rounds):
+            try:  # one try each: after a stop, the peers that are gone do not come back
+                outcome = self.swarm.call(self._round(models_only=True, retry=False))
+            except ROUND_FAILURES as e:
+                logger.warning(f"the rounds that bring the swarm onto one model stopped after {done}: {e}")
+                return done
+            self.swarm.landed(outcome, 0, self.position)
+        logger.info(f"averaged the models alone for {rounds} round(s): the swarm ends on one model")
+        return rounds
+
+    async def _round(self, *, models_only: bool = False, retry: bool = True) -> Union[Averaged, Resync]:
+        """The round of this global step, retried (backing off) until one completes (without `retry`, a
+        failure raises)."""
         swarm, failures = self.swarm, 0
         while True:
             swarm.check_node()
             try:
-                outcome = await swarm.unless_interrupted(self.steps.round())
+                outcome = await swarm.unless_interrupted(self.steps.round(models_only=models_only))
                 outcome = await asyncio.shield(self.steps.finish(outcome))  # never cancelled halfway
             except ROUND_FAILURES as e:
                 failures += 1
                 swarm.round_failed()
+                if not retry:
+                    raise
                 logger.warning(f"round at global step {self.position} failed: {e}; retrying")
                 await swarm.unless_interrupted(asyncio.sleep(min(5.0, 0.1 * 2 ** min(failures, 6))))
                 continue

@@ -124,6 +124,7 @@ HASHED = {
     "compression": ({}, {"compression": "fp16"}),
     "min_group_size": ({}, {"min_group_size": 2}),
     "target_group_size": ({}, {"target_group_size": 4}),
+    "group_size": ({}, {"group_size": 4}),
     "matchmaking_timeout_s": ({}, {"matchmaking_timeout_s": 7.0}),
     "allreduce_timeout_s": ({}, {"allreduce_timeout_s": 40.0}),
     "part_idle_timeout_s": ({}, {"part_idle_timeout_s": 9.0}),  # when reducers drop a sender whose bytes stopped

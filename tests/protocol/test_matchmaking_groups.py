@@ -9,7 +9,7 @@ from hivemind.utils import get_dht_time
 from phalanx.protocol import matchmaking
 from phalanx.protocol.config import MatchmakingConfig
 from phalanx.protocol.link_quality import LinkQuality
-from phalanx.protocol.matchmaking import SLOW_WAIT_S, JoinRequest, Matchmaker, _Pending
+from phalanx.protocol.matchmaking import MIXING_LAG, SLOW_WAIT_S, JoinRequest, Matchmaker, _Pending
 from phalanx.protocol.membership import Membership, PeerRecord
 from phalanx.protocol.sync_policy import parse_sync_policy
 
@@ -24,11 +24,13 @@ class _Transport:
         pass
 
 
-def _matchmaker(peers: list[str], policy: str, *, lockstep: bool = True) -> Matchmaker:
+def _matchmaker(peers: list[str], policy: str, *, lockstep: bool = True, group_size=None) -> Matchmaker:
     membership = Membership(None, "k.peers", PEERS[0])
     far = get_dht_time() + 3600
     membership._view = {p: (PeerRecord(state="online", step=0), far) for p in peers}
-    config = MatchmakingConfig(matchmaking_timeout_s=3600.0, join_timeout_s=7200.0, lockstep=lockstep, min_group_size=2)
+    config = MatchmakingConfig(
+        matchmaking_timeout_s=3600.0, join_timeout_s=7200.0, lockstep=lockstep, min_group_size=2, group_size=group_size
+    )
     membership.link = LinkQuality(PEERS[0], membership.announce_soon, membership.peers)  # as the engine wires it
     return Matchmaker(_Transport(), membership, config, RUN, membership.link, sync_policy=parse_sync_policy(policy))
 
@@ -105,6 +107,54 @@ def test_joiners_past_k_share_one_lockstep_group(lockstep, sizes):
         await matchmaker._form_group()
         groups = {tuple(f.result().group.members) for f in futures.values() if f.done()}
         assert sorted(len(g) for g in groups) == sizes
+        await matchmaker.aclose()
+
+    asyncio.run(main())
+
+
+async def _form(matchmaker: Matchmaker, joins: dict[str, tuple[int, bytes]]) -> dict:
+    """Every join in before the former looks; the replies by joiner."""
+    loop = asyncio.get_running_loop()
+    futures = {}
+    for peer, (step, version) in joins.items():
+        futures[peer] = loop.create_future()
+        matchmaker._pending[peer] = _Pending(JoinRequest(run=RUN, version=version, step=step), futures[peer])
+    await matchmaker._form_group()
+    return {p: f.result() for p, f in futures.items() if f.done()}
+
+
+def test_groups_of_bounded_size_split_everyone_in_step_at_random_and_mix():
+    """Groups of at most 2: the four joiners at the leading step or a few behind form two groups, drawn
+    anew each round; members of another version are in (their models are averaged), and so is one a
+    step behind (it takes the group's step). One further behind than MIXING_LAG resyncs from a member."""
+
+    async def main():
+        matchmaker = _matchmaker(PEERS, "full", group_size=2)
+        draws = set()
+        for _ in range(6):
+            joins = {p: (7, bytes([i % 2]) * 32) for i, p in enumerate(PEERS[:3])}
+            joins |= {PEERS[3]: (6, b"l" * 32), PEERS[4]: (6 - MIXING_LAG, b"b" * 32)}
+            replies = await _form(matchmaker, joins)
+            groups = {tuple(r.group.members) for r in replies.values() if r.kind == "group"}
+            assert sorted(len(g) for g in groups) == [2, 2]
+            assert sorted(p for g in groups for p in g) == sorted(PEERS[:4])
+            assert all(r.group.mixing for r in replies.values())
+            behind = replies[PEERS[4]]
+            assert behind.kind == "resync" and behind.donor in PEERS[:4] and behind.group.step == 7
+            draws.add(frozenset(frozenset(g) for g in groups))
+        assert len(draws) > 1  # (six draws of 3 possible pairings alike: 1 in 243)
+        await matchmaker.aclose()
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("versions, mixing", [(1, False), (2, True)])
+def test_a_swarm_within_the_group_size_forms_one_group_that_mixes_only_when_its_models_differ(versions, mixing):
+    async def main():
+        matchmaker = _matchmaker(PEERS, "full", group_size=8)
+        replies = await _form(matchmaker, {p: (3, bytes([i % versions]) * 32) for i, p in enumerate(PEERS)})
+        assert {tuple(sorted(r.group.members)) for r in replies.values()} == {tuple(sorted(PEERS))}
+        assert {r.group.mixing for r in replies.values()} == {mixing}
         await matchmaker.aclose()
 
     asyncio.run(main())

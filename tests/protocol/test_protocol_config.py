@@ -15,6 +15,7 @@ CHANGES = {
     "matchmaking.join_timeout_s": 90.0,
     "matchmaking.lockstep": False,
     "matchmaking.window_s": 0.5,
+    "matchmaking.group_size": 4,
     "aggregator": "median",
     "aggregator_params": (("tau", 2.0),),
     "compression": Codec.FP16,

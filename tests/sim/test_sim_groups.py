@@ -1,4 +1,4 @@
-"""Grouped rounds (sim/groups.py): the partition, the contraction law, the capture law, and G = N as SSGD."""
+"""Grouped rounds (protocol/groups.py, sim/groups.py): the partition, the contraction law, the capture law, and G = N as SSGD."""
 
 from __future__ import annotations
 
@@ -7,8 +7,9 @@ import math
 import pytest
 import torch
 
+from phalanx.protocol.groups import capture_probability, contraction, draw_groups, expected_captures
 from phalanx.sim.config import Budget, ByzantineConfig, SimConfig
-from phalanx.sim.groups import capture_probability, contraction, draw_groups, expected_captures, spread
+from phalanx.sim.groups import spread
 from phalanx.sim.runner import run_sim
 
 

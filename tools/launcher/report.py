@@ -3,6 +3,7 @@ report and the last error line of its log), how start-up went, and the final tab
 
 from __future__ import annotations
 
+import math
 import re
 import signal
 from pathlib import Path
@@ -98,6 +99,32 @@ def startup_line(result: SwarmResult) -> str:
     return f"time to first step {marks['first step']:.1f} s ({stages})"
 
 
+def spread_line(result: SwarmResult) -> Optional[str]:
+    """How far the farthest trainer's parameters are from the trainers' mean (relative), from the count
+    sketches their final reports carry (--group-size); None without two of them."""
+    sketches = [(v.name, (v.report or {}).get("param_sketch")) for v in result.peers]
+    sketches = [(name, s) for name, s in sketches if s]
+    if len(sketches) < 2:
+        return None
+    mean = [math.fsum(column) / len(sketches) for column in zip(*(s for _, s in sketches), strict=True)]
+    scale = math.hypot(*mean) or math.inf
+    distances = [math.dist(s, mean) / scale for _, s in sketches]
+    worst = max(range(len(sketches)), key=distances.__getitem__)
+    return (
+        f"parameters: every trainer within {distances[worst]:.1e} of the trainers' mean (relative; farthest "
+        f"{sketches[worst][0]}, estimated from sketches of {len(mean)} numbers)"
+    )
+
+
+def memory_line(result: SwarmResult) -> Optional[str]:
+    """Peak resident memory per trainer process (its DHT process and p2pd aside)."""
+    peaks = sorted((v.report or {}).get("peak_rss_bytes", 0) for v in result.peers if v.report)
+    peaks = [p for p in peaks if p]
+    if not peaks:
+        return None
+    return f"peak memory per trainer: median {peaks[len(peaks) // 2] / 2**20:.0f} MiB, max {peaks[-1] / 2**20:.0f} MiB (its DHT process and p2pd aside)"
+
+
 def print_report(result: SwarmResult, console: Console) -> None:
     """The final table (each trainer's last value of the task's metric) and the run's summary lines."""
     metric, target = result.metric, result.target
@@ -133,6 +160,9 @@ def print_report(result: SwarmResult, console: Console) -> None:
         kinds = ", ".join(sorted({v.attack for v in byzantine}))
         console.print(f"banned: how many peers each one saw banned, and how many of those are the {len(byzantine)} attackers ({kinds})")
     console.print(startup_line(result), soft_wrap=True)
+    for line in (spread_line(result), memory_line(result)):
+        if line is not None:
+            console.print(line, soft_wrap=True)
     line = f"wall time {result.wall_s:.1f} s, best {metric.text(result.best)}"
     if target is not None:
         if result.reached_target:
