@@ -300,7 +300,7 @@ class Trainer:
             report.step = opt.position - self._agreed
             report.wall_s = time.monotonic() - started
             report.param_hash = self.model.param_hash()
-            if self.plan.round.matchmaking.group_size is not None:
+            if self._grouped:
                 report.param_sketch = self.model.param_sketch()
             snapshot = node.snapshot()
             report.rounds, report.banned = snapshot.rounds, list(snapshot.banned)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import re
 import signal
+import statistics
 from pathlib import Path
 from typing import Optional
 
@@ -118,11 +119,13 @@ def spread_line(result: SwarmResult) -> Optional[str]:
 
 def memory_line(result: SwarmResult) -> Optional[str]:
     """Peak resident memory per trainer process (its DHT process and p2pd aside)."""
-    peaks = sorted((v.report or {}).get("peak_rss_bytes", 0) for v in result.peers if v.report)
-    peaks = [p for p in peaks if p]
+    peaks = [p for v in result.peers if (p := (v.report or {}).get("peak_rss_bytes"))]
     if not peaks:
         return None
-    return f"peak memory per trainer: median {peaks[len(peaks) // 2] / 2**20:.0f} MiB, max {peaks[-1] / 2**20:.0f} MiB (its DHT process and p2pd aside)"
+    return (
+        f"peak memory per trainer: median {statistics.median(peaks) / 2**20:.0f} MiB, max {max(peaks) / 2**20:.0f} MiB "
+        "(its DHT process and p2pd aside)"
+    )
 
 
 def print_report(result: SwarmResult, console: Console) -> None:
